@@ -1,0 +1,306 @@
+"""Specs + a byte budget -> a KV cache config: groups, large pages, capacity figures.
+
+One group per distinct spec (all layers of one kind together, whatever their number). A group's
+block holds its layers' pages back to back, so one block is one contiguous byte range:
+
+    arena = [large page 0 (null blocks) | large page 1 | large page 2 | ...]
+    a large page of the full group    = [blk | blk | blk | blk | blk ]   (5 blocks of 10 layers)
+    a large page of the sliding group = [ blk  |  blk  |  blk  | pad ]   (52-layer blocks)
+
+Groups with different block bytes share the arena through large pages: each large page is a
+common multiple of the groups' block bytes (or, where the exact LCM would be too coarse, a
+multiple of the largest block with a little padding for the others) and holds one group's
+blocks at a time. Memory moves between groups a large page at a time, so no layer is padded
+and no block size is inflated.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from hybridkv.kv.spec import (
+    ChunkedLocalAttentionSpec,
+    EncoderOnlySpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    cdiv,
+    merge_specs,
+)
+
+# A large page may be at most 1/MIN_LARGE_PAGES of the budget (unless one block is bigger):
+# coarser pages would make memory move between groups in steps that are too large.
+MIN_LARGE_PAGES = 256
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers sharing one block table. Block-major, cross-layer layout: block `b` of this group
+    is `[layer 0 page | layer 1 page | ...]`, at arena offset `page(b) * large_page_bytes +
+    slot(b) * block_bytes`."""
+
+    group_id: int
+    spec: KVCacheSpec
+    layer_names: tuple[str, ...]
+    layer_page_bytes: tuple[int, ...]
+    blocks_per_large_page: int
+    # Layers that compute no KV and read this group's caches (KV sharing).
+    shared_layer_names: tuple[str, ...] = ()
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(self.layer_page_bytes)
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    def padding_bytes_per_large_page(self, large_page_bytes: int) -> int:
+        return large_page_bytes - self.blocks_per_large_page * self.block_bytes
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """The planner's output that the block pool and the model runner consume."""
+
+    groups: tuple[KVCacheGroup, ...]
+    large_page_bytes: int
+    num_large_pages: int  # including large page 0, reserved for the null blocks
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.large_page_bytes * self.num_large_pages
+
+    @property
+    def hash_block_size(self) -> int:
+        """Token granularity of block hashes: every group's block size is a multiple of it."""
+        return math.gcd(*(g.block_size for g in self.groups))
+
+    @property
+    def hit_alignment(self) -> int:
+        """A prefix hit must end on a block boundary of every group."""
+        return math.lcm(*(g.block_size for g in self.groups))
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    config: KVCacheConfig
+    memory_bytes: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    hybrid: bool
+    padding_bytes: int
+    max_concurrency: float
+    capacity_tokens: int
+    ideal_bytes_per_token: float
+    ideal_fraction: float
+    warnings: tuple[str, ...] = field(default=())
+
+    def summary(self) -> dict[str, object]:
+        """The machine-readable figures (`hybridkv plan --json`)."""
+        cfg = self.config
+        return {
+            "hybrid": self.hybrid,
+            "memory_bytes": self.memory_bytes,
+            "max_model_len": self.max_model_len,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "block_size": cfg.hit_alignment,
+            "arena_bytes": cfg.arena_bytes,
+            "large_page_bytes": cfg.large_page_bytes,
+            "num_large_pages": cfg.num_large_pages,
+            "padding_bytes": self.padding_bytes,
+            "capacity_tokens": self.capacity_tokens,
+            "ideal_bytes_per_token": self.ideal_bytes_per_token,
+            "ideal_fraction": self.ideal_fraction,
+            "max_concurrency": self.max_concurrency,
+            "groups": [
+                {
+                    "group_id": g.group_id,
+                    "kind": g.spec.kind,
+                    "block_size": g.block_size,
+                    "num_layers": len(g.layer_names),
+                    "num_shared_layers": len(g.shared_layer_names),
+                    "block_bytes": g.block_bytes,
+                    "blocks_per_large_page": g.blocks_per_large_page,
+                    "padding_bytes_per_large_page":
+                        g.padding_bytes_per_large_page(cfg.large_page_bytes),
+                    "window": getattr(g.spec, "sliding_window", None)
+                    or getattr(g.spec, "attention_chunk_size", None),
+                    "layers": list(g.layer_names),
+                }
+                for g in cfg.groups
+            ],
+            "warnings": list(self.warnings),
+        }
+
+
+def to_full_attention(spec: KVCacheSpec) -> KVCacheSpec:
+    """What `--no-hybrid` does to a layer: keep every token, mask the window in the kernel."""
+    if isinstance(spec, SlidingWindowSpec):
+        return FullAttentionSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                                 head_size=spec.head_size, dtype=spec.dtype,
+                                 sliding_window=spec.sliding_window)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return FullAttentionSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                                 head_size=spec.head_size, dtype=spec.dtype,
+                                 attention_chunk_size=spec.attention_chunk_size)
+    return spec
+
+
+def choose_large_page_bytes(block_bytes: list[int], max_large_page_bytes: int) -> int:
+    """The exact LCM of the groups' block bytes when it is small enough, else the multiple of
+    the largest block that wastes the smallest fraction of a large page in any group."""
+    exact = math.lcm(*block_bytes)
+    largest = max(block_bytes)
+    if exact <= max(max_large_page_bytes, largest):
+        return exact
+    best, best_waste = largest, 1.0
+    for k in range(1, max(1, max_large_page_bytes // largest) + 1):
+        size = k * largest
+        waste = max((size % b) / size for b in block_bytes)
+        if waste < best_waste - 1e-12:
+            best, best_waste = size, waste
+    return best
+
+
+def group_layers(layer_specs: Mapping[str, KVCacheSpec]) -> list[tuple[list[str], KVCacheSpec]]:
+    """One group per distinct group key, in order of first appearance."""
+    by_key: dict[tuple[object, ...], list[str]] = {}
+    for name, spec in layer_specs.items():
+        if isinstance(spec, EncoderOnlySpec):
+            continue  # needs no KV cache
+        by_key.setdefault(spec.group_key(), []).append(name)
+    return [(names, merge_specs(names, [layer_specs[n] for n in names]))
+            for names in by_key.values()]
+
+
+def plan_kv_cache(
+    layer_specs: Mapping[str, KVCacheSpec],
+    memory_bytes: int,
+    *,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    hybrid: bool = True,
+    kv_sharing: Mapping[str, str] | None = None,
+    max_large_page_bytes: int | None = None,
+    strict: bool = True,
+) -> KVCachePlan:
+    """Plan the KV cache of a model whose layers need `layer_specs` within `memory_bytes`.
+
+    `kv_sharing` maps layers that compute no KV to the layer whose cache they read; they get
+    no pages. Raises ValueError with a one-line reason when the budget cannot work (with
+    `strict=False` a budget too small for one request is a warning instead: the `--no-hybrid`
+    comparison of a model that only fits with hybrid management).
+    """
+    if memory_bytes <= 0:
+        raise ValueError(f"KV cache memory must be positive, got {memory_bytes} bytes")
+    if max_model_len < 1 or max_num_batched_tokens < 1:
+        raise ValueError("max_model_len and max_num_batched_tokens must be >= 1")
+    kv_sharing = dict(kv_sharing or {})
+    specs = {name: (spec if hybrid else to_full_attention(spec))
+             for name, spec in layer_specs.items() if name not in kv_sharing}
+    grouped = group_layers(specs)
+    if not grouped:
+        raise ValueError("the model has no layer that needs a KV cache")
+
+    block_bytes = [sum(specs[n].page_size_bytes for n in names) for names, _ in grouped]
+    cap = max_large_page_bytes if max_large_page_bytes is not None else (
+        memory_bytes // MIN_LARGE_PAGES)
+    large_page = choose_large_page_bytes(block_bytes, cap)
+    groups = []
+    for group_id, ((names, spec), nbytes) in enumerate(zip(grouped, block_bytes, strict=True)):
+        shared = tuple(layer for layer, target in kv_sharing.items() if target in names)
+        groups.append(KVCacheGroup(
+            group_id=group_id, spec=spec, layer_names=tuple(names),
+            layer_page_bytes=tuple(specs[n].page_size_bytes for n in names),
+            blocks_per_large_page=large_page // nbytes, shared_layer_names=shared))
+    config = KVCacheConfig(groups=tuple(groups), large_page_bytes=large_page,
+                           num_large_pages=memory_bytes // large_page)
+    problem = _one_request_problem(config, memory_bytes, max_model_len, max_num_batched_tokens)
+    if problem and strict:
+        raise ValueError(problem)
+    plan = _figures(config, specs, memory_bytes, max_model_len, max_num_batched_tokens, hybrid)
+    if problem:
+        plan = replace(plan, warnings=(problem, *plan.warnings))
+    return plan
+
+
+def _one_request_problem(config: KVCacheConfig, memory_bytes: int, max_model_len: int,
+                         max_num_batched_tokens: int) -> str | None:
+    pages = 1 + sum(cdiv(g.spec.peak_blocks(max_model_len, max_num_batched_tokens),
+                         g.blocks_per_large_page) for g in config.groups)
+    if pages > config.num_large_pages:
+        need = pages * config.large_page_bytes
+        return (
+            f"KV cache memory {format_bytes(memory_bytes)} is too small for one request of "
+            f"{max_model_len} tokens, which needs {format_bytes(need)} "
+            f"({pages} large pages of {format_bytes(config.large_page_bytes)}, one for the "
+            f"null blocks); raise the memory or lower max_model_len")
+    return None
+
+
+def _figures(config: KVCacheConfig, specs: Mapping[str, KVCacheSpec], memory_bytes: int,
+             max_model_len: int, max_num_batched_tokens: int, hybrid: bool) -> KVCachePlan:
+    page = config.large_page_bytes
+    usable = (config.num_large_pages - 1) * page  # large page 0 holds the null blocks
+    # Bytes one block really costs, its share of the large page's padding included.
+    cost = {g.group_id: page / g.blocks_per_large_page for g in config.groups}
+    steady = {g.group_id: g.spec.steady_blocks(max_model_len) * cost[g.group_id]
+              for g in config.groups}
+    # One step's prefill chunk can widen windows by up to the token budget (in all requests
+    # together, since chunks share one budget).
+    transient = sum(g.spec.transient_blocks(max_num_batched_tokens) * cost[g.group_id]
+                    for g in config.groups)
+    per_request = sum(steady.values())
+    max_concurrency = max(0.0, (usable - transient) / per_request)
+    ideal_per_request = sum(spec.ideal_bytes(max_model_len) for spec in specs.values())
+    padding = sum(
+        g.padding_bytes_per_large_page(page) * (steady[g.group_id] / per_request) * usable / page
+        for g in config.groups)
+    warnings = []
+    alignment = config.hit_alignment
+    if alignment > max_model_len:
+        warnings.append(
+            f"block size {alignment} is above max_model_len {max_model_len}: no prompt fills "
+            f"a block, so the prefix cache can never hit")
+    return KVCachePlan(
+        config=config, memory_bytes=memory_bytes, max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens, hybrid=hybrid,
+        padding_bytes=int(padding),
+        max_concurrency=max_concurrency,
+        capacity_tokens=int(max_concurrency * max_model_len),
+        ideal_bytes_per_token=ideal_per_request / max_model_len,
+        ideal_fraction=max_concurrency / (memory_bytes / ideal_per_request),
+        warnings=tuple(warnings))
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+          "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20,
+          "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """`40GiB`, `512MB`, `1e9` or plain bytes -> bytes."""
+    if isinstance(text, int):
+        return text
+    s = text.strip().replace("_", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ")
+    unit = s[len(num):].strip().lower()
+    try:
+        value = float(num)
+    except ValueError:
+        value = None
+    if value is None or unit not in _UNITS or value < 0:
+        raise ValueError(f"cannot read {text!r} as a memory size; use bytes or a number with "
+                         f"a unit such as 40GiB, 512MiB, 8GB")
+    return int(value * _UNITS[unit])
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,277 @@
+"""KV cache specs: what one layer needs from the KV cache.
+
+A spec answers three sizing questions for one layer:
+- `page_size_bytes`: the bytes one block of this layer occupies;
+- `peak_blocks(...)`: the most blocks one request can hold at once (prefill transient included),
+  used to refuse budgets that cannot run even one request;
+- `steady_blocks(...)` and `ideal_bytes(...)`: what a long-running request holds in steady
+  state, and the exact physical minimum, used for capacity figures.
+
+Layers whose specs have the same `group_key` share a KV cache group (one block table, one
+manager); their pages may differ in size (different head counts), the group's block is then
+the sum of its layers' pages.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+_DTYPE_BYTES = {
+    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "uint8": 1,
+    "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2,
+    "fp32": 4, "float32": 4, "float": 4,
+}
+
+
+def dtype_size(dtype: str) -> int:
+    """Bytes per element of a dtype name (`bf16`, `float32`, `fp8`, ...)."""
+    try:
+        return _DTYPE_BYTES[dtype.lower()]
+    except KeyError:
+        accepted = ", ".join(sorted(_DTYPE_BYTES))
+        raise ValueError(f"unknown dtype {dtype!r}; accepted: {accepted}") from None
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVCacheSpec:
+    """Base of all specs. `block_size` is in tokens (for state specs: the hash alignment)."""
+
+    block_size: int
+    kind = "base"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    @property
+    def page_size_bytes(self) -> int:
+        raise NotImplementedError
+
+    def group_key(self) -> tuple[object, ...]:
+        """Layers with equal keys behave identically for the manager and share a group."""
+        return (self.kind, self.block_size)
+
+    def peak_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        raise NotImplementedError
+
+    def steady_blocks(self, num_tokens: int) -> int:
+        raise NotImplementedError
+
+    def transient_blocks(self, max_num_batched_tokens: int) -> int:
+        """Extra blocks one step's prefill chunk can need on top of `steady_blocks`."""
+        return 0
+
+    def ideal_bytes(self, num_tokens: int) -> int:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionSpec(KVCacheSpec):
+    num_kv_heads: int
+    head_size: int
+    dtype: str = "bf16"
+
+    @property
+    def bytes_per_token(self) -> int:
+        # K and V, each [num_kv_heads, head_size].
+        return 2 * self.num_kv_heads * self.head_size * dtype_size(self.dtype)
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.block_size * self.bytes_per_token
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullAttentionSpec(AttentionSpec):
+    """Every token's KV is kept. With hybrid management off, sliding-window and chunked layers
+    become full attention and keep their window/chunk here, for the kernel's mask only."""
+
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+    kind = "full"
+
+    def peak_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        return cdiv(max_model_len, self.block_size)
+
+    def steady_blocks(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def ideal_bytes(self, num_tokens: int) -> int:
+        return num_tokens * self.bytes_per_token
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention: one latent vector per token instead of K and V.
+    `head_size` is the latent width (kv_lora_rank + rope dim), `num_kv_heads` is 1."""
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_kv_heads * self.head_size * dtype_size(self.dtype)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindowSpec(AttentionSpec):
+    """A token attends to itself and the `sliding_window - 1` tokens before it."""
+
+    sliding_window: int
+    kind = "sliding_window"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    def group_key(self) -> tuple[object, ...]:
+        return (self.kind, self.block_size, self.sliding_window)
+
+    def peak_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        # The window before a prefill chunk plus the chunk itself, and one block because the
+        # window need not start on a block boundary.
+        num_tokens = min(self.sliding_window - 1 + max_num_batched_tokens, max_model_len)
+        return cdiv(num_tokens, self.block_size) + 1
+
+    def steady_blocks(self, num_tokens: int) -> int:
+        # E.g. window 1024, block 16: a window straddles at most 64 + 1 blocks.
+        window_blocks = cdiv(self.sliding_window - 1, self.block_size) + 1
+        return min(cdiv(num_tokens, self.block_size), window_blocks)
+
+    def transient_blocks(self, max_num_batched_tokens: int) -> int:
+        return cdiv(max_num_batched_tokens, self.block_size) + 1
+
+    def ideal_bytes(self, num_tokens: int) -> int:
+        return min(num_tokens, self.sliding_window) * self.bytes_per_token
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkedLocalAttentionSpec(AttentionSpec):
+    """A token attends only to tokens of its own chunk of `attention_chunk_size` positions."""
+
+    attention_chunk_size: int
+    kind = "chunked_local"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.attention_chunk_size < 1:
+            raise ValueError(
+                f"attention_chunk_size must be >= 1, got {self.attention_chunk_size}")
+
+    def group_key(self) -> tuple[object, ...]:
+        return (self.kind, self.block_size, self.attention_chunk_size)
+
+    def peak_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        num_tokens = min(self.attention_chunk_size + max_num_batched_tokens, max_model_len)
+        return cdiv(num_tokens, self.block_size) + 1
+
+    def steady_blocks(self, num_tokens: int) -> int:
+        chunk_blocks = cdiv(self.attention_chunk_size, self.block_size)
+        if self.attention_chunk_size % self.block_size:
+            chunk_blocks += 1  # a chunk can straddle one more block
+        return min(cdiv(num_tokens, self.block_size), chunk_blocks)
+
+    def transient_blocks(self, max_num_batched_tokens: int) -> int:
+        return cdiv(max_num_batched_tokens, self.block_size) + 1
+
+    def ideal_bytes(self, num_tokens: int) -> int:
+        return min(num_tokens, self.attention_chunk_size) * self.bytes_per_token
+
+
+@dataclass(frozen=True, kw_only=True)
+class CrossAttentionSpec(AttentionSpec):
+    """Decoder layers attending to encoder outputs: sized by the encoder length, written once."""
+
+    max_encoder_len: int
+    kind = "cross_attention"
+
+    def group_key(self) -> tuple[object, ...]:
+        return (self.kind, self.block_size, self.max_encoder_len)
+
+    def peak_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        return cdiv(self.max_encoder_len, self.block_size)
+
+    def steady_blocks(self, num_tokens: int) -> int:
+        return cdiv(self.max_encoder_len, self.block_size)
+
+    def ideal_bytes(self, num_tokens: int) -> int:
+        return self.max_encoder_len * self.bytes_per_token
+
+
+@dataclass(frozen=True, kw_only=True)
+class MambaSpec(KVCacheSpec):
+    """A fixed-size recurrent state per request (conv state + SSM state, or a linear-attention
+    state). One block holds one state; `block_size` is the attention block size that state
+    checkpoints align to. Speculative decoding keeps `num_speculative_blocks` extra states."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    num_speculative_blocks: int = 0
+    kind = "mamba"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.shapes) != len(self.dtypes):
+            raise ValueError(
+                f"MambaSpec needs one dtype per state shape, got {len(self.shapes)} shapes "
+                f"and {len(self.dtypes)} dtypes")
+
+    @property
+    def page_size_bytes(self) -> int:
+        return sum(math.prod(shape) * dtype_size(dtype)
+                   for shape, dtype in zip(self.shapes, self.dtypes, strict=True))
+
+    def peak_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        return 1 + self.num_speculative_blocks
+
+    def steady_blocks(self, num_tokens: int) -> int:
+        return 1 + self.num_speculative_blocks
+
+    def ideal_bytes(self, num_tokens: int) -> int:
+        return self.page_size_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncoderOnlySpec(KVCacheSpec):
+    """Bidirectional encoder attention: recomputed for every request, needs no KV cache."""
+
+    kind = "encoder_only"
+
+    @property
+    def page_size_bytes(self) -> int:
+        return 0
+
+    def peak_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        return 0
+
+    def steady_blocks(self, num_tokens: int) -> int:
+        return 0
+
+    def ideal_bytes(self, num_tokens: int) -> int:
+        return 0
+
+
+def merge_specs(layer_names: Sequence[str], specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
+    """The representative spec of layers that are to share one group.
+
+    Layers of one kind may differ in page size (their block bytes add up); they must agree on
+    everything the manager uses (kind, block size, window, chunk, encoder length).
+    """
+    if not specs:
+        raise ValueError("cannot merge an empty list of KV cache specs")
+    first = specs[0]
+    for name, spec in zip(layer_names, specs, strict=True):
+        if spec.group_key() != first.group_key():
+            raise ValueError(
+                f"cannot put layer {name!r} ({_describe(spec)}) in the group of "
+                f"{layer_names[0]!r} ({_describe(first)}): KV cache specs differ")
+    return first
+
+
+def _describe(spec: KVCacheSpec) -> str:
+    return ", ".join(f"{k}={v}" for k, v in zip(
+        ("kind", "block_size", "param"), spec.group_key(), strict=False))

@@ -1,0 +1,236 @@
+"""Read a model's layer mix from a Hugging Face `config.json` and turn it into KV cache specs.
+
+The mix comes from config fields, not from per-model code, so new variants need no change:
+`layer_types`, `sliding_window_pattern`, `attention_chunk_size` + `no_rope_layers`,
+`layers_block_type`, `hybrid_override_pattern`, `attn_layer_period`/`attn_layer_offset`,
+`attn_layer_indices`, `full_attention_interval`, `num_kv_shared_layers`, and the older
+`sliding_window` + `use_sliding_window` + `max_window_layers` spelling.
+Pure Python: planning a model needs no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from hybridkv.kv.spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+# Layer kinds after reading the config.
+FULL, SLIDING, CHUNKED, MAMBA, MAMBA1, LINEAR, NONE = (
+    "full", "sliding", "chunked", "mamba", "mamba1", "linear_attention", "none")
+
+SUPPORTED_MODEL_TYPES = (
+    "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3",
+    "gemma3_text", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gpt_oss", "llama4",
+    "llama4_text", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1", "jamba",
+    "qwen3_next")
+
+_LAYER_TYPE_WORDS = {
+    "full_attention": FULL, "attention": FULL, "global": FULL, "global_attention": FULL,
+    "sliding_attention": SLIDING, "sliding": SLIDING, "local": SLIDING,
+    "chunked_attention": CHUNKED, "chunked": CHUNKED,
+    "mamba": MAMBA, "mamba2": MAMBA, "linear_attention": LINEAR,
+    "mlp": NONE, "moe": NONE,
+}
+_PATTERN_CHARS = {"M": MAMBA, "*": FULL, "-": NONE, "E": NONE}
+
+
+@dataclass(frozen=True)
+class ModelKVLayout:
+    """What the planner needs to know about a model's layers."""
+
+    model_type: str
+    layer_specs: dict[str, KVCacheSpec]
+    kv_sharing: dict[str, str]  # layer -> layer whose KV cache it reads
+    layer_kinds: tuple[tuple[str, ...], ...]  # per decoder layer, its KV-holding parts
+    max_position_embeddings: int | None
+
+
+def shipped_config_names() -> list[str]:
+    """Short names of the model configs shipped with the package (`gemma-3-27b-it`, ...)."""
+    folder = resources.files("hybridkv") / "data" / "model_configs"
+    return sorted(p.name.split("__", 1)[-1][:-5] for p in folder.iterdir()
+                  if p.name.endswith(".json"))
+
+
+def load_hf_config(source: str) -> dict[str, Any]:
+    """A model directory, a `config.json` path, or the short name of a shipped config."""
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(f"{source}: no config.json in this directory")
+    if path.is_file():
+        try:
+            return dict(json.loads(path.read_text()))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    wanted = source.lower().rsplit("/", 1)[-1]
+    folder = resources.files("hybridkv") / "data" / "model_configs"
+    for entry in folder.iterdir():
+        if entry.name.lower().split("__", 1)[-1] == wanted + ".json":
+            return dict(json.loads(entry.read_text()))
+    raise ValueError(f"{source!r} is neither a model directory, a config.json nor a shipped "
+                     f"model name; shipped: {', '.join(shipped_config_names())}")
+
+
+def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    text = config.get("text_config")
+    return text if isinstance(text, Mapping) else config
+
+
+def _first(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:
+    for name in names:
+        if cfg.get(name) is not None:
+            return cfg[name]
+    return default
+
+
+def layer_kinds(config: Mapping[str, Any]) -> list[tuple[str, ...]]:
+    """Per decoder layer, the kinds of its KV-holding parts (`()` for MLP-only layers;
+    two parts for Falcon-H1, whose layers run attention and Mamba2 in parallel)."""
+    cfg = _text_config(config)
+    model_type = str(cfg.get("model_type") or config.get("model_type") or "")
+    n = int(cfg["num_hidden_layers"])
+    if model_type == "falcon_h1":
+        return [(FULL, MAMBA)] * n
+    kinds = _attention_kinds(cfg, model_type, n)
+    return [() if k == NONE else (MAMBA1 if k == MAMBA and model_type == "jamba" else k,)
+            for k in kinds]
+
+
+def _attention_kinds(cfg: Mapping[str, Any], model_type: str, n: int) -> list[str]:
+    if isinstance(cfg.get("layer_types"), list):
+        return [_word(w, "layer_types") for w in cfg["layer_types"]]
+    if cfg.get("hybrid_override_pattern"):
+        pattern = str(cfg["hybrid_override_pattern"])
+        if any(c not in _PATTERN_CHARS for c in pattern):
+            raise ValueError(f"hybrid_override_pattern {pattern!r}: accepted characters are "
+                             f"{''.join(_PATTERN_CHARS)}")
+        return [_PATTERN_CHARS[c] for c in pattern]
+    if isinstance(cfg.get("layers_block_type"), list):
+        return [_word(w, "layers_block_type") for w in cfg["layers_block_type"]]
+    if cfg.get("attn_layer_period"):
+        period, offset = int(cfg["attn_layer_period"]), int(cfg.get("attn_layer_offset", 0))
+        return [FULL if i % period == offset else MAMBA for i in range(n)]
+    if isinstance(cfg.get("attn_layer_indices"), list):
+        indices = set(cfg["attn_layer_indices"])
+        return [FULL if i in indices else MAMBA for i in range(n)]
+    if cfg.get("full_attention_interval"):
+        interval = int(cfg["full_attention_interval"])
+        return [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)]
+    if cfg.get("attention_chunk_size"):
+        # Llama 4: RoPE layers use chunked attention, NoPE layers (flag 0) attend globally.
+        flags = cfg.get("no_rope_layers") or [
+            int((i + 1) % int(cfg.get("no_rope_layer_interval", 4)) != 0) for i in range(n)]
+        return [CHUNKED if flag else FULL for flag in flags]
+    if cfg.get("sliding_window") is None:
+        return [FULL] * n
+    pattern = _first(cfg, "sliding_window_pattern", "_sliding_window_pattern")
+    if model_type.startswith("gemma3") and pattern is None:
+        pattern = 6  # transformers' Gemma 3 default: every 6th layer is global
+    if pattern:
+        return [FULL if (i + 1) % int(pattern) == 0 else SLIDING for i in range(n)]
+    if model_type == "gemma2":
+        return [SLIDING if i % 2 == 0 else FULL for i in range(n)]
+    if model_type.startswith("qwen"):
+        if not cfg.get("use_sliding_window"):
+            return [FULL] * n
+        first_sliding = int(cfg.get("max_window_layers", 0))
+        return [SLIDING if i >= first_sliding else FULL for i in range(n)]
+    return [SLIDING] * n
+
+
+def _word(word: object, field: str) -> str:
+    try:
+        return _LAYER_TYPE_WORDS[str(word).lower()]
+    except KeyError:
+        raise ValueError(f"{field}: unknown layer type {word!r}; accepted: "
+                         f"{', '.join(sorted(_LAYER_TYPE_WORDS))}") from None
+
+
+def kv_layout_from_config(config: Mapping[str, Any], *, block_size: int = 16,
+                          kv_dtype: str | None = None) -> ModelKVLayout:
+    """Per-layer KV cache specs of a model (layers reusing another's KV get none)."""
+    cfg = _text_config(config)
+    model_type = str(cfg.get("model_type") or config.get("model_type") or "")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unknown architecture model_type={model_type!r}; supported: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    dtype = kv_dtype or str(_first(cfg, "torch_dtype", "dtype", default=None)
+                            or _first(config, "torch_dtype", "dtype", default="bfloat16"))
+    kinds = layer_kinds(config)
+    specs: dict[str, KVCacheSpec] = {}
+    for i, parts in enumerate(kinds):
+        for kind in parts:
+            name = f"model.layers.{i}." + ("mamba" if kind in (MAMBA, MAMBA1, LINEAR)
+                                           else "self_attn")
+            specs[name] = _spec_for(kind, cfg, block_size, dtype)
+    return ModelKVLayout(
+        model_type=model_type, layer_specs=specs, kv_sharing=_kv_sharing(cfg, kinds),
+        layer_kinds=tuple(kinds),
+        max_position_embeddings=_first(cfg, "max_position_embeddings"))
+
+
+def _kv_sharing(cfg: Mapping[str, Any], kinds: list[tuple[str, ...]]) -> dict[str, str]:
+    """The last `num_kv_shared_layers` layers read the KV of the last earlier layer of the
+    same attention kind (Gemma 3n / Gemma 4)."""
+    num_shared = int(cfg.get("num_kv_shared_layers") or 0)
+    first_shared = len(kinds) - num_shared
+    sharing: dict[str, str] = {}
+    for i in range(first_shared, len(kinds)):
+        for kind in kinds[i]:
+            owners = [j for j in range(first_shared) if kind in kinds[j]]
+            if not owners:
+                raise ValueError(f"layer {i} shares KV but no earlier layer is {kind}")
+            sharing[f"model.layers.{i}.self_attn"] = f"model.layers.{owners[-1]}.self_attn"
+    return sharing
+
+
+def _spec_for(kind: str, cfg: Mapping[str, Any], block_size: int, dtype: str) -> KVCacheSpec:
+    hidden = int(cfg["hidden_size"])
+    if kind in (FULL, SLIDING, CHUNKED):
+        heads = int(cfg["num_attention_heads"])
+        attn = dict(block_size=block_size, dtype=dtype,
+                    num_kv_heads=int(_first(cfg, "num_key_value_heads", default=heads)),
+                    head_size=int(_first(cfg, "head_dim", default=hidden // heads)))
+        if kind == SLIDING:
+            return SlidingWindowSpec(sliding_window=int(cfg["sliding_window"]), **attn)
+        if kind == CHUNKED:
+            return ChunkedLocalAttentionSpec(
+                attention_chunk_size=int(cfg["attention_chunk_size"]), **attn)
+        return FullAttentionSpec(**attn)
+    if kind == LINEAR:
+        # Gated DeltaNet: conv over [q, k, v] and a [v_heads, k_dim, v_dim] recurrent state.
+        nk, dk = int(cfg["linear_num_key_heads"]), int(cfg["linear_key_head_dim"])
+        nv, dv = int(cfg["linear_num_value_heads"]), int(cfg["linear_value_head_dim"])
+        conv = int(cfg.get("linear_conv_kernel_dim", 4))
+        return MambaSpec(block_size=block_size, shapes=((2 * nk * dk + nv * dv, conv - 1),
+                                                        (nv, dk, dv)), dtypes=(dtype, dtype))
+    d_state = int(_first(cfg, "mamba_d_state", "ssm_state_size", "state_size", default=16))
+    d_conv = int(_first(cfg, "mamba_d_conv", "conv_kernel", default=4))
+    expand = int(_first(cfg, "mamba_expand", "expand", default=2))
+    if kind == MAMBA1:
+        d_inner = expand * hidden
+        return MambaSpec(block_size=block_size, shapes=((d_inner, d_conv - 1),
+                                                        (d_inner, d_state)),
+                         dtypes=(dtype, dtype))
+    n_heads = int(_first(cfg, "mamba_n_heads", "mamba_num_heads"))
+    d_head = int(_first(cfg, "mamba_d_head", "mamba_head_dim"))
+    n_groups = int(_first(cfg, "mamba_n_groups", "n_groups", default=1))
+    d_inner = int(_first(cfg, "mamba_d_ssm", default=n_heads * d_head))
+    # Mamba2: conv over [x, B, C]; SSM state [heads, head_dim, state].
+    return MambaSpec(block_size=block_size,
+                     shapes=((d_inner + 2 * n_groups * d_state, d_conv - 1),
+                             (n_heads, d_head, d_state)),
+                     dtypes=(dtype, dtype))
