@@ -1,0 +1,174 @@
+"""KVCacheManager: the scheduler's one door to the KV cache.
+
+    hit = manager.get_computed_blocks(request)            # a question: no side effects
+    new = manager.allocate_slots(request, num_new_tokens,  # all groups or none
+                                 hit.num_computed_tokens, hit.blocks)
+    ...
+    manager.free(request)
+
+The scheduler sees only block ids per group; it never learns what kind a group is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from hybridkv.kv.block_pool import Block, BlockPool, BlockRemoved, BlockStored
+from hybridkv.kv.coordinator import make_coordinator
+from hybridkv.kv.plan import KVCacheConfig
+from hybridkv.kv.request import KVRequest
+
+
+class KVCacheBlocks:
+    """Blocks per group (outer index = group id)."""
+
+    __slots__ = ("blocks",)
+
+    def __init__(self, blocks: tuple[list[Block], ...]) -> None:
+        self.blocks = blocks
+
+    def block_ids(self) -> list[list[int]]:
+        return [[b.block_id for b in blocks] for blocks in self.blocks]
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlocks({self.block_ids()})"
+
+
+class ComputedBlocks(NamedTuple):
+    blocks: KVCacheBlocks
+    num_computed_tokens: int
+
+
+@dataclass
+class PrefixCacheStats:
+    num_queries: int = 0  # lookups
+    num_queried_tokens: int = 0
+    num_hit_tokens: int = 0
+    # Tokens each group alone would have reused, summed over lookups.
+    hit_tokens_per_group: list[int] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, config: KVCacheConfig, *, max_model_len: int,
+                 enable_caching: bool = True, enable_events: bool = False) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(config, enable_caching=enable_caching,
+                              enable_events=enable_events)
+        self.coordinator = make_coordinator(config, self.pool, enable_caching=enable_caching)
+        self.managers = self.coordinator.managers
+        self.stats = PrefixCacheStats(hit_tokens_per_group=[0] * len(self.managers))
+        self._no_blocks = KVCacheBlocks(tuple([] for _ in self.managers))
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.managers)
+
+    def get_computed_blocks(self, request: KVRequest) -> ComputedBlocks:
+        """The longest prefix of `request` cached in every group. The last token is always
+        recomputed (its logits are needed), so a hit stops before it."""
+        if not self.enable_caching:
+            return ComputedBlocks(self._no_blocks, 0)
+        blocks, num_tokens, own = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1)
+        stats = self.stats
+        stats.num_queries += 1
+        stats.num_queried_tokens += request.num_tokens
+        stats.num_hit_tokens += num_tokens
+        for g, n in enumerate(own):
+            stats.hit_tokens_per_group[g] += n
+        return ComputedBlocks(KVCacheBlocks(blocks), num_tokens)
+
+    def allocate_slots(self, request: KVRequest, num_new_tokens: int,
+                       num_new_computed_tokens: int = 0,
+                       new_computed_blocks: KVCacheBlocks | None = None,
+                       num_lookahead_tokens: int = 0) -> KVCacheBlocks | None:
+        """Blocks for `num_new_tokens` more tokens (after adopting a prefix hit of
+        `num_new_computed_tokens` tokens), in every group, or None if they do not all fit.
+        Returns only the newly allocated blocks per group."""
+        if num_new_tokens < 1:
+            raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
+        managers = self.managers
+        num_computed = request.num_computed_tokens
+        total_computed = num_computed + num_new_computed_tokens
+        num_tokens = min(total_computed + num_new_tokens + num_lookahead_tokens,
+                         self.max_model_len)
+        hit = new_computed_blocks.blocks if new_computed_blocks is not None else None
+        # Blocks that no future token can attend to go back before anything is counted.
+        for m in managers:
+            m.drop_skipped_blocks(request, num_computed)
+        if hit is None:
+            needs = [m.num_blocks_to_allocate(request, num_tokens, 0) for m in managers]
+            if any(needs) and not self.pool.can_take(needs, [0] * len(needs)):
+                return None
+        else:
+            needs = [m.num_blocks_to_allocate(request, num_tokens, len(blocks))
+                     for m, blocks in zip(managers, hit, strict=True)]
+            # Cached hit blocks nobody holds stop being evictable once touched.
+            touched = [sum(1 for b in blocks if b.ref_cnt == 0 and b.block_id)
+                       for blocks in hit]
+            if not self.pool.can_take(needs, touched):
+                return None
+            for m, blocks in zip(managers, hit, strict=True):
+                self.pool.touch(blocks)
+                m.save_computed_blocks(request, blocks)
+        if any(needs):
+            new = KVCacheBlocks(tuple(m.allocate(request, n) if n else []
+                                      for m, n in zip(managers, needs, strict=True)))
+        else:
+            new = self._no_blocks
+        if self.enable_caching:
+            num_to_cache = min(total_computed + num_new_tokens, request.num_tokens)
+            for m in managers:
+                m.cache_blocks(request, num_to_cache)
+        return new
+
+    def free(self, request: KVRequest) -> None:
+        """Release every block of a finished or preempted request (cached ones stay
+        hit-able until evicted)."""
+        for m in self.managers:
+            m.free(request)
+
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        return [m.block_ids(request_id) for m in self.managers]
+
+    def new_step_starts(self) -> None:
+        """Hook for per-step bookkeeping; the manager keeps none today."""
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the usable arena in blocks held by requests."""
+        return self.pool.usage()
+
+    def usage_per_group(self) -> list[float]:
+        return [self.pool.group_usage(g) for g in range(self.num_groups)]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached blocks; refused (False) while requests hold blocks."""
+        return self.pool.reset_prefix_cache()
+
+    def take_events(self) -> list[BlockStored | BlockRemoved]:
+        return self.pool.take_events()
+
+    def check_integrity(self) -> None:
+        """Pool books consistent, and each block's ref count = the requests holding it."""
+        self.pool.check_integrity()
+        for m in self.managers:
+            holders: dict[int, int] = {}
+            for blocks in m.req_blocks.values():
+                for b in blocks:
+                    assert b.group_id == m.group_id, "a request holds another group's block"
+                    if b.block_id:
+                        holders[b.block_id] = holders.get(b.block_id, 0) + 1
+            for block_id, count in holders.items():
+                ref = m.pool.groups[m.group_id].blocks[block_id].ref_cnt
+                assert ref == count, f"group {m.group_id} block {block_id}: ref {ref} != " \
+                                     f"{count} holders"
+            assert m.pool.groups[m.group_id].num_used == len(holders), \
+                f"group {m.group_id}: used blocks nobody holds"

@@ -1,0 +1,142 @@
+"""The common part of per-kind managers: one group's blocks for every request.
+
+A request's block list has one entry per block of token positions, from position 0; blocks a
+layer kind no longer needs (out of a sliding window, before the current chunk) are freed and
+replaced by the group's null block, so an entry's index keeps its meaning:
+
+    sliding window 32, block 16, 80 tokens computed:  [null, null, b7, b9, b4]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+from hybridkv.kv.block_pool import Block, BlockPool
+from hybridkv.kv.hashing import BlockHash
+from hybridkv.kv.plan import KVCacheGroup
+from hybridkv.kv.request import KVRequest
+from hybridkv.kv.spec import cdiv
+
+
+class SingleTypeManager:
+    """Hits, block counts, drops, allocation and caching for the layers of one group."""
+
+    # True when every prefix of a valid hit is a valid hit (full attention): the coordinator
+    # then computes the hit once and only trims it afterwards.
+    hit_is_monotone: ClassVar[bool] = False
+
+    def __init__(self, group: KVCacheGroup, pool: BlockPool, hash_block_size: int) -> None:
+        if group.block_size % hash_block_size:
+            raise ValueError(f"group block size {group.block_size} is not a multiple of the "
+                             f"hash block size {hash_block_size}")
+        self.group = group
+        self.group_id = group.group_id
+        self.spec = group.spec
+        self.block_size = group.block_size
+        self.pool = pool
+        self.cached = pool.groups[group.group_id].cached
+        self.null_block = pool.null_blocks[group.group_id]
+        # A group block spans `stride` hash blocks; its hash is the last one's (the chain
+        # makes it name the whole prefix).
+        self.stride = group.block_size // hash_block_size
+        self.req_blocks: dict[str, list[Block]] = {}
+        self.num_cached: dict[str, int] = {}
+
+    def hit_key(self) -> tuple[object, ...]:
+        """Groups with equal keys answer hit lookups identically and share one lookup."""
+        return (type(self), self.spec.group_key(), self.stride)
+
+    def group_hashes(self, block_hashes: Sequence[BlockHash]) -> Sequence[BlockHash]:
+        return block_hashes if self.stride == 1 else block_hashes[self.stride - 1::self.stride]
+
+    @classmethod
+    def find_longest_cache_hit(cls, managers: Sequence[SingleTypeManager],
+                               block_hashes: Sequence[BlockHash], max_length: int,
+                               alignment: int) -> list[list[Block]]:
+        """The longest hit, in whole blocks, not beyond `max_length` tokens and ending on a
+        multiple of `alignment` tokens, valid for every manager given (all of one spec).
+        Returns each manager's blocks (null where the kind needs nothing)."""
+        raise NotImplementedError
+
+    def _lookup(self, managers: Sequence[SingleTypeManager], block_hash: BlockHash
+                ) -> list[Block] | None:
+        found = []
+        for m in managers:
+            block = m.cached.get(block_hash)
+            if block is None:
+                return None
+            found.append(block)
+        return found
+
+    # ---------------------------------------------------------------- allocation
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens no future token of this kind attends to."""
+        return 0
+
+    def drop_skipped_blocks(self, request: KVRequest, num_computed_tokens: int) -> None:
+        blocks = self.req_blocks.get(request.request_id)
+        if not blocks:
+            return
+        num_skipped = min(self.num_skipped_tokens(num_computed_tokens) // self.block_size,
+                          len(blocks))
+        null = self.null_block
+        dropped = []
+        # Walk back from the last skipped block; earlier ones were dropped by earlier calls.
+        for i in range(num_skipped - 1, -1, -1):
+            if blocks[i] is null:
+                break
+            dropped.append(blocks[i])
+            blocks[i] = null
+        if dropped:
+            self.pool.free(dropped)
+
+    def num_blocks_to_allocate(self, request: KVRequest, num_tokens: int,
+                               num_new_computed_blocks: int) -> int:
+        blocks = self.req_blocks.get(request.request_id)
+        have = len(blocks) if blocks else 0
+        return max(0, cdiv(num_tokens, self.block_size) - have - num_new_computed_blocks)
+
+    def save_computed_blocks(self, request: KVRequest, blocks: list[Block]) -> None:
+        """Adopt prefix-hit blocks (already touched) at the start of a new request."""
+        rid = request.request_id
+        assert rid not in self.req_blocks, f"request {rid} already holds blocks"
+        self.req_blocks[rid] = list(blocks)
+        self.num_cached[rid] = len(blocks)
+
+    def allocate(self, request: KVRequest, num_blocks: int) -> list[Block]:
+        new = self.pool.take(self.group_id, num_blocks)
+        blocks = self.req_blocks.get(request.request_id)
+        if blocks is None:
+            self.req_blocks[request.request_id] = list(new)
+        else:
+            blocks.extend(new)
+        return new
+
+    def cache_blocks(self, request: KVRequest, num_tokens: int) -> None:
+        """Register the request's blocks that `num_tokens` computed tokens fill completely."""
+        rid = request.request_id
+        num_full = num_tokens // self.block_size
+        start = self.num_cached.get(rid, 0)
+        if num_full <= start:
+            return
+        blocks = self.req_blocks[rid]
+        hashes = request.block_hashes
+        stride = self.stride
+        cache = self.pool.cache
+        null = self.null_block
+        for i in range(start, num_full):
+            block = blocks[i]
+            if block is not null:
+                cache(block, hashes[(i + 1) * stride - 1])
+        self.num_cached[rid] = num_full
+
+    def free(self, request: KVRequest) -> None:
+        blocks = self.req_blocks.pop(request.request_id, None)
+        self.num_cached.pop(request.request_id, None)
+        if blocks:
+            # Last block first: the tail of a prefix is evicted before its head.
+            self.pool.free(reversed(blocks))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]

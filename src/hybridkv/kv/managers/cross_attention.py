@@ -1,0 +1,29 @@
+"""Cross attention: KV of the encoder output, written once per request, never shared."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridkv.kv.block_pool import Block
+from hybridkv.kv.hashing import BlockHash
+from hybridkv.kv.managers.base import SingleTypeManager
+from hybridkv.kv.request import KVRequest
+from hybridkv.kv.spec import cdiv
+
+
+class CrossAttentionManager(SingleTypeManager):
+    @classmethod
+    def find_longest_cache_hit(cls, managers: Sequence[SingleTypeManager],
+                               block_hashes: Sequence[BlockHash], max_length: int,
+                               alignment: int) -> list[list[Block]]:
+        # Decoder prefixes say nothing about the encoder input: no prefix caching.
+        return [[] for _ in managers]
+
+    def num_blocks_to_allocate(self, request: KVRequest, num_tokens: int,
+                               num_new_computed_blocks: int) -> int:
+        if request.request_id in self.req_blocks:
+            return 0
+        return cdiv(request.num_encoder_tokens, self.block_size)
+
+    def cache_blocks(self, request: KVRequest, num_tokens: int) -> None:
+        return  # encoder KV is per request
