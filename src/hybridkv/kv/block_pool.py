@@ -80,12 +80,18 @@ class _GroupState:
         self.blocks = [Block(i, group_id, pages[i // blocks_per_page])
                        for i in range(num_pages * blocks_per_page)]
         self.open_pages: OrderedDict[int, LargePage] = OrderedDict()  # pages with empty blocks
-        self.unused_pages: OrderedDict[int, LargePage] = OrderedDict()  # num_used == 0
+        # Owned pages with num_used == 0, oldest first. With one block per page these are
+        # exactly the pages of the LRU blocks, so only multi-block pages are tracked here.
+        self.track_unused = blocks_per_page > 1
+        self.unused_pages: OrderedDict[int, LargePage] = OrderedDict()
         self.lru: OrderedDict[int, Block] = OrderedDict()  # cached blocks, oldest first
         self.cached: dict[BlockHash, Block] = {}
         self.num_empty = 0
         self.num_used = 0
         self.num_pages = 0
+
+    def num_unused_pages(self) -> int:
+        return len(self.unused_pages) if self.track_unused else len(self.lru)
 
 
 class BlockPool:
@@ -117,7 +123,7 @@ class BlockPool:
         """Blocks the group could get if it were the only one asking."""
         gs = self.groups[group_id]
         reclaimable = len(self.free_pages) + sum(
-            len(h.unused_pages) for h in self.groups if h is not gs)
+            h.num_unused_pages() for h in self.groups if h is not gs)
         return gs.num_empty + len(gs.lru) + reclaimable * gs.blocks_per_page
 
     def get_cached_block(self, block_hash: BlockHash, group_id: int) -> Block | None:
@@ -144,7 +150,7 @@ class BlockPool:
         free_pages = len(self.free_pages)
         empty = [gs.num_empty for gs in self.groups]
         cached = [len(gs.lru) - t for gs, t in zip(self.groups, num_touched_cached, strict=True)]
-        unused = [max(0, len(gs.unused_pages) - t)
+        unused = [max(0, gs.num_unused_pages() - t)
                   for gs, t in zip(self.groups, num_touched_cached, strict=True)]
         for g, need in enumerate(num_blocks):
             if need <= 0:
@@ -186,9 +192,7 @@ class BlockPool:
             elif self.free_pages:
                 self._take_free_pages(gs, need, out)
             elif gs.lru:
-                block = self._evict(gs, next(iter(gs.lru.values())))
-                self._use(gs, block)
-                out.append(block)
+                self._take_evicted(gs, need, out)
             else:
                 self._reclaim_page(gs)  # to the arena; the next turn takes it
         gs.num_used += num_blocks
@@ -204,7 +208,7 @@ class BlockPool:
             block.ref_cnt = 1
         out.extend(reversed(taken))
         gs.num_empty -= n
-        if page.num_used == 0:
+        if page.num_used == 0 and gs.track_unused:
             del gs.unused_pages[index]
         page.num_used += n
         if not empty:
@@ -243,20 +247,44 @@ class BlockPool:
                 gs.num_empty += per_page - n
                 gs.open_pages[index] = page
 
+    def _take_evicted(self, gs: _GroupState, need: int, out: list[Block]) -> None:
+        """Evict the group's least recently used cached blocks and take them."""
+        lru, cached, unused = gs.lru, gs.cached, gs.unused_pages
+        track_unused = gs.track_unused
+        removed: list[BlockHash] | None = [] if self.enable_events else None
+        for _ in range(min(need, len(lru))):
+            _, block = lru.popitem(last=False)
+            if removed is not None:
+                removed.append(block.block_hash)  # type: ignore[arg-type]
+            del cached[block.block_hash]
+            block.block_hash = None
+            block.ref_cnt = 1
+            page = block.page
+            page.num_hashed -= 1
+            if track_unused and page.num_used == 0:
+                del unused[page.index]
+            page.num_used += 1
+            out.append(block)
+        if removed:
+            self.events.append(BlockRemoved(gs.group_id, tuple(removed)))
+
     def _use(self, gs: _GroupState, block: Block) -> None:
         """An empty block of an owned page (just evicted) becomes used."""
         block.ref_cnt = 1
         page = block.page
-        if page.num_used == 0:
-            gs.unused_pages.pop(page.index, None)
+        if page.num_used == 0 and gs.track_unused:
+            del gs.unused_pages[page.index]
         page.num_used += 1
 
     def _reclaim_page(self, gs: _GroupState) -> None:
         """Evict the cached blocks of another group's oldest unused page and free it."""
         for other in self.groups:
-            if other is gs or not other.unused_pages:
+            if other is gs or not other.num_unused_pages():
                 continue
-            _, page = other.unused_pages.popitem(last=False)
+            if other.track_unused:
+                _, page = other.unused_pages.popitem(last=False)
+            else:
+                page = next(iter(other.lru.values())).page
             first = page.index * other.blocks_per_page
             for block in other.blocks[first:first + other.blocks_per_page]:
                 if block.block_hash is not None:
@@ -289,32 +317,33 @@ class BlockPool:
             else:
                 block.ref_cnt += 1
 
-    def free(self, blocks: Iterable[Block]) -> None:
-        """Drop one reference from each block. Give them in eviction order: the first block
-        to reach ref 0 is the first evicted among them (callers pass a request's blocks
-        last-first, so a shared prefix's head outlives its tail)."""
+    def free(self, group_id: int, blocks: Iterable[Block]) -> None:
+        """Drop one reference from each of a group's blocks. Give them in eviction order: the
+        first block to reach ref 0 is the first evicted among them (callers pass a request's
+        blocks last-first, so a shared prefix's head outlives its tail)."""
+        gs = self.groups[group_id]
+        lru, unused, open_pages = gs.lru, gs.unused_pages, gs.open_pages
         for block in blocks:
             if not block.block_id:
                 continue  # the null block
             block.ref_cnt -= 1
             if block.ref_cnt:
                 continue
-            gs = self.groups[block.group_id]
             gs.num_used -= 1
             page = block.page
             page.num_used -= 1
             if block.block_hash is not None:
-                gs.lru[block.block_id] = block
+                lru[block.block_id] = block
             else:
                 page.empty.append(block)
                 gs.num_empty += 1
                 if len(page.empty) == 1:
-                    gs.open_pages[page.index] = page
+                    open_pages[page.index] = page
             if page.num_used == 0:
                 if page.num_hashed == 0:
                     self._release_page(gs, page)
-                else:
-                    gs.unused_pages[page.index] = page
+                elif gs.track_unused:
+                    unused[page.index] = page
 
     # ---------------------------------------------------------------- prefix cache
     def cache(self, block: Block, block_hash: BlockHash) -> None:
@@ -327,6 +356,29 @@ class BlockPool:
         block.page.num_hashed += 1
         if self.enable_events:
             self.events.append(BlockStored(gs.group_id, (block_hash,), (block.block_id,)))
+
+    def cache_run(self, group_id: int, blocks: list[Block], start: int, end: int,
+                  block_hashes: Sequence[BlockHash], stride: int) -> None:
+        """`cache` for `blocks[start:end]`, whose hashes are `block_hashes[(i+1)*stride-1]`
+        (the null block and duplicates of cached content are skipped)."""
+        gs = self.groups[group_id]
+        cached = gs.cached
+        stored: list[Block] | None = [] if self.enable_events else None
+        for i in range(start, end):
+            block = blocks[i]
+            if not block.block_id or block.block_hash is not None:
+                continue
+            block_hash = block_hashes[(i + 1) * stride - 1]
+            if block_hash in cached:
+                continue
+            block.block_hash = block_hash
+            cached[block_hash] = block
+            block.page.num_hashed += 1
+            if stored is not None:
+                stored.append(block)
+        if stored:
+            self.events.append(BlockStored(group_id, tuple(b.block_hash for b in stored),
+                                           tuple(b.block_id for b in stored)))
 
     def _evict(self, gs: _GroupState, block: Block) -> Block:
         """Forget a cached block with ref 0; it becomes empty (not yet in `page.empty`)."""
@@ -349,7 +401,7 @@ class BlockPool:
                 self._evict(gs, block)
                 block.page.empty.append(block)
                 gs.num_empty += 1
-            for page in list(gs.unused_pages.values()):
+            for page in [p for p in self.pages if p.group_id == gs.group_id]:
                 self._release_page(gs, page)
         return True
 
@@ -390,8 +442,12 @@ class BlockPool:
             assert gs.num_pages == len(owned), f"group {gs.group_id} page count"
             assert gs.num_empty == sum(len(p.empty) for p in owned), "empty count"
             assert set(gs.open_pages) == {p.index for p in owned if p.empty}, "open pages"
-            assert set(gs.unused_pages) == {p.index for p in owned if p.num_used == 0}, \
-                "unused pages"
+            unused = {p.index for p in owned if p.num_used == 0}
+            if gs.track_unused:
+                assert set(gs.unused_pages) == unused, "unused pages"
+            else:
+                assert not gs.unused_pages, "untracked unused pages"
+                assert unused == {b.page.index for b in gs.lru.values()}, "unused pages"
             per_page = gs.blocks_per_page
             blocks = [b for p in owned for b in gs.blocks[p.index * per_page:
                                                            (p.index + 1) * per_page]]

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from hybridkv.kv.block_pool import Block, BlockPool, BlockRemoved, BlockStored
 from hybridkv.kv.coordinator import make_coordinator
+from hybridkv.kv.managers.base import NEVER
 from hybridkv.kv.plan import KVCacheConfig
 from hybridkv.kv.request import KVRequest
 
@@ -65,6 +66,8 @@ class KVCacheManager:
         self.managers = self.coordinator.managers
         self.stats = PrefixCacheStats(hit_tokens_per_group=[0] * len(self.managers))
         self._no_blocks = KVCacheBlocks(tuple([] for _ in self.managers))
+        # Per request: token counts below which allocate_slots has nothing to do.
+        self._quiet: dict[str, tuple[int, int, int]] = {}
 
     @property
     def num_groups(self) -> int:
@@ -100,6 +103,13 @@ class KVCacheManager:
         num_tokens = min(total_computed + num_new_tokens + num_lookahead_tokens,
                          self.max_model_len)
         hit = new_computed_blocks.blocks if new_computed_blocks is not None else None
+        num_to_cache = min(total_computed + num_new_tokens, request.num_tokens)
+        if hit is None:
+            # Most decode steps stay inside the last block: nothing to drop, allocate or cache.
+            quiet = self._quiet.get(request.request_id)
+            if (quiet is not None and num_tokens <= quiet[0] and num_to_cache <= quiet[1]
+                    and num_computed <= quiet[2]):
+                return self._no_blocks
         # Blocks that no future token can attend to go back before anything is counted.
         for m in managers:
             m.drop_skipped_blocks(request, num_computed)
@@ -124,14 +134,21 @@ class KVCacheManager:
         else:
             new = self._no_blocks
         if self.enable_caching:
-            num_to_cache = min(total_computed + num_new_tokens, request.num_tokens)
             for m in managers:
                 m.cache_blocks(request, num_to_cache)
+        self._quiet[request.request_id] = self._quiet_limits(request, num_computed)
         return new
+
+    def _quiet_limits(self, request: KVRequest, num_computed: int) -> tuple[int, int, int]:
+        limits = [m.quiet_limits(request, num_computed) for m in self.managers]
+        max_tokens = min(lim[0] for lim in limits)
+        max_cache = min(lim[1] for lim in limits) if self.enable_caching else NEVER
+        return max_tokens, max_cache, min(lim[2] for lim in limits)
 
     def free(self, request: KVRequest) -> None:
         """Release every block of a finished or preempted request (cached ones stay
         hit-able until evicted)."""
+        self._quiet.pop(request.request_id, None)
         for m in self.managers:
             m.free(request)
 

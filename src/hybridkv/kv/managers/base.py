@@ -18,6 +18,8 @@ from hybridkv.kv.plan import KVCacheGroup
 from hybridkv.kv.request import KVRequest
 from hybridkv.kv.spec import cdiv
 
+NEVER = 1 << 62  # a token count no request reaches
+
 
 class SingleTypeManager:
     """Hits, block counts, drops, allocation and caching for the layers of one group."""
@@ -89,7 +91,7 @@ class SingleTypeManager:
             dropped.append(blocks[i])
             blocks[i] = null
         if dropped:
-            self.pool.free(dropped)
+            self.pool.free(self.group_id, dropped)
 
     def num_blocks_to_allocate(self, request: KVRequest, num_tokens: int,
                                num_new_computed_blocks: int) -> int:
@@ -120,15 +122,8 @@ class SingleTypeManager:
         start = self.num_cached.get(rid, 0)
         if num_full <= start:
             return
-        blocks = self.req_blocks[rid]
-        hashes = request.block_hashes
-        stride = self.stride
-        cache = self.pool.cache
-        null = self.null_block
-        for i in range(start, num_full):
-            block = blocks[i]
-            if block is not null:
-                cache(block, hashes[(i + 1) * stride - 1])
+        self.pool.cache_run(self.group_id, self.req_blocks[rid], start, num_full,
+                            request.block_hashes, self.stride)
         self.num_cached[rid] = num_full
 
     def free(self, request: KVRequest) -> None:
@@ -136,7 +131,23 @@ class SingleTypeManager:
         self.num_cached.pop(request.request_id, None)
         if blocks:
             # Last block first: the tail of a prefix is evicted before its head.
-            self.pool.free(reversed(blocks))
+            self.pool.free(self.group_id, reversed(blocks))
+
+    def quiet_limits(self, request: KVRequest, num_computed_tokens: int) -> tuple[int, int, int]:
+        """Bounds under which a later call has nothing to do for this group:
+        (most tokens the blocks cover, most tokens to cache without a new full block,
+        most computed tokens before another block falls out of use). Exact where cheap,
+        never too large."""
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        if not blocks:
+            return 0, 0, 0
+        cached_limit = (self.num_cached.get(rid, 0) + 1) * self.block_size - 1
+        return len(blocks) * self.block_size, cached_limit, self.next_drop(num_computed_tokens) - 1
+
+    def next_drop(self, num_computed_tokens: int) -> int:
+        """The fewest computed tokens at which `drop_skipped_blocks` could drop more."""
+        return NEVER
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]

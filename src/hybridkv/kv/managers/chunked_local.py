@@ -27,6 +27,9 @@ class ChunkedLocalManager(SingleTypeManager):
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return num_computed_tokens // self.chunk * self.chunk
 
+    def next_drop(self, num_computed_tokens: int) -> int:
+        return (num_computed_tokens // self.chunk + 1) * self.chunk
+
     @classmethod
     def find_longest_cache_hit(cls, managers: Sequence[SingleTypeManager],
                                block_hashes: Sequence[BlockHash], max_length: int,

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from hybridkv.kv.block_pool import Block
 from hybridkv.kv.hashing import BlockHash
-from hybridkv.kv.managers.base import SingleTypeManager
+from hybridkv.kv.managers.base import NEVER, SingleTypeManager
 from hybridkv.kv.request import KVRequest
 from hybridkv.kv.spec import cdiv
 
@@ -24,6 +24,11 @@ class CrossAttentionManager(SingleTypeManager):
         if request.request_id in self.req_blocks:
             return 0
         return cdiv(request.num_encoder_tokens, self.block_size)
+
+    def quiet_limits(self, request: KVRequest, num_computed_tokens: int) -> tuple[int, int, int]:
+        if request.request_id not in self.req_blocks:
+            return 0, 0, 0
+        return NEVER, NEVER, NEVER
 
     def cache_blocks(self, request: KVRequest, num_tokens: int) -> None:
         return  # encoder KV is per request

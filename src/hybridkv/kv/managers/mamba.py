@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from hybridkv.kv.block_pool import Block, BlockPool
 from hybridkv.kv.hashing import BlockHash
-from hybridkv.kv.managers.base import SingleTypeManager
+from hybridkv.kv.managers.base import NEVER, SingleTypeManager
 from hybridkv.kv.plan import KVCacheGroup
 from hybridkv.kv.request import KVRequest
 from hybridkv.kv.spec import MambaSpec
@@ -56,7 +56,7 @@ class MambaManager(SingleTypeManager):
         dropped = [b for b in blocks[:-live] if b is not null]
         if dropped:
             blocks[:-live] = [null] * (len(blocks) - live)
-            self.pool.free(dropped)
+            self.pool.free(self.group_id, dropped)
 
     def num_blocks_to_allocate(self, request: KVRequest, num_tokens: int,
                                num_new_computed_blocks: int) -> int:
@@ -71,6 +71,13 @@ class MambaManager(SingleTypeManager):
     def free(self, request: KVRequest) -> None:
         self.has_live_state.discard(request.request_id)
         super().free(request)
+
+    def quiet_limits(self, request: KVRequest, num_computed_tokens: int) -> tuple[int, int, int]:
+        blocks = self.req_blocks.get(request.request_id)
+        if request.request_id not in self.has_live_state or not blocks:
+            return 0, 0, 0
+        holds_checkpoint = any(b is not self.null_block for b in blocks[:-self.num_live_blocks])
+        return NEVER, NEVER, 0 if holds_checkpoint else NEVER
 
     def cache_blocks(self, request: KVRequest, num_tokens: int) -> None:
         return  # checkpoints are saved by copy, not by registering the live state

@@ -9,21 +9,37 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hybridkv.kv.block_pool import Block
+from hybridkv.kv.block_pool import Block, BlockPool
 from hybridkv.kv.hashing import BlockHash
 from hybridkv.kv.managers.base import SingleTypeManager
+from hybridkv.kv.plan import KVCacheGroup
+from hybridkv.kv.request import KVRequest
 from hybridkv.kv.spec import SlidingWindowSpec, cdiv
 
 
 class SlidingWindowManager(SingleTypeManager):
-    @property
-    def window(self) -> int:
+    def __init__(self, group: KVCacheGroup, pool: BlockPool, hash_block_size: int) -> None:
+        super().__init__(group, pool, hash_block_size)
         assert isinstance(self.spec, SlidingWindowSpec)
-        return self.spec.sliding_window
+        self.window = self.spec.sliding_window
 
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         # The next token (position num_computed_tokens) looks back window - 1 positions.
         return max(0, num_computed_tokens - self.window + 1)
+
+    def next_drop(self, num_computed_tokens: int) -> int:
+        dropped = max(0, self.num_skipped_tokens(num_computed_tokens) // self.block_size)
+        return (dropped + 1) * self.block_size + self.window - 1
+
+    def drop_skipped_blocks(self, request: KVRequest, num_computed_tokens: int) -> None:
+        # Called every step for every request: the common "nothing new to drop" case first.
+        num_skipped = (num_computed_tokens - self.window + 1) // self.block_size
+        if num_skipped <= 0:
+            return
+        blocks = self.req_blocks.get(request.request_id)
+        if not blocks or blocks[min(num_skipped, len(blocks)) - 1] is self.null_block:
+            return
+        super().drop_skipped_blocks(request, num_computed_tokens)
 
     @classmethod
     def find_longest_cache_hit(cls, managers: Sequence[SingleTypeManager],
