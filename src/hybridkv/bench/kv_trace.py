@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 import struct
 import time
 from collections import deque
@@ -215,9 +216,16 @@ def run_kv_trace(prompts: list[list[int]], config: KVCacheConfig, *, decode_toke
         steps=steps, preemptions=preemptions)
 
 
+def median_result(results: list[KVBenchResult]) -> KVBenchResult:
+    """Each figure's median over repeated runs (counts are identical run to run)."""
+    rows = [asdict(r) for r in results]
+    return KVBenchResult(**{key: statistics.median(row[key] for row in rows)
+                            for key in rows[0]})
+
+
 def bench_kv(configs: list[str], *, memory_bytes: int = DEFAULT_MEMORY,
              num_requests: int = 512, trace_file: Path | None = None,
-             as_json: bool = False) -> str:
+             repeat: int = 1, as_json: bool = False) -> str:
     if trace_file is not None:
         prompts, checksum = read_trace(trace_file)
     else:
@@ -226,12 +234,16 @@ def bench_kv(configs: list[str], *, memory_bytes: int = DEFAULT_MEMORY,
     if expected is not None and checksum != expected:
         raise ValueError(f"trace checksum {checksum} != {expected}: the trace differs from "
                          f"kv-trace.md")
-    results = {name: run_kv_trace(prompts, kv_config(name, memory_bytes)) for name in configs}
+    results = {}
+    for name in configs:
+        config = kv_config(name, memory_bytes)
+        results[name] = median_result([run_kv_trace(prompts, config) for _ in range(repeat)])
     if as_json:
         if len(results) == 1:
             return json.dumps(asdict(next(iter(results.values()))))
         return json.dumps({name: asdict(r) for name, r in results.items()})
-    lines = [f"trace: {len(prompts)} requests, checksum {checksum}, memory {memory_bytes} bytes",
+    lines = [f"trace: {len(prompts)} requests, checksum {checksum}, memory {memory_bytes} bytes"
+             + (f", medians of {repeat} runs" if repeat > 1 else ""),
              f"{'config':8} {'wall s':>7} {'alloc us':>9} {'decode':>7} {'admit':>8} "
              f"{'gcb us':>7} {'free us':>8} {'hit / queried tokens':>24} {'peak GiB':>9} "
              f"{'steps':>6} {'preempt':>7}"]

@@ -392,6 +392,25 @@ class BlockPool:
             self.events.append(BlockRemoved(gs.group_id, (block_hash,)))
         return block
 
+    def evict_blocks(self, group_id: int, blocks: Iterable[Block]) -> int:
+        """Forget the given cached blocks that nobody holds (e.g. a tier found their
+        content stale). Returns how many were evicted; held or uncached ones are skipped."""
+        gs = self.groups[group_id]
+        count = 0
+        for block in blocks:
+            if block.ref_cnt or block.block_hash is None or not block.block_id:
+                continue
+            self._evict(gs, block)
+            count += 1
+            page = block.page
+            page.empty.append(block)
+            gs.num_empty += 1
+            if len(page.empty) == 1:
+                gs.open_pages[page.index] = page
+            if page.num_hashed == 0 and page.num_used == 0:
+                self._release_page(gs, page)
+        return count
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Refused (False) while any request holds blocks."""
         if any(gs.num_used for gs in self.groups):

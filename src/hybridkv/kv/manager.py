@@ -46,7 +46,8 @@ class PrefixCacheStats:
     num_queries: int = 0  # lookups
     num_queried_tokens: int = 0
     num_hit_tokens: int = 0
-    # Tokens each group alone would have reused, summed over lookups.
+    # Per group, summed over lookups: the hit it allowed when first asked. Groups are asked
+    # full attention first, each bounded by the candidate the groups before it left.
     hit_tokens_per_group: list[int] = field(default_factory=list)
 
     @property

@@ -1,0 +1,164 @@
+"""`hybridkv plan | bench kv`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from hybridkv.kv.plan import KVCachePlan, format_bytes, parse_bytes, plan_kv_cache
+from hybridkv.kv.spec import dtype_size
+from hybridkv.models.layer_mix import kv_layout_from_config, load_hf_config
+
+DEFAULT_MODEL = "gemma-3-27b-it"
+
+
+class CLIError(Exception):
+    """A user mistake: printed as one line, exit status 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def _memory(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _dtype(text: str) -> str:
+    try:
+        dtype_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridkv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="plan the KV cache of a model for a memory budget")
+    plan.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                      help="model directory, config.json, or a shipped model name "
+                           f"(default {DEFAULT_MODEL})")
+    plan.add_argument("--memory", type=_memory, default=parse_bytes("40GiB"),
+                      help="KV cache bytes, plain or with a unit (default 40GiB)")
+    plan.add_argument("--max-model-len", type=_positive_int, default=131072)
+    plan.add_argument("--block-size", type=_positive_int, default=16)
+    plan.add_argument("--kv-dtype", type=_dtype, default=None,
+                      help="KV cache dtype (default: the model's dtype)")
+    plan.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
+    plan.add_argument("--no-hybrid", action="store_true",
+                      help="treat sliding-window and chunked layers as full attention")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+
+    bench = sub.add_parser("bench", help="benchmarks that print their figures")
+    suites = bench.add_subparsers(dest="suite", required=True)
+    kv = suites.add_parser("kv", help="the KV manager trace of shared/bench/kv-trace.md")
+    kv.add_argument("--config", choices=["hybrid", "full", "both"], default="both")
+    kv.add_argument("--memory", type=_memory, default=None,
+                    help="byte budget (default: 20,000 four-layer 64 KiB blocks)")
+    kv.add_argument("--num-requests", type=_positive_int, default=512)
+    kv.add_argument("--trace", type=Path, default=None,
+                    help="a trace file written by make_kv_trace.py (default: generate it)")
+    kv.add_argument("--repeat", type=_positive_int, default=1,
+                    help="run N times and report the median of each figure")
+    kv.add_argument("--json", action="store_true")
+    return parser
+
+
+def cmd_plan(args: argparse.Namespace) -> str:
+    config = load_hf_config(args.model)
+    layout = kv_layout_from_config(config, block_size=args.block_size, kv_dtype=args.kv_dtype)
+    common = dict(max_model_len=args.max_model_len,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  kv_sharing=layout.kv_sharing)
+    main = plan_kv_cache(layout.layer_specs, args.memory, hybrid=not args.no_hybrid, **common)
+    other = plan_kv_cache(layout.layer_specs, args.memory, hybrid=args.no_hybrid, strict=False,
+                          **common)
+    hybrid, no_hybrid = (other, main) if args.no_hybrid else (main, other)
+    if args.json:
+        summary = main.summary()
+        summary["model_type"] = layout.model_type
+        summary["no_hybrid"] = {k: v for k, v in no_hybrid.summary().items() if k != "groups"}
+        summary["hybrid_gain"] = (hybrid.max_concurrency / no_hybrid.max_concurrency
+                                  if no_hybrid.max_concurrency else None)
+        return json.dumps(summary)
+    return _plan_table(args.model, layout.model_type, main, hybrid, no_hybrid)
+
+
+def _plan_table(model: str, model_type: str, main: KVCachePlan, hybrid: KVCachePlan,
+                no_hybrid: KVCachePlan) -> str:
+    cfg = main.config
+    lines = [
+        f"{model} ({model_type}): {format_bytes(main.memory_bytes)} KV cache, max_model_len "
+        f"{main.max_model_len}, max_num_batched_tokens {main.max_num_batched_tokens}, "
+        f"hybrid management {'on' if main.hybrid else 'off'}",
+        "",
+        f"{'group':>5}  {'kind':<15} {'window':>7} {'layers':>6} {'shared':>6} "
+        f"{'block tok':>9} {'block bytes':>12} {'blocks/page':>11} {'pad/page':>10}",
+    ]
+    for g in cfg.groups:
+        window = getattr(g.spec, "sliding_window", None) or getattr(
+            g.spec, "attention_chunk_size", None) or "-"
+        lines.append(
+            f"{g.group_id:>5}  {g.spec.kind:<15} {window!s:>7} {len(g.layer_names):>6} "
+            f"{len(g.shared_layer_names):>6} {g.block_size:>9} {format_bytes(g.block_bytes):>12} "
+            f"{g.blocks_per_large_page:>11} "
+            f"{format_bytes(g.padding_bytes_per_large_page(cfg.large_page_bytes)):>10}")
+    lines += [
+        "",
+        f"large page            {format_bytes(cfg.large_page_bytes)} x {cfg.num_large_pages} "
+        f"(arena {format_bytes(cfg.arena_bytes)}, page 0 holds the null blocks)",
+        f"padding               {format_bytes(main.padding_bytes)}",
+        f"ideal bytes / token   {main.ideal_bytes_per_token:,.1f} (at max_model_len)",
+        f"capacity              {main.capacity_tokens:,} tokens",
+        f"max concurrency       {main.max_concurrency:.2f} requests of {main.max_model_len} "
+        f"tokens ({main.ideal_fraction:.2%} of the physical limit)",
+        "",
+        f"hybrid on vs off      {hybrid.max_concurrency:.2f} vs {no_hybrid.max_concurrency:.2f} "
+        f"requests at max_model_len",
+    ]
+    lines += [f"warning: {w}" for w in (*main.warnings,
+                                         *(f"without hybrid management: {w}"
+                                           for w in no_hybrid.warnings if main.hybrid))]
+    return "\n".join(lines)
+
+
+def cmd_bench(args: argparse.Namespace) -> str:
+    from hybridkv.bench.kv_trace import DEFAULT_MEMORY, bench_kv
+
+    configs = ["hybrid", "full"] if args.config == "both" else [args.config]
+    return bench_kv(configs, memory_bytes=args.memory or DEFAULT_MEMORY,
+                    num_requests=args.num_requests, trace_file=args.trace,
+                    repeat=args.repeat, as_json=args.json)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "plan":
+            out = cmd_plan(args)
+        else:
+            out = cmd_bench(args)
+    except (ValueError, CLIError, OSError) as e:
+        print(f"hybridkv {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""Narrated scenarios on KVCacheManager with toy specs (block size 4)."""
+
+import pytest
+
+from hybridkv.kv.manager import KVCacheManager
+from hybridkv.kv.plan import KVCacheConfig, KVCacheGroup
+from hybridkv.kv.request import KVRequest
+from hybridkv.kv.spec import FullAttentionSpec
+from tests.kv.toy import (
+    admit,
+    chunked,
+    cross,
+    decode,
+    full,
+    mamba,
+    request,
+    sliding,
+    toy_manager,
+)
+
+PROMPT = list(range(100, 118))  # 18 tokens: 4 full blocks + 2 tokens
+
+
+def test_full_attention_second_request_hits_the_shared_prefix():
+    m = toy_manager(full(), num_pages=20)
+    a = request("a", PROMPT)
+    assert admit(m, a) == 0
+    assert m.get_block_ids("a") == [[1, 2, 3, 4, 5]]
+    b = request("b", PROMPT[:12] + [1, 2, 3, 4, 5])
+    # 3 shared blocks; the 4th differs at token 13.
+    assert admit(m, b) == 12
+    assert m.get_block_ids("b") == [[1, 2, 3, 6, 7]]
+    assert [blk.ref_cnt for blk in m.pool.groups[0].blocks[1:4]] == [2, 2, 2]
+    assert m.stats.num_hit_tokens == 12 and m.stats.num_queried_tokens == 35
+    m.check_integrity()
+
+
+def test_a_hit_never_covers_the_last_token():
+    m = toy_manager(full(), num_pages=20)
+    admit(m, request("a", PROMPT[:16]))
+    # Same 16 tokens: the 4th block is cached but the last token must be recomputed.
+    assert admit(m, request("b", PROMPT[:16])) == 12
+
+
+def test_cache_salt_separates_otherwise_equal_prompts():
+    m = toy_manager(full(), num_pages=20)
+    admit(m, request("a", PROMPT, cache_salt="alice"))
+    assert admit(m, request("b", PROMPT, cache_salt="bob")) == 0
+    assert admit(m, request("c", PROMPT, cache_salt="alice")) == 16
+
+
+def test_sliding_window_drops_blocks_out_of_the_window():
+    m = toy_manager(sliding(8), num_pages=20)
+    a = request("a", PROMPT)  # 18 tokens -> 5 blocks
+    admit(m, a)
+    assert m.get_block_ids("a") == [[1, 2, 3, 4, 5]]
+    # Token 18 attends to positions 11..18: blocks 0 and 1 (positions 0..7) fall out.
+    assert decode(m, a, 7)
+    assert m.get_block_ids("a") == [[0, 0, 3, 4, 5]]
+    m.check_integrity()
+
+
+def test_sliding_window_hit_needs_only_the_window_before_the_hit_point():
+    m = toy_manager(sliding(8), num_pages=20)
+    admit(m, request("a", PROMPT))
+    m.free(request("a", PROMPT))
+    # Evict block 1 (positions 0..3): a full-attention hit would now be 0 tokens.
+    assert m.pool.evict_blocks(0, [m.pool.groups[0].blocks[1]]) == 1
+    # Window 8 needs ceil(7/4) = 2 blocks before the hit point: blocks 2, 3 -> hit 16.
+    b = request("b", PROMPT + [1])
+    assert admit(m, b) == 16
+    assert m.get_block_ids("b")[0][:4] == [0, 0, 3, 4]
+    m.check_integrity()
+
+
+def test_chunked_local_hit_at_a_chunk_boundary_needs_no_block():
+    m = toy_manager(chunked(8), num_pages=20)
+    # Nothing is cached, yet in a model of only chunked layers tokens 16.. do not depend on
+    # tokens 0..15 at all: the chunk boundary is a hit with no block.
+    a = request("a", PROMPT)
+    assert admit(m, a) == 16
+    assert m.get_block_ids("a") == [[0, 0, 0, 0, 1]]
+    for t in range(6):  # tokens 18..23 stay in chunk 16..23
+        assert decode(m, a, t)
+    assert m.get_block_ids("a") == [[0, 0, 0, 0, 1, 2]]
+    assert decode(m, a, 6)  # token 24 starts a new chunk
+    assert decode(m, a, 7)  # computed 25: blocks 4, 5 (tokens 16..23) fall out
+    assert m.get_block_ids("a") == [[0, 0, 0, 0, 0, 0, 3]]
+    m.check_integrity()
+
+
+def test_chunked_local_within_a_chunk_needs_its_blocks():
+    m = toy_manager(full(), chunked(8), num_pages=40)
+    admit(m, request("a", PROMPT + [1, 2]))  # 20 tokens: 5 full blocks cached
+    # Full allows 20; the chunked group at 20 needs its chunk's blocks from 16: block 4.
+    b = request("b", PROMPT + [1, 2, 3, 4])
+    assert admit(m, b) == 20
+    assert m.get_block_ids("b")[1][:5] == [0, 0, 0, 0, 10]
+    m.check_integrity()
+
+
+def test_hybrid_hit_is_the_fixed_point_over_all_groups():
+    # Full, sliding window 8 and chunk 8, blocks of 4 tokens.
+    m = toy_manager(full(), sliding(8), chunked(8), num_pages=60)
+    a = request("a", PROMPT)
+    admit(m, a)
+    # Chunked alone would let a skip tokens 0..15, but the other groups need them.
+    assert m.get_block_ids("a") == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15]]
+    b = request("b", PROMPT + [9, 9, 9])
+    # Full allows 16 (a's 4 full blocks); sliding needs blocks 2, 3 before 16: cached;
+    # chunked: 16 is a chunk boundary.
+    assert admit(m, b) == 16
+    assert m.get_block_ids("b") == [[1, 2, 3, 4, 16, 17], [0, 0, 8, 9, 18, 19],
+                                    [0, 0, 0, 0, 20, 21]]
+    assert m.stats.hit_tokens_per_group == [16, 16, 16]  # a's lookup added 0s
+    m.check_integrity()
+
+
+def test_hybrid_hit_lowers_when_one_group_lacks_its_window():
+    m = toy_manager(full(), sliding(8), num_pages=40)
+    admit(m, request("a", PROMPT))
+    m.free(request("a", PROMPT))
+    # Evict sliding-window block 3 (positions 12..15) only: a's sliding blocks are 6..10.
+    assert m.get_block_ids("a") == [[], []]
+    assert m.pool.evict_blocks(1, [m.pool.groups[1].blocks[9]]) == 1
+    b = request("b", PROMPT + [5])
+    # Full allows 16, sliding at 16 lacks block 3; at 12 it has blocks 1, 2 -> both 12.
+    assert admit(m, b) == 12
+    assert m.stats.hit_tokens_per_group == [16, 12]
+    m.check_integrity()
+
+
+def test_mamba_hit_needs_a_checkpoint_exactly_at_the_hit_point():
+    m = toy_manager(full(), mamba(), num_pages=40)
+    a = request("a", PROMPT)
+    admit(m, a)
+    assert m.get_block_ids("a") == [[1, 2, 3, 4, 5], [6]]  # one state, whatever the length
+    b = request("b", PROMPT + [5])
+    assert m.get_computed_blocks(b).num_computed_tokens == 0  # no checkpoint saved
+    # Save a checkpoint of the state after 8 tokens (the model runner's job, by hand here).
+    pool = m.pool
+    [ckpt] = pool.take(1, 1)
+    pool.cache(ckpt, b.block_hashes[1])
+    pool.free(1, [ckpt])
+    hit = m.get_computed_blocks(b)
+    assert hit.num_computed_tokens == 8
+    assert hit.blocks.block_ids()[1] == [0, ckpt.block_id]
+    assert ckpt.block_id == 7
+    m.allocate_slots(b, b.num_tokens - 8, 8, hit.blocks)
+    b.num_computed_tokens = b.num_tokens
+    assert m.get_block_ids("b") == [[1, 2, 8, 9, 10], [0, 7, 11]]
+    decode(m, b, 1)  # the checkpoint was consumed: released
+    assert m.get_block_ids("b")[1] == [0, 0, 11]
+    m.check_integrity()
+
+
+def test_cross_attention_blocks_follow_the_encoder_length():
+    m = toy_manager(full(), cross(10), num_pages=40)
+    a = request("a", PROMPT[:5], num_encoder_tokens=10)
+    admit(m, a)
+    assert m.get_block_ids("a") == [[1, 2], [3, 4, 5]]
+    for t in range(4):  # the 9th token needs a third decoder block, no encoder block
+        decode(m, a, t)
+    assert m.get_block_ids("a") == [[1, 2, 6], [3, 4, 5]]
+    m.check_integrity()
+
+
+def test_allocation_is_all_or_nothing():
+    m = toy_manager(full(), sliding(8), num_pages=9)  # 8 usable pages
+    a = request("a", PROMPT[:16])
+    admit(m, a)  # 4 + 4 blocks: all 8 pages
+    before = m.get_block_ids("a")
+    b = request("b", [1, 2, 3])
+    assert m.allocate_slots(b, 3) is None
+    assert m.get_block_ids("b") == [[], []]
+    assert m.get_block_ids("a") == before
+    m.check_integrity()
+    m.free(a)
+    assert m.allocate_slots(b, 3) is not None
+    m.check_integrity()
+
+
+def test_preempted_request_recomputes_from_its_own_cached_blocks():
+    m = toy_manager(full(), num_pages=20)
+    a = request("a", PROMPT)
+    admit(m, a)
+    for t in range(3):
+        decode(m, a, t)
+    m.free(a)
+    a.num_computed_tokens = 0
+    assert admit(m, a) == 20  # 21 tokens: 5 full blocks cached
+    m.check_integrity()
+
+
+def test_lookahead_tokens_get_blocks_but_are_not_cached():
+    m = toy_manager(full(), num_pages=20)
+    a = request("a", PROMPT[:8])
+    new = m.allocate_slots(a, 8, num_lookahead_tokens=4)
+    assert new.block_ids() == [[1, 2, 3]]
+    assert m.pool.groups[0].blocks[3].block_hash is None
+
+
+def test_no_prefix_caching_never_hits_and_never_caches():
+    m = toy_manager(full(), sliding(8), num_pages=40, enable_caching=False)
+    admit(m, request("a", PROMPT))
+    assert admit(m, request("b", PROMPT)) == 0
+    assert not m.pool.groups[0].cached
+
+
+def test_everything_freed_leaves_no_block_in_use():
+    m = toy_manager(full(), sliding(8), chunked(8), num_pages=80)
+    reqs = [request(str(i), PROMPT[: 8 + i]) for i in range(5)]
+    for r in reqs:
+        admit(m, r)
+        decode(m, r, 1)
+    for r in reqs:
+        m.free(r)
+    assert m.usage == 0.0
+    assert all(gs.num_used == 0 for gs in m.pool.groups)
+    m.check_integrity()
+
+
+def test_bad_calls_are_refused():
+    m = toy_manager(full(), num_pages=20)
+    with pytest.raises(ValueError, match="num_new_tokens must be >= 1"):
+        m.allocate_slots(request("a", PROMPT), 0)
+    with pytest.raises(ValueError, match="hash_block_size must be >= 1"):
+        KVRequest("x", [1], hash_block_size=0)
+
+
+def test_groups_with_a_larger_block_size_use_every_kth_hash():
+    # Group 0 has blocks of 4 tokens, group 1 of 8: hashes are per 4 tokens, hits align to 8.
+    def spec(bs):
+        return FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype="fp32")
+    groups = (KVCacheGroup(0, spec(4), ("a",), (32,), 2),
+              KVCacheGroup(1, spec(8), ("b",), (64,), 1))
+    m = KVCacheManager(KVCacheConfig(groups, 64, 30), max_model_len=1024)
+    assert m.config.hash_block_size == 4 and m.config.hit_alignment == 8
+    admit(m, request("a", PROMPT))
+    assert admit(m, request("b", PROMPT[:14] + [0, 0])) == 8
+    m.check_integrity()
