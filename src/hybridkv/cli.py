@@ -149,10 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.command == "plan":
-            out = cmd_plan(args)
-        else:
-            out = cmd_bench(args)
+        out = cmd_plan(args) if args.command == "plan" else cmd_bench(args)
     except (ValueError, CLIError, OSError) as e:
         print(f"hybridkv {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -182,6 +182,10 @@ def run_kv_trace(prompts: list[list[int]], config: KVCacheConfig, *, decode_toke
                 num_gcb += 1
                 num_admit += 1
                 if new is None:
+                    if not running:
+                        raise ValueError(
+                            f"request {req.request_id} ({req.num_tokens} tokens) does not fit "
+                            f"in an empty KV cache; raise --memory")
                     break
                 waiting.popleft()
                 running.append(req)

@@ -254,9 +254,10 @@ class BlockPool:
         removed: list[BlockHash] | None = [] if self.enable_events else None
         for _ in range(min(need, len(lru))):
             _, block = lru.popitem(last=False)
+            block_hash: BlockHash = block.block_hash  # type: ignore[assignment]  # cached
             if removed is not None:
-                removed.append(block.block_hash)  # type: ignore[arg-type]
-            del cached[block.block_hash]
+                removed.append(block_hash)
+            del cached[block_hash]
             block.block_hash = None
             block.ref_cnt = 1
             page = block.page
@@ -363,7 +364,7 @@ class BlockPool:
         (the null block and duplicates of cached content are skipped)."""
         gs = self.groups[group_id]
         cached = gs.cached
-        stored: list[Block] | None = [] if self.enable_events else None
+        stored: list[tuple[BlockHash, int]] | None = [] if self.enable_events else None
         for i in range(start, end):
             block = blocks[i]
             if not block.block_id or block.block_hash is not None:
@@ -375,10 +376,10 @@ class BlockPool:
             cached[block_hash] = block
             block.page.num_hashed += 1
             if stored is not None:
-                stored.append(block)
+                stored.append((block_hash, block.block_id))
         if stored:
-            self.events.append(BlockStored(group_id, tuple(b.block_hash for b in stored),
-                                           tuple(b.block_id for b in stored)))
+            hashes, ids = zip(*stored, strict=True)
+            self.events.append(BlockStored(group_id, hashes, ids))
 
     def _evict(self, gs: _GroupState, block: Block) -> Block:
         """Forget a cached block with ref 0; it becomes empty (not yet in `page.empty`)."""

@@ -87,9 +87,9 @@ class HybridCoordinator(KVCacheCoordinator):
                 if length < candidate:
                     candidate, stable = length, False
         result: list[list[Block]] = [[] for _ in self.managers]
-        for group_ids, found in zip(self.lookups, hits, strict=True):
-            assert found is not None
-            for g, blocks in zip(group_ids, found, strict=True):
+        for group_ids, group_hits in zip(self.lookups, hits, strict=True):
+            assert group_hits is not None
+            for g, blocks in zip(group_ids, group_hits, strict=True):
                 result[g] = blocks[:candidate // self.managers[g].block_size]
         return tuple(result), candidate, own
 

@@ -1,0 +1,35 @@
+import json
+import subprocess
+import sys
+
+from hybridkv.cli import main
+
+
+def test_plan_default_model_prints_a_table(capsys):
+    assert main(["plan"]) == 0
+    out = capsys.readouterr().out
+    assert "gemma-3-27b-it" in out and "max concurrency" in out
+
+
+def test_plan_json_has_hybrid_and_no_hybrid_figures(capsys):
+    assert main(["plan", "gpt-oss-20b", "--memory", "40GiB", "--max-num-batched-tokens",
+                 "512", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["ideal_fraction"] >= 0.99
+    assert plan["no_hybrid"]["max_concurrency"] < plan["max_concurrency"]
+    assert plan["hybrid_gain"] > 1.9
+
+
+def test_plan_errors_are_one_line(capsys):
+    for argv in (["plan", "no-such-model"], ["plan", "gpt-oss-20b", "--memory", "0"],
+                 ["plan", "gpt-oss-20b", "--memory", "1MiB"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("hybridkv plan: error:"), err
+
+
+def test_console_script_rejects_bad_flags_without_a_traceback():
+    out = subprocess.run([sys.executable, "-m", "hybridkv.cli", "plan", "--memory", "lots"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr and "cannot read 'lots'" in out.stderr
