@@ -62,6 +62,7 @@ class HybridCoordinator(KVCacheCoordinator):
         # Monotone kinds first: their answer starts the candidate off low.
         self.lookups = sorted(buckets.values(),
                               key=lambda ids: not self.managers[ids[0]].hit_is_monotone)
+        self.lookup_managers = [[self.managers[g] for g in ids] for ids in self.lookups]
 
     def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int
                                ) -> tuple[tuple[list[Block], ...], int, list[int]]:
@@ -72,8 +73,8 @@ class HybridCoordinator(KVCacheCoordinator):
         stable = False
         while not stable:
             stable = True
-            for k, group_ids in enumerate(self.lookups):
-                managers = [self.managers[g] for g in group_ids]
+            for k, (group_ids, managers) in enumerate(
+                    zip(self.lookups, self.lookup_managers, strict=True)):
                 first = managers[0]
                 if hits[k] is not None and (lengths[k] == candidate or first.hit_is_monotone):
                     continue  # still valid at the candidate (after trimming)

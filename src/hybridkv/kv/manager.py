@@ -96,21 +96,22 @@ class KVCacheManager:
         """Blocks for `num_new_tokens` more tokens (after adopting a prefix hit of
         `num_new_computed_tokens` tokens), in every group, or None if they do not all fit.
         Returns only the newly allocated blocks per group."""
+        num_computed = request.num_computed_tokens
+        total_computed = num_computed + num_new_computed_tokens
+        if new_computed_blocks is None and num_new_tokens > 0:
+            # Most decode steps stay inside the last block: nothing to drop, allocate or cache.
+            quiet = self._quiet.get(request.request_id)
+            if (quiet is not None and num_computed <= quiet[2]
+                    and total_computed + num_new_tokens <= quiet[1]
+                    and total_computed + num_new_tokens + num_lookahead_tokens <= quiet[0]):
+                return self._no_blocks
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
         managers = self.managers
-        num_computed = request.num_computed_tokens
-        total_computed = num_computed + num_new_computed_tokens
         num_tokens = min(total_computed + num_new_tokens + num_lookahead_tokens,
                          self.max_model_len)
-        hit = new_computed_blocks.blocks if new_computed_blocks is not None else None
         num_to_cache = min(total_computed + num_new_tokens, request.num_tokens)
-        if hit is None:
-            # Most decode steps stay inside the last block: nothing to drop, allocate or cache.
-            quiet = self._quiet.get(request.request_id)
-            if (quiet is not None and num_tokens <= quiet[0] and num_to_cache <= quiet[1]
-                    and num_computed <= quiet[2]):
-                return self._no_blocks
+        hit = new_computed_blocks.blocks if new_computed_blocks is not None else None
         # Blocks that no future token can attend to go back before anything is counted.
         for m in managers:
             m.drop_skipped_blocks(request, num_computed)

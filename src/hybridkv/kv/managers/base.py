@@ -44,6 +44,8 @@ class SingleTypeManager:
         self.stride = group.block_size // hash_block_size
         self.req_blocks: dict[str, list[Block]] = {}
         self.num_cached: dict[str, int] = {}
+        # Leading blocks already dropped (all null), so freeing can skip them.
+        self.num_dropped: dict[str, int] = {}
 
     def hit_key(self) -> tuple[object, ...]:
         """Groups with equal keys answer hit lookups identically and share one lookup."""
@@ -92,6 +94,7 @@ class SingleTypeManager:
             blocks[i] = null
         if dropped:
             self.pool.free(self.group_id, dropped)
+        self.num_dropped[request.request_id] = num_skipped
 
     def num_blocks_to_allocate(self, request: KVRequest, num_tokens: int,
                                num_new_computed_blocks: int) -> int:
@@ -129,9 +132,10 @@ class SingleTypeManager:
     def free(self, request: KVRequest) -> None:
         blocks = self.req_blocks.pop(request.request_id, None)
         self.num_cached.pop(request.request_id, None)
+        num_dropped = self.num_dropped.pop(request.request_id, 0)
         if blocks:
             # Last block first: the tail of a prefix is evicted before its head.
-            self.pool.free(self.group_id, reversed(blocks))
+            self.pool.free(self.group_id, reversed(blocks[num_dropped:]))
 
     def quiet_limits(self, request: KVRequest, num_computed_tokens: int) -> tuple[int, int, int]:
         """Bounds under which a later call has nothing to do for this group:

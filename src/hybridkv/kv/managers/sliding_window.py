@@ -57,6 +57,22 @@ class SlidingWindowManager(SingleTypeManager):
             end = limit // align_blocks * align_blocks
             return [blocks[:end] for blocks in hits]
         run = 0  # cached blocks contiguous from i to the right
+        if len(managers) == 1:
+            # The common case, kept tight; the same walk as below.
+            [hit] = hits
+            cached = first.cached
+            for i in range(limit - 1, -1, -1):
+                block = cached.get(hashes[i])
+                if block is None:
+                    run = 0
+                    continue
+                hit[i] = block
+                run += 1
+                if run >= needed and (i + needed) % align_blocks == 0:
+                    del hit[i + needed:]
+                    return hits
+            del hit[min(run, needed - 1) // align_blocks * align_blocks:]
+            return hits
         # E.g. needed 2, cached pattern [x x . x x x] scanning from the right: run reaches 2 at
         # i=4 -> end 6 (if aligned), else i=3 -> end 5, ...
         for i in range(limit - 1, -1, -1):
