@@ -239,3 +239,18 @@ def test_groups_with_a_larger_block_size_use_every_kth_hash():
     admit(m, request("a", PROMPT))
     assert admit(m, request("b", PROMPT[:14] + [0, 0])) == 8
     m.check_integrity()
+
+
+def test_groups_of_identical_specs_share_one_lookup():
+    # Two full-attention groups (e.g. layers kept apart for their layout): one lookup answers
+    # both, and a hit needs the block cached in each.
+    def spec():
+        return FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype="fp32")
+    groups = (KVCacheGroup(0, spec(), ("a",), (32,), 1), KVCacheGroup(1, spec(), ("b",), (32,), 1))
+    m = KVCacheManager(KVCacheConfig(groups, 32, 40), max_model_len=1024)
+    assert m.coordinator.lookups == [[0, 1]]
+    admit(m, request("a", PROMPT))
+    m.free(request("a", PROMPT))
+    assert m.pool.evict_blocks(1, [m.pool.groups[1].blocks[8]]) == 1  # group 1's 3rd block
+    assert admit(m, request("b", PROMPT)) == 8
+    m.check_integrity()

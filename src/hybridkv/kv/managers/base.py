@@ -54,6 +54,14 @@ class SingleTypeManager:
     def group_hashes(self, block_hashes: Sequence[BlockHash]) -> Sequence[BlockHash]:
         return block_hashes if self.stride == 1 else block_hashes[self.stride - 1::self.stride]
 
+    def hit_bounds(self, block_hashes: Sequence[BlockHash], max_length: int, alignment: int
+                   ) -> tuple[Sequence[BlockHash], int, int]:
+        """This group's block hashes, the most blocks a hit may span, and the alignment in
+        blocks: what every lookup starts from."""
+        hashes = self.group_hashes(block_hashes)
+        return (hashes, min(max_length // self.block_size, len(hashes)),
+                alignment // self.block_size)
+
     @classmethod
     def find_longest_cache_hit(cls, managers: Sequence[SingleTypeManager],
                                block_hashes: Sequence[BlockHash], max_length: int,

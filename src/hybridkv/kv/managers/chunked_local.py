@@ -37,9 +37,7 @@ class ChunkedLocalManager(SingleTypeManager):
         first = managers[0]
         assert isinstance(first, ChunkedLocalManager)
         block_size = first.block_size
-        hashes = first.group_hashes(block_hashes)
-        limit = min(max_length // block_size, len(hashes))
-        align_blocks = alignment // block_size
+        hashes, limit, align_blocks = first.hit_bounds(block_hashes, max_length, alignment)
         chunk_blocks = first.chunk // block_size
         start = limit // chunk_blocks * chunk_blocks  # first block of the last chunk
         while True:

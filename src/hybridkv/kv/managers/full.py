@@ -21,9 +21,7 @@ class FullAttentionManager(SingleTypeManager):
                                block_hashes: Sequence[BlockHash], max_length: int,
                                alignment: int) -> list[list[Block]]:
         first = managers[0]
-        hashes = first.group_hashes(block_hashes)
-        limit = min(max_length // first.block_size, len(hashes))
-        align_blocks = alignment // first.block_size
+        hashes, limit, align_blocks = first.hit_bounds(block_hashes, max_length, alignment)
         if len(managers) == 1:
             # The common case, kept tight: leading cached blocks, left to right.
             cached = first.cached

@@ -36,9 +36,7 @@ class MambaManager(SingleTypeManager):
                                block_hashes: Sequence[BlockHash], max_length: int,
                                alignment: int) -> list[list[Block]]:
         first = managers[0]
-        hashes = first.group_hashes(block_hashes)
-        limit = min(max_length // first.block_size, len(hashes))
-        align_blocks = alignment // first.block_size
+        hashes, limit, align_blocks = first.hit_bounds(block_hashes, max_length, alignment)
         for end in range(limit // align_blocks * align_blocks, 0, -align_blocks):
             found = first._lookup(managers, hashes[end - 1])
             if found is not None:

@@ -48,9 +48,7 @@ class SlidingWindowManager(SingleTypeManager):
         first = managers[0]
         assert isinstance(first, SlidingWindowManager)
         block_size = first.block_size
-        hashes = first.group_hashes(block_hashes)
-        limit = min(max_length // block_size, len(hashes))
-        align_blocks = alignment // block_size
+        hashes, limit, align_blocks = first.hit_bounds(block_hashes, max_length, alignment)
         needed = cdiv(first.window - 1, block_size)
         hits: list[list[Block]] = [[m.null_block] * limit for m in managers]
         if needed == 0:
