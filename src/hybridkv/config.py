@@ -1,0 +1,42 @@
+"""Engine options, with the names users of inference engines expect."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from hybridkv.kv.plan import parse_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    max_model_len: int | None = None  # default: the model's, capped at 8192
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kernel_block_size: int | None = None  # must divide block_size
+    kv_cache_memory: int | str = "256MiB"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    disable_hybrid_kv_cache: bool = False
+    dtype: str = "auto"  # the checkpoint's dtype ("auto"), or bf16 / fp16 / fp32
+    device: str = "auto"  # cuda when available, else cpu
+    attention_backend: str = "torch"
+    keep_logits: bool = False  # keep sampled rows' logits in outputs (for tests)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {', '.join(unknown)}; accepted: "
+                             f"{', '.join(sorted(known))}")
+        return cls(**kwargs)

@@ -1,0 +1,1 @@
+"""Requests, sampling parameters, the scheduler and the engine loop."""

@@ -1,0 +1,21 @@
+"""What the engine returns per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated so far
+    text: str
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[dict[int, float]] | None = None
+    new_token_ids: list[int] = field(default_factory=list)  # this step's (streaming)
+    new_text: str = ""
+    logits: list[torch.Tensor] | None = None  # when the engine keeps logits (tests)

@@ -1,0 +1,52 @@
+"""A request as the engine tracks it: prompt, outputs, sampling, status."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from hybridkv.engine.sampling import SamplingParams
+from hybridkv.kv.request import KVRequest
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request(KVRequest):
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
+                 sampling_params: SamplingParams, *, hash_block_size: int,
+                 eos_token_ids: Sequence[int] = (), arrival_index: int = 0,
+                 priority: int = 0, cache_salt: str | None = None) -> None:
+        super().__init__(request_id, prompt_token_ids, hash_block_size=hash_block_size,
+                         cache_salt=cache_salt)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.arrival_index = arrival_index
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        self.output_logprobs: list[dict[int, float]] = []
+        self.stop_reason: int | str | None = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens

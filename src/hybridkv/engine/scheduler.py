@@ -1,0 +1,180 @@
+"""Continuous batching with one token budget per step, chunked prefill and preemption.
+
+No prefill or decode phases: every step hands out `max_num_batched_tokens` to running
+requests first (a decode takes 1, an unfinished prompt takes up to the rest), then admits
+waiting requests, reusing prefix-cache hits. When the KV cache cannot grow a running request,
+the latest admitted request is preempted (its blocks freed, its tokens recomputed later).
+
+The scheduler never touches tensors: it sends the worker block ids per group and a diff.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from hybridkv.engine.request import Request, RequestStatus
+from hybridkv.kv.manager import KVCacheManager
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the worker has not seen (or must rebuild after preemption)."""
+
+    request_id: str
+    token_ids: list[int]  # every known token (prompt, plus outputs after a preemption)
+    block_ids: list[list[int]]  # per group
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the worker already holds: only what changed."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens appended since the worker last saw it
+    new_block_ids: list[list[int]]  # per group
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_request_ids: set[str] = field(default_factory=set)  # worker drops their state
+    preempted_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: set[str] = set()
+        # Tokens of each running request the worker has seen (to send only new ones).
+        self._num_sent_tokens: dict[str, int] = {}
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = set()
+        budget = self.config.max_num_batched_tokens
+        self.kv.new_step_starts()
+
+        # Running requests first, in admission order.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            req = self.running[index]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_blocks = self._allocate_or_preempt(req, num_new, out)
+            if new_blocks is None:
+                break  # req itself was preempted: nothing after it is running any more
+            budget -= num_new
+            sent = self._num_sent_tokens[req.request_id]
+            out.cached_requests.append(CachedRequestData(
+                req.request_id, req.token_ids[sent:], new_blocks, req.num_computed_tokens))
+            self._num_sent_tokens[req.request_id] = req.num_tokens
+            out.num_scheduled_tokens[req.request_id] = num_new
+            index += 1
+
+        # Then waiting requests, unless this step had to preempt (memory is short).
+        while (self.waiting and budget > 0 and not out.preempted_request_ids
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            hit = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - hit.num_computed_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if self.kv.allocate_slots(req, num_new, hit.num_computed_tokens,
+                                      hit.blocks) is None:
+                break  # head of line waits for memory
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = hit.num_computed_tokens
+            self.running.append(req)
+            budget -= num_new
+            out.new_requests.append(NewRequestData(
+                req.request_id, list(req.token_ids), self.kv.get_block_ids(req.request_id),
+                req.num_computed_tokens))
+            self._num_sent_tokens[req.request_id] = req.num_tokens
+            out.num_scheduled_tokens[req.request_id] = num_new
+        return out
+
+    def _allocate_or_preempt(self, req: Request, num_new: int,
+                             out: SchedulerOutput) -> list[list[int]] | None:
+        while True:
+            new_blocks = self.kv.allocate_slots(req, num_new)
+            if new_blocks is not None:
+                return new_blocks.block_ids()
+            victim = self.running.pop()  # the latest admitted
+            self._preempt(victim, out)
+            if victim is req:
+                return None
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self._num_sent_tokens.pop(req.request_id, None)
+        out.preempted_request_ids.add(req.request_id)
+        # Its worker state is rebuilt when it is admitted again.
+        out.finished_request_ids.add(req.request_id)
+
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens (one per request whose prompt is
+        complete), stop what is done. Returns the requests that got a new token."""
+        updated = []
+        for rid, num in out.num_scheduled_tokens.items():
+            req = self.requests[rid]
+            req.num_computed_tokens += num
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prompt chunk that does not finish the prompt samples nothing
+            req.append_token_ids([sampled[rid]])
+            updated.append(req)
+        return updated
+
+    def finish(self, requests: Iterable[Request], status: RequestStatus) -> None:
+        """Free finished requests' blocks and tell the worker next step."""
+        for req in requests:
+            req.status = status
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            self.kv.free(req)
+            self._num_sent_tokens.pop(req.request_id, None)
+            self._finished_ids.add(req.request_id)
+            del self.requests[req.request_id]

@@ -1,0 +1,97 @@
+"""Layers shared by model families: norms, rotary embeddings, activations, the forward
+context that carries attention metadata and KV views through one forward pass."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridkv.worker.attention import AttentionBackend, AttentionMetadata, AttentionParams
+
+
+@dataclass
+class ForwardContext:
+    """Everything attention layers need for one step, passed explicitly (no globals)."""
+
+    backend: AttentionBackend
+    kv_caches: Mapping[str, torch.Tensor]  # layer name -> its KV view
+    metadata: list[AttentionMetadata]  # per group
+    layer_group: Mapping[str, int]  # layer name -> group id
+
+    def attention(self, layer_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  params: AttentionParams) -> torch.Tensor:
+        meta = self.metadata[self.layer_group[layer_name]]
+        return self.backend.forward(q, k, v, self.kv_caches[layer_name], meta, params)
+
+
+class RMSNorm(nn.Module):
+    """`offset=1.0` is Gemma's `(1 + w)` form, computed in float32 then cast back."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+
+ACTIVATIONS = {
+    "silu": nn.functional.silu,
+    "gelu": nn.functional.gelu,
+    "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: nn.functional.gelu(x, approximate="tanh"),
+    "relu": nn.functional.relu,
+}
+
+
+def activation(name: str) -> Any:
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unsupported activation {name!r}; supported: "
+                         f"{', '.join(ACTIVATIONS)}") from None
+
+
+def rope_inv_freq(head_dim: int, params: Mapping[str, Any]) -> torch.Tensor:
+    """Inverse frequencies for RoPE of type default, linear or llama3."""
+    theta = float(params.get("rope_theta", 10000.0))
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "default":
+        return inv_freq.float()
+    if kind == "linear":
+        return (inv_freq / float(params["factor"])).float()
+    if kind == "llama3":
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_len = float(params["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(is_mid, mid, scaled).float()
+    raise NotImplementedError(f"RoPE type {kind!r} is not supported yet "
+                              f"(supported: default, linear, llama3)")
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+               ) -> torch.Tensor:
+    """x [T, H, D] rotated by position, the half-split convention of HF checkpoints."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq.to(x.device)  # [T, D/2]
+    cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).unsqueeze(1)
+    sin = torch.cat([freqs.sin(), freqs.sin()], dim=-1).unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)

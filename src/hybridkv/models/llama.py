@@ -1,0 +1,231 @@
+"""The Llama family of decoders: Llama, Qwen3, Mistral, Gemma 2 and Gemma 3 text.
+
+They differ in a handful of switches read from the config: q/k norms (Qwen3, Gemma 3),
+Gemma's `(1 + w)` norms, sandwich norms and embedding scale, soft-capping (Gemma 2), RoPE
+parameters per layer type (Gemma 3). Which layers slide comes from `layer_mix`, the reader
+the KV planner uses, so the attention masks and the KV cache groups cannot disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridkv.models.layer_mix import CHUNKED, FULL, SLIDING, layer_kinds
+from hybridkv.models.layers import ForwardContext, RMSNorm, activation, apply_rope, rope_inv_freq
+from hybridkv.worker.attention import AttentionParams
+
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    tie_word_embeddings: bool
+    attention_bias: bool
+    layer_kinds: tuple[str, ...]  # full / sliding / chunked per layer
+    sliding_window: int | None
+    rope_params: tuple[Mapping[str, Any], ...]  # per layer
+    qk_norm: bool
+    gemma: bool  # (1 + w) norms, sandwich norms, embedding scale
+    query_scale: float
+    attn_softcap: float | None
+    final_softcap: float | None
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any]) -> DecoderConfig:
+        cfg = config.get("text_config") or config
+        model_type = str(cfg["model_type"])
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        kinds = tuple(parts[0] if parts else FULL for parts in layer_kinds(config))
+        if any(k not in (FULL, SLIDING) for k in kinds):
+            raise NotImplementedError(f"{model_type}: layer kinds {set(kinds)} are not "
+                                      f"supported by the Llama-family decoder")
+        gemma = model_type in GEMMA_TYPES
+        scalar = cfg.get("query_pre_attn_scalar")
+        return cls(
+            model_type=model_type, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings",
+                                                cfg.get("tie_word_embeddings", False))),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            layer_kinds=kinds, sliding_window=cfg.get("sliding_window"),
+            rope_params=tuple(_rope_params(cfg, kind) for kind in kinds),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"),
+            gemma=gemma,
+            query_scale=(float(scalar) ** -0.5) if gemma and scalar else head_dim ** -0.5,
+            attn_softcap=cfg.get("attn_logit_softcapping"),
+            final_softcap=cfg.get("final_logit_softcapping"))
+
+
+def _rope_params(cfg: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
+    """RoPE parameters of a layer, from the newer `rope_parameters` (possibly keyed by layer
+    type) or the older `rope_theta` / `rope_scaling` / `rope_local_base_freq`."""
+    params = cfg.get("rope_parameters")
+    layer_type = "sliding_attention" if kind == SLIDING else "full_attention"
+    if isinstance(params, Mapping):
+        return dict(params.get(layer_type, params))
+    out: dict[str, Any] = dict(cfg.get("rope_scaling") or {})
+    out["rope_theta"] = cfg.get("rope_theta", 10000.0)
+    if kind == SLIDING and cfg.get("rope_local_base_freq"):
+        out = {"rope_type": "default", "rope_theta": cfg["rope_local_base_freq"]}
+    return out
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        self.name = f"model.layers.{layer}.self_attn"
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
+        offset = 1.0 if cfg.gemma else 0.0
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset) if cfg.qk_norm else None
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_params[layer]),
+                             persistent=False)
+        sliding = cfg.layer_kinds[layer] == SLIDING
+        self.params = AttentionParams(
+            scale=cfg.query_scale, softcap=cfg.attn_softcap,
+            sliding_window=cfg.sliding_window if sliding else None)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        # h [T, hidden] -> q [T, Hq, D], k/v [T, Hk, D]
+        q = self.q_proj(h).unflatten(-1, (self.num_heads, self.head_dim))
+        k = self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, positions, self.inv_freq)
+        k = apply_rope(k, positions, self.inv_freq)
+        out = ctx.attention(self.name, q, k, v, self.params)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        offset = 1.0 if cfg.gemma else 0.0
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
+        # Gemma 2/3 normalise both sides of each sublayer ("sandwich").
+        self.sandwich = cfg.gemma and cfg.model_type != "gemma"
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                      offset)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        if self.sandwich:
+            h = h + self.post_attention_layernorm(
+                self.self_attn(self.input_layernorm(h), positions, ctx))
+            return h + self.post_feedforward_layernorm(
+                self.mlp(self.pre_feedforward_layernorm(h)))
+        h = h + self.self_attn(self.input_layernorm(h), positions, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, 1.0 if cfg.gemma else 0.0)
+
+
+class DecoderForCausalLM(nn.Module):
+    """forward(token ids [T], positions [T], ctx) -> hidden [T, hidden];
+    compute_logits(hidden [N, hidden]) -> [N, vocab]."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        if self.cfg.gemma:
+            h = h * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype)
+        for layer in self.model.layers:
+            h = layer(h, positions, ctx)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.cfg.final_softcap is not None:
+            logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors in; shapes and names must match, nothing may be missing."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name.startswith("model.language_model."):
+                name = "model." + name[len("model.language_model."):]
+            if name not in params:
+                if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                    continue
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                raise ValueError(f"checkpoint tensor {name!r} has no place in "
+                                 f"{self.cfg.model_type}")
+            param = params[name]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor.to(param.dtype))
+            loaded.add(name)
+        missing = set(params) - loaded
+        if self.cfg.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. "
+                             f"{sorted(missing)[0]!r}")
+
+
+__all__ = ["CHUNKED", "DecoderConfig", "DecoderForCausalLM"]

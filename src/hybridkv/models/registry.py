@@ -1,0 +1,31 @@
+"""Model families by `model_type`; an unknown one fails listing what is supported."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch import nn
+
+from hybridkv.models.llama import DecoderConfig, DecoderForCausalLM
+
+
+def _decoder(config: Mapping[str, Any]) -> nn.Module:
+    return DecoderForCausalLM(DecoderConfig.from_hf(config))
+
+
+MODELS: dict[str, Callable[[Mapping[str, Any]], nn.Module]] = {
+    name: _decoder for name in ("llama", "mistral", "qwen3", "gemma2", "gemma3_text")
+}
+
+
+def build_model(config: Mapping[str, Any]) -> nn.Module:
+    cfg = config.get("text_config") or config
+    model_type = str(cfg.get("model_type") or config.get("model_type"))
+    try:
+        factory = MODELS[model_type]
+    except KeyError:
+        raise ValueError(f"unsupported architecture model_type={model_type!r} (architectures "
+                         f"{config.get('architectures')}); supported: "
+                         f"{', '.join(sorted(MODELS))}") from None
+    return factory(config)

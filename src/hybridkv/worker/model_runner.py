@@ -1,0 +1,132 @@
+"""The model runner: a persistent batch updated from the scheduler's diff, one block table
+per group, attention metadata per group, one forward, sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hybridkv.engine.sampling import SamplingParams
+from hybridkv.engine.scheduler import SchedulerOutput
+from hybridkv.kv.plan import KVCacheConfig
+from hybridkv.kv.spec import cdiv
+from hybridkv.models.layers import ForwardContext
+from hybridkv.worker.attention import AttentionMetadata, get_backend
+from hybridkv.worker.block_table import BlockTable
+from hybridkv.worker.kv_cache import allocate_kv_caches
+from hybridkv.worker.sampler import Sampler
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int]  # one token per request whose known tokens are all computed
+    logprobs: dict[str, dict[int, float]]
+    logits: dict[str, torch.Tensor]  # the sampled rows' logits, kept when asked (tests)
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, kv_config: KVCacheConfig, *, max_num_reqs: int,
+                 max_model_len: int, device: torch.device, attention_backend: str = "torch",
+                 kernel_block_size: int | None = None, keep_logits: bool = False) -> None:
+        self.model = model
+        self.device = device
+        self.keep_logits = keep_logits
+        self.arena, self.kv_caches = allocate_kv_caches(kv_config, device)
+        self.layer_group = {name: g.group_id for g in kv_config.groups
+                            for name in g.layer_names}
+        self.block_tables = [
+            BlockTable(max_num_reqs, cdiv(max_model_len, g.block_size) + 1, g.block_size,
+                       kernel_block_size) for g in kv_config.groups]
+        self.backend = get_backend(attention_backend)
+        self.sampler = Sampler()
+        # The persistent batch: row -> request, in one order shared by every group.
+        self.rows: list[str] = []
+        self.row_of: dict[str, int] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.num_computed: dict[str, int] = {}
+
+    # ---------------------------------------------------------------- the diff
+    def _remove(self, rid: str) -> None:
+        row = self.row_of.pop(rid)
+        last = len(self.rows) - 1
+        if row != last:  # keep rows dense: the last request moves into the hole
+            moved = self.rows[last]
+            self.rows[row] = moved
+            self.row_of[moved] = row
+            for table in self.block_tables:
+                table.move_row(last, row)
+        self.rows.pop()
+        del self.tokens[rid], self.num_computed[rid]
+        self.sampler.forget(rid)
+
+    def _apply(self, out: SchedulerOutput) -> None:
+        for rid in out.finished_request_ids:
+            if rid in self.row_of:
+                self._remove(rid)
+        for new in out.new_requests:
+            row = len(self.rows)
+            self.rows.append(new.request_id)
+            self.row_of[new.request_id] = row
+            self.tokens[new.request_id] = list(new.token_ids)
+            self.num_computed[new.request_id] = new.num_computed_tokens
+            for table, block_ids in zip(self.block_tables, new.block_ids, strict=True):
+                table.set_row(row, block_ids)
+        for cached in out.cached_requests:
+            row = self.row_of[cached.request_id]
+            self.tokens[cached.request_id].extend(cached.new_token_ids)
+            self.num_computed[cached.request_id] = cached.num_computed_tokens
+            for table, block_ids in zip(self.block_tables, cached.new_block_ids, strict=True):
+                table.append(row, block_ids)
+
+    # ---------------------------------------------------------------- one step
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> RunnerOutput:
+        self._apply(out)
+        scheduled = sorted(out.num_scheduled_tokens, key=self.row_of.__getitem__)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        token_rows: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        sample_ids: list[str] = []
+        sample_indices: list[int] = []
+        for rid in scheduled:
+            start, num = self.num_computed[rid], out.num_scheduled_tokens[rid]
+            tokens = self.tokens[rid]
+            input_ids += tokens[start:start + num]
+            positions += range(start, start + num)
+            token_rows += [self.row_of[rid]] * num
+            query_start_loc.append(len(input_ids))
+            seq_lens.append(start + num)
+            if start + num == len(tokens):  # its last known token: sample the next one
+                sample_ids.append(rid)
+                sample_indices.append(len(input_ids) - 1)
+        if not input_ids:
+            return RunnerOutput({}, {}, {})
+        ids_t = torch.tensor(input_ids, dtype=torch.int64)
+        pos_t = torch.tensor(positions, dtype=torch.int64)
+        rows_t = torch.tensor(token_rows, dtype=torch.int64)
+        batch_rows = torch.tensor([self.row_of[r] for r in scheduled], dtype=torch.int64)
+        metadata = []
+        for table in self.block_tables:
+            kernel = table.kernel_table(len(self.rows))
+            metadata.append(AttentionMetadata(
+                query_start_loc=query_start_loc, seq_lens=seq_lens,
+                block_table=kernel[batch_rows].to(self.device),
+                slot_mapping=table.slot_mapping(rows_t, pos_t).to(self.device),
+                block_size=table.block_size, kernel_block_size=table.kernel_block_size))
+        ctx = ForwardContext(self.backend, self.kv_caches, metadata, self.layer_group)
+        hidden = self.model(ids_t.to(self.device), pos_t.to(self.device), ctx)
+        if not sample_ids:
+            return RunnerOutput({}, {}, {})
+        logits = self.model.compute_logits(  # type: ignore[operator]
+            hidden[torch.tensor(sample_indices, device=self.device)])
+        tokens, logprobs = self.sampler.sample(logits, sample_ids,
+                                               [params[r] for r in sample_ids])
+        return RunnerOutput(
+            sampled=dict(zip(sample_ids, tokens, strict=True)),
+            logprobs={r: lp for r, lp in zip(sample_ids, logprobs, strict=True) if lp},
+            logits=({r: logits[i].float().cpu() for i, r in enumerate(sample_ids)}
+                    if self.keep_logits else {}))

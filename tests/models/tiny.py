@@ -1,0 +1,41 @@
+"""Tiny random Hugging Face models, built and saved by the tests themselves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+COMMON: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, vocab_size=256, max_position_embeddings=512, initializer_range=0.1,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+
+ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # name: (config class, model class, overrides)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_hidden_layers=2)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_hidden_layers=2)),
+    "qwen3_swa": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        num_hidden_layers=4, use_sliding_window=True, sliding_window=16, max_window_layers=2)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_hidden_layers=2,
+                                                            sliding_window=16)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        num_hidden_layers=4, sliding_window=16, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, query_pre_attn_scalar=16)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=6, sliding_window=16, sliding_window_pattern=3,
+        query_pre_attn_scalar=16)),
+}
+
+
+def build_tiny_model(name: str, out_dir: Path) -> Path:
+    """Save a tiny random model of architecture `name` (seeded) to `out_dir`."""
+    import torch
+    import transformers
+
+    config_cls, model_cls, overrides = ARCHS[name]
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(out_dir)
+    return out_dir
