@@ -74,6 +74,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         # Tokens of each running request the worker has seen (to send only new ones).
         self._num_sent_tokens: dict[str, int] = {}
+        self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -146,6 +147,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
         self._num_sent_tokens.pop(req.request_id, None)
         out.preempted_request_ids.add(req.request_id)

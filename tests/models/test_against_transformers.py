@@ -1,0 +1,118 @@
+"""Greedy tokens equal and logits close to Hugging Face `transformers` on tiny random models
+(float32, CPU), under every engine setting that must not change outputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from hybridkv import LLM, SamplingParams  # noqa: E402
+from tests.models.tiny import build_tiny_model  # noqa: E402
+
+ARCHS = ["llama", "qwen3", "qwen3_swa", "mistral", "gemma2", "gemma3"]
+NUM_NEW = 16
+# Lengths cross the 16-token windows and the 16-token blocks.
+PROMPT_LENS = (40, 23, 7)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def reference(request, tmp_path_factory):
+    """(model dir, prompts, reference tokens, reference per-step logits) for one arch."""
+    name = request.param
+    model_dir = build_tiny_model(name, tmp_path_factory.mktemp(name))
+    gen = torch.Generator().manual_seed(1234)
+    prompts = [torch.randint(4, 256, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf.eval()
+    tokens, logits = [], []
+    for prompt in prompts:
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW, do_sample=False,
+                          eos_token_id=None, pad_token_id=0, output_logits=True,
+                          return_dict_in_generate=True)
+        tokens.append(out.sequences[0, len(prompt):].tolist())
+        logits.append(torch.stack([step[0] for step in out.logits]))
+    return name, model_dir, prompts, tokens, logits
+
+
+def run(model_dir: Path, prompts, **options):
+    options = {"dtype": "float32", "max_model_len": 128, "kv_cache_memory": "4MiB",
+               "keep_logits": True, **options}
+    llm = LLM(str(model_dir), **options)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NUM_NEW))
+    return llm, outs
+
+
+def check(outs, tokens, logits, *, atol=2e-4):
+    for out, ref_tokens, ref_logits in zip(outs, tokens, logits, strict=True):
+        assert out.token_ids == ref_tokens
+        ours = torch.stack(out.logits)
+        assert ours.shape == ref_logits.shape
+        torch.testing.assert_close(ours, ref_logits, atol=atol, rtol=1e-4)
+
+
+def test_batch_matches_transformers(reference):
+    _, model_dir, prompts, tokens, logits = reference
+    llm, outs = run(model_dir, prompts)
+    check(outs, tokens, logits)
+    assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_prefix_cache_hit_gives_the_same_outputs(reference):
+    _, model_dir, prompts, tokens, logits = reference
+    llm, first = run(model_dir, prompts[:1])
+    check(first, tokens[:1], logits[:1])
+    # The same prompt again: every full block but the last token's is reused.
+    again = llm.generate(prompts[:1], SamplingParams(max_tokens=NUM_NEW))
+    check(again, tokens[:1], logits[:1])
+    stats = llm.engine.kv_manager.stats
+    assert stats.num_hit_tokens == (len(prompts[0]) - 1) // 16 * 16 > 0
+
+
+def test_prefix_caching_off(reference):
+    _, model_dir, prompts, tokens, logits = reference
+    llm, outs = run(model_dir, prompts, enable_prefix_caching=False)
+    check(outs, tokens, logits)
+    assert llm.engine.kv_manager.stats.num_hit_tokens == 0
+
+
+def test_chunked_prefill_with_a_small_budget(reference):
+    _, model_dir, prompts, tokens, logits = reference
+    _, outs = run(model_dir, prompts, max_num_batched_tokens=9)
+    check(outs, tokens, logits)
+
+
+def test_preemption_under_a_tiny_memory_budget(reference):
+    _, model_dir, prompts, tokens, logits = reference
+    probe, _ = run(model_dir, prompts[:1], max_model_len=64)
+    large_page = probe.engine.plan.config.large_page_bytes
+    preempted = 0
+    # Budgets of a few large pages: the smallest that fit one request force the others out.
+    for num_pages in range(4, 16):
+        try:
+            llm, outs = run(model_dir, prompts, max_model_len=64,
+                            kv_cache_memory=num_pages * large_page)
+        except ValueError as e:
+            assert "too small for one request" in str(e)
+            continue
+        check(outs, tokens, logits)
+        preempted += llm.engine.scheduler.num_preemptions
+        if preempted:
+            break
+    assert preempted > 0
+
+
+def test_hybrid_management_off(reference):
+    _, model_dir, prompts, tokens, logits = reference
+    llm, outs = run(model_dir, prompts, disable_hybrid_kv_cache=True)
+    check(outs, tokens, logits)
+    assert all(g.spec.kind == "full" for g in llm.engine.plan.config.groups)
+
+
+def test_kernel_block_size_below_the_manager_block_size(reference):
+    _, model_dir, prompts, tokens, logits = reference
+    _, outs = run(model_dir, prompts, block_size=16, kernel_block_size=4)
+    check(outs, tokens, logits)
