@@ -1,4 +1,4 @@
-"""`hybridkv plan | bench kv`."""
+"""`hybridkv plan | generate | demo-model | bench kv`."""
 
 from __future__ import annotations
 
@@ -62,6 +62,33 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-hybrid", action="store_true",
                       help="treat sliding-window and chunked layers as full attention")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
+
+    gen = sub.add_parser("generate", help="generate text with a model directory")
+    gen.add_argument("model_dir")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    source.add_argument("--prompts-file", type=Path, help="one prompt per line")
+    gen.add_argument("--max-tokens", type=_positive_int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-model-len", type=_positive_int, default=None)
+    gen.add_argument("--kv-cache-memory", type=_memory, default=parse_bytes("256MiB"))
+    gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--no-prefix-caching", action="store_true")
+    gen.add_argument("--no-hybrid", action="store_true")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+
+    demo = sub.add_parser("demo-model", help="write a tiny random model with a tokenizer")
+    demo.add_argument("out_dir")
+    demo.add_argument("--arch", default="gemma3",
+                      help="llama, qwen3, mistral, gemma2 or gemma3 (default gemma3)")
+    for flag, default in (("layers", 6), ("hidden", 128), ("heads", 4), ("kv-heads", 2),
+                          ("head-dim", 32), ("intermediate", 256), ("vocab", 512),
+                          ("window", 32)):
+        demo.add_argument(f"--{flag}", type=_positive_int, default=default)
+    demo.add_argument("--seed", type=int, default=0)
 
     bench = sub.add_parser("bench", help="benchmarks that print their figures")
     suites = bench.add_subparsers(dest="suite", required=True)
@@ -136,6 +163,44 @@ def _plan_table(model: str, model_type: str, main: KVCachePlan, hybrid: KVCacheP
     return "\n".join(lines)
 
 
+def cmd_generate(args: argparse.Namespace) -> str:
+    from hybridkv import LLM, SamplingParams
+
+    if args.prompts_file is not None:
+        prompts = [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+        if not prompts:
+            raise CLIError(f"{args.prompts_file}: no prompts in the file")
+    else:
+        prompts = args.prompt
+    options: dict[str, object] = dict(
+        kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
+        enable_prefix_caching=not args.no_prefix_caching,
+        disable_hybrid_kv_cache=args.no_hybrid)
+    if args.max_model_len:
+        options["max_model_len"] = args.max_model_len
+    llm = LLM(args.model_dir, **options)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    outputs = llm.generate(prompts, params)
+    if args.json:
+        return "\n".join(json.dumps({"prompt": p, "text": o.text, "token_ids": o.token_ids,
+                                     "finish_reason": o.finish_reason})
+                         for p, o in zip(prompts, outputs, strict=True))
+    return "\n".join(f"--- prompt: {p!r}\n{o.text}" for p, o in zip(prompts, outputs,
+                                                                    strict=True))
+
+
+def cmd_demo_model(args: argparse.Namespace) -> str:
+    from hybridkv.models.demo import DemoShape, write_demo_model
+
+    shape = DemoShape(layers=args.layers, hidden=args.hidden, heads=args.heads,
+                      kv_heads=args.kv_heads, head_dim=args.head_dim,
+                      intermediate=args.intermediate, vocab=args.vocab, window=args.window,
+                      seed=args.seed)
+    path = write_demo_model(args.out_dir, args.arch, shape)
+    return f"wrote a tiny random {args.arch} model to {path}"
+
+
 def cmd_bench(args: argparse.Namespace) -> str:
     from hybridkv.bench.kv_trace import DEFAULT_MEMORY, bench_kv
 
@@ -149,8 +214,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        out = cmd_plan(args) if args.command == "plan" else cmd_bench(args)
-    except (ValueError, CLIError, OSError) as e:
+        command = {"plan": cmd_plan, "generate": cmd_generate, "demo-model": cmd_demo_model,
+                   "bench": cmd_bench}[args.command]
+        out = command(args)
+    except (ValueError, CLIError, OSError, NotImplementedError) as e:
         print(f"hybridkv {args.command}: error: {e}", file=sys.stderr)
         return 2
     print(out)

@@ -1,0 +1,122 @@
+"""`hybridkv demo-model`: a tiny random model in Hugging Face format, with a small byte-level
+BPE tokenizer trained here, so a new user can try everything without downloads.
+
+The files are what `save_pretrained` would write for the architecture (config.json with the
+usual field names, model.safetensors with the usual tensor names), so `transformers` loads them
+too; the tests use that to check the engine against it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TRAINING_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Hybrid models mix sliding-window layers "
+    "with full attention layers; a good engine keeps every byte of its KV cache busy, shares "
+    "prefixes between requests and never recomputes what it already knows. "
+    "Once upon a time, a small model learned to count: one, two, three, four, five. ")
+
+ARCHS: dict[str, dict[str, Any]] = {
+    "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+    "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]},
+    "mistral": {"model_type": "mistral", "architectures": ["MistralForCausalLM"],
+                "sliding": "all"},
+    "gemma2": {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"],
+               "sliding": "alternate", "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh"},
+    "gemma3": {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
+               "sliding": "5:1", "hidden_activation": "gelu_pytorch_tanh"},
+}
+
+
+@dataclass(frozen=True)
+class DemoShape:
+    layers: int = 4
+    hidden: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    intermediate: int = 256
+    vocab: int = 512
+    window: int = 32
+    max_position_embeddings: int = 4096
+    seed: int = 0
+
+
+def train_tokenizer(out_dir: Path, vocab_size: int) -> int:
+    """Train and save tokenizer.json; returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator([TRAINING_TEXT] * 10, trainer=trainer)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    return int(tokenizer.get_vocab_size())
+
+
+def demo_config(arch: str, shape: DemoShape, vocab_size: int) -> dict[str, Any]:
+    if arch not in ARCHS:
+        raise ValueError(f"unknown demo architecture {arch!r}; available: {', '.join(ARCHS)}")
+    spec = dict(ARCHS[arch])
+    sliding = spec.pop("sliding", None)
+    config: dict[str, Any] = {
+        **spec, "vocab_size": vocab_size, "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate, "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads,
+        "head_dim": shape.head_dim, "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "float32",
+        "bos_token_id": None, "eos_token_id": 1, "pad_token_id": 0,
+        "rope_theta": 10000.0,
+    }
+    if sliding is not None:
+        config["sliding_window"] = shape.window
+    if sliding == "alternate":
+        config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                 for i in range(shape.layers)]
+    elif sliding == "5:1":
+        config["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                 for i in range(shape.layers)]
+        if "full_attention" not in config["layer_types"]:
+            config["layer_types"][-1] = "full_attention"
+        config["rope_parameters"] = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
+        del config["rope_theta"]
+    if arch.startswith("gemma"):
+        config["query_pre_attn_scalar"] = shape.head_dim
+    return config
+
+
+def write_demo_model(out_dir: str | Path, arch: str, shape: DemoShape | None = None) -> Path:
+    """Write config.json, generation_config.json, model.safetensors and tokenizer.json."""
+    import torch
+    from safetensors.torch import save_file
+
+    from hybridkv.models.registry import build_model
+
+    shape = shape or DemoShape()
+    if arch not in ARCHS:
+        raise ValueError(f"unknown demo architecture {arch!r}; available: {', '.join(ARCHS)}")
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    vocab_size = train_tokenizer(path, shape.vocab)
+    config = demo_config(arch, shape, vocab_size)
+    torch.manual_seed(shape.seed)
+    model = build_model(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                continue  # identity norms (1 for Llama, 1 + 0 for Gemma)
+            param.normal_(0.0, 0.1)  # wide enough that greedy output does not collapse
+    tensors = {name: p.detach().contiguous() for name, p in model.state_dict().items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
+    return path
