@@ -24,6 +24,9 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         num_hidden_layers=6, sliding_window=16, sliding_window_pattern=3,
         query_pre_attn_scalar=16)),
+    # gpt-oss keeps its default YaRN RoPE; 4 experts, top-2.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_hidden_layers=4, sliding_window=16, num_local_experts=4, num_experts_per_tok=2)),
 }
 
 

@@ -63,15 +63,17 @@ def activation(name: str) -> Any:
                          f"{', '.join(ACTIVATIONS)}") from None
 
 
-def rope_inv_freq(head_dim: int, params: Mapping[str, Any]) -> torch.Tensor:
-    """Inverse frequencies for RoPE of type default, linear or llama3."""
+def rope_inv_freq(head_dim: int, params: Mapping[str, Any]) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, cos/sin scaling) for RoPE of type default, linear, llama3, yarn."""
     theta = float(params.get("rope_theta", 10000.0))
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind == "default":
-        return inv_freq.float()
+        return inv_freq.float(), 1.0
     if kind == "linear":
-        return (inv_freq / float(params["factor"])).float()
+        return (inv_freq / float(params["factor"])).float(), 1.0
+    if kind == "yarn":
+        return _yarn(head_dim, theta, params)
     if kind == "llama3":
         factor = float(params["factor"])
         low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
@@ -81,17 +83,51 @@ def rope_inv_freq(head_dim: int, params: Mapping[str, Any]) -> torch.Tensor:
         smooth = (old_len / wavelen - low) / (high - low)
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(is_mid, mid, scaled).float()
+        return torch.where(is_mid, mid, scaled).float(), 1.0
     raise NotImplementedError(f"RoPE type {kind!r} is not supported yet "
-                              f"(supported: default, linear, llama3)")
+                              f"(supported: default, linear, llama3, yarn)")
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
-               ) -> torch.Tensor:
+def _yarn(dim: int, base: float, params: Mapping[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies, keep high ones, ramp in between; scale cos/sin."""
+    factor = float(params["factor"])
+    old_len = float(params["original_max_position_embeddings"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        if params.get("mscale") and params.get("mscale_all_dim"):
+            attention_factor = mscale(factor, params["mscale"]) / mscale(
+                factor, params["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = correction_dim(float(params.get("beta_fast") or 32))
+    high = correction_dim(float(params.get("beta_slow") or 1))
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * \
+        extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+               scaling: float = 1.0) -> torch.Tensor:
     """x [T, H, D] rotated by position, the half-split convention of HF checkpoints."""
     freqs = positions.float().unsqueeze(-1) * inv_freq.to(x.device)  # [T, D/2]
-    cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).unsqueeze(1)
-    sin = torch.cat([freqs.sin(), freqs.sin()], dim=-1).unsqueeze(1)
+    cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).unsqueeze(1) * scaling
+    sin = torch.cat([freqs.sin(), freqs.sin()], dim=-1).unsqueeze(1) * scaling
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)

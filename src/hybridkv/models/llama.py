@@ -1,9 +1,10 @@
-"""The Llama family of decoders: Llama, Qwen3, Mistral, Gemma 2 and Gemma 3 text.
+"""The Llama family of decoders: Llama, Qwen3, Mistral, Gemma 2, Gemma 3 text and gpt-oss.
 
 They differ in a handful of switches read from the config: q/k norms (Qwen3, Gemma 3),
 Gemma's `(1 + w)` norms, sandwich norms and embedding scale, soft-capping (Gemma 2), RoPE
-parameters per layer type (Gemma 3). Which layers slide comes from `layer_mix`, the reader
-the KV planner uses, so the attention masks and the KV cache groups cannot disagree.
+parameters per layer type (Gemma 3), attention sinks and a top-k MoE (gpt-oss). Which layers
+slide comes from `layer_mix`, the reader the KV planner uses, so the attention masks and the
+KV cache groups cannot disagree.
 """
 
 from __future__ import annotations
@@ -20,6 +21,16 @@ from hybridkv.models.layers import ForwardContext, RMSNorm, activation, apply_ro
 from hybridkv.worker.attention import AttentionParams
 
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """gpt-oss experts: softmax over the top-k router logits, clamped SwiGLU with biases."""
+
+    num_experts: int
+    top_k: int
+    swiglu_alpha: float
+    swiglu_limit: float
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,8 @@ class DecoderConfig:
     query_scale: float
     attn_softcap: float | None
     final_softcap: float | None
+    sinks: bool = False
+    moe: MoEConfig | None = None
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> DecoderConfig:
@@ -74,7 +87,13 @@ class DecoderConfig:
             gemma=gemma,
             query_scale=(float(scalar) ** -0.5) if gemma and scalar else head_dim ** -0.5,
             attn_softcap=cfg.get("attn_logit_softcapping"),
-            final_softcap=cfg.get("final_logit_softcapping"))
+            final_softcap=cfg.get("final_logit_softcapping"),
+            sinks=model_type == "gpt_oss",
+            moe=MoEConfig(num_experts=int(cfg["num_local_experts"]),
+                          top_k=int(cfg["num_experts_per_tok"]),
+                          swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                          swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+            if model_type == "gpt_oss" else None)
 
 
 def _rope_params(cfg: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
@@ -105,12 +124,12 @@ class Attention(nn.Module):
         offset = 1.0 if cfg.gemma else 0.0
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset) if cfg.qk_norm else None
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_params[layer]),
-                             persistent=False)
-        sliding = cfg.layer_kinds[layer] == SLIDING
-        self.params = AttentionParams(
-            scale=cfg.query_scale, softcap=cfg.attn_softcap,
-            sliding_window=cfg.sliding_window if sliding else None)
+        inv_freq, self.rope_scaling = rope_inv_freq(cfg.head_dim, cfg.rope_params[layer])
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Learned per-head sink logits (gpt-oss): part of the softmax, attached to no value.
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.sinks else None
+        self.sliding_window = cfg.sliding_window if cfg.layer_kinds[layer] == SLIDING else None
+        self.scale, self.softcap = cfg.query_scale, cfg.attn_softcap
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -120,9 +139,11 @@ class Attention(nn.Module):
         v = self.v_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, self.inv_freq)
-        k = apply_rope(k, positions, self.inv_freq)
-        out = ctx.attention(self.name, q, k, v, self.params)
+        q = apply_rope(q, positions, self.inv_freq, self.rope_scaling)
+        k = apply_rope(k, positions, self.inv_freq, self.rope_scaling)
+        params = AttentionParams(scale=self.scale, softcap=self.softcap,
+                                 sliding_window=self.sliding_window, sinks=self.sinks)
+        out = ctx.attention(self.name, q, k, v, params)
         return self.o_proj(out.flatten(1))
 
 
@@ -138,12 +159,56 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Router(nn.Module):
+    def __init__(self, cfg: DecoderConfig, moe: MoEConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(moe.num_experts, cfg.hidden_size))
+        self.bias = nn.Parameter(torch.zeros(moe.num_experts))
+
+
+class Experts(nn.Module):
+    """Fused expert weights as gpt-oss checkpoints store them: gate and up interleaved."""
+
+    def __init__(self, cfg: DecoderConfig, moe: MoEConfig) -> None:
+        super().__init__()
+        e, h, i = moe.num_experts, cfg.hidden_size, cfg.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, h, 2 * i))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i))
+        self.down_proj = nn.Parameter(torch.zeros(e, i, h))
+        self.down_proj_bias = nn.Parameter(torch.zeros(e, h))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: DecoderConfig, moe: MoEConfig) -> None:
+        super().__init__()
+        self.moe = moe
+        self.router = Router(cfg, moe)
+        self.experts = Experts(cfg, moe)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [T, hidden]: each token goes to its top-k experts, weighted by a softmax over them.
+        logits = nn.functional.linear(x, self.router.weight, self.router.bias)
+        top_logits, top_ids = torch.topk(logits, self.moe.top_k, dim=-1)  # [T, k]
+        weights = torch.softmax(top_logits, dim=-1)
+        out = torch.zeros_like(x)
+        ex, limit = self.experts, self.moe.swiglu_limit
+        for expert in top_ids.unique().tolist():
+            token_idx, slot = torch.where(top_ids == expert)
+            gate_up = x[token_idx] @ ex.gate_up_proj[expert] + ex.gate_up_proj_bias[expert]
+            gate = gate_up[..., ::2].clamp(max=limit)
+            up = gate_up[..., 1::2].clamp(min=-limit, max=limit)
+            glu = gate * torch.sigmoid(gate * self.moe.swiglu_alpha)
+            y = ((up + 1) * glu) @ ex.down_proj[expert] + ex.down_proj_bias[expert]
+            out.index_add_(0, token_idx, y * weights[token_idx, slot, None])
+        return out
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer: int) -> None:
         super().__init__()
         offset = 1.0 if cfg.gemma else 0.0
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MoE(cfg, cfg.moe) if cfg.moe else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
         # Gemma 2/3 normalise both sides of each sublayer ("sandwich").

@@ -15,7 +15,8 @@ def _decoder(config: Mapping[str, Any]) -> nn.Module:
 
 
 MODELS: dict[str, Callable[[Mapping[str, Any]], nn.Module]] = {
-    name: _decoder for name in ("llama", "mistral", "qwen3", "gemma2", "gemma3_text")
+    name: _decoder for name in ("llama", "mistral", "qwen3", "gemma2", "gemma3_text",
+                                       "gpt_oss")
 }
 
 
