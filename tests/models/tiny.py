@@ -27,6 +27,11 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     # gpt-oss keeps its default YaRN RoPE; 4 experts, top-2.
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         num_hidden_layers=4, sliding_window=16, num_local_experts=4, num_experts_per_tok=2)),
+    # Chunks of 16 on RoPE layers, every 4th layer NoPE/global, MoE on every other layer.
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        num_hidden_layers=4, attention_chunk_size=16, intermediate_size_mlp=128,
+        num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+        floor_scale=8)),
 }
 
 

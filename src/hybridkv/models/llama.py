@@ -18,6 +18,7 @@ from torch import nn
 
 from hybridkv.models.layer_mix import CHUNKED, FULL, SLIDING, layer_kinds
 from hybridkv.models.layers import ForwardContext, RMSNorm, activation, apply_rope, rope_inv_freq
+from hybridkv.models.weights import load_named_weights
 from hybridkv.worker.attention import AttentionParams
 
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")
@@ -265,32 +266,8 @@ class DecoderForCausalLM(nn.Module):
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors in; shapes and names must match, nothing may be missing."""
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            if name.startswith("model.language_model."):
-                name = "model." + name[len("model.language_model."):]
-            if name not in params:
-                if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
-                    continue
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue
-                raise ValueError(f"checkpoint tensor {name!r} has no place in "
-                                 f"{self.cfg.model_type}")
-            param = params[name]
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(tensor.to(param.dtype))
-            loaded.add(name)
-        missing = set(params) - loaded
-        if self.cfg.tie_word_embeddings:
-            missing.discard("lm_head.weight")
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. "
-                             f"{sorted(missing)[0]!r}")
+        load_named_weights(self, weights, model_type=self.cfg.model_type,
+                           tied=self.cfg.tie_word_embeddings)
 
 
 __all__ = ["CHUNKED", "DecoderConfig", "DecoderForCausalLM"]

@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from hybridkv.models.llama import DecoderConfig, DecoderForCausalLM
+from hybridkv.models.llama4 import Llama4ForCausalLM
 
 
 def _decoder(config: Mapping[str, Any]) -> nn.Module:
@@ -18,6 +19,7 @@ MODELS: dict[str, Callable[[Mapping[str, Any]], nn.Module]] = {
     name: _decoder for name in ("llama", "mistral", "qwen3", "gemma2", "gemma3_text",
                                        "gpt_oss")
 }
+MODELS["llama4_text"] = Llama4ForCausalLM
 
 
 def build_model(config: Mapping[str, Any]) -> nn.Module:

@@ -1,0 +1,37 @@
+"""Copy checkpoint tensors into a model whose parameter names follow the checkpoint's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+# Checkpoints of multimodal wrappers keep the text model under another prefix.
+_PREFIXES = (("model.language_model.", "model."),)
+
+
+def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], *,
+                       model_type: str, tied: bool) -> None:
+    """Names and shapes must match and nothing may be missing; each mistake is one line."""
+    params = dict(model.named_parameters())
+    loaded = set()
+    for name, tensor in weights:
+        for old, new in _PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+        if name not in params:
+            if (name == "lm_head.weight" and tied) or name.endswith("rotary_emb.inv_freq"):
+                continue
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {model_type}")
+        param = params[name]
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"the model expects {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor.to(param.dtype))
+        loaded.add(name)
+    missing = set(params) - loaded
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. "
+                         f"{sorted(missing)[0]!r}")
