@@ -106,8 +106,12 @@ def write_demo_model(out_dir: str | Path, arch: str, shape: DemoShape | None = N
         raise ValueError(f"unknown demo architecture {arch!r}; available: {', '.join(ARCHS)}")
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)
-    vocab_size = train_tokenizer(path, shape.vocab)
-    config = demo_config(arch, shape, vocab_size)
+    # The tokenizer learns at most `vocab` tokens from the small text; the model keeps the
+    # requested vocabulary size (ids past the tokenizer's are simply never produced by it).
+    if train_tokenizer(path, shape.vocab) > shape.vocab:
+        raise ValueError(f"vocab {shape.vocab} is below the byte-level tokenizer's minimum "
+                         f"(258: 256 bytes + 2 special tokens)")
+    config = demo_config(arch, shape, shape.vocab)
     torch.manual_seed(shape.seed)
     model = build_model(config)
     with torch.no_grad():

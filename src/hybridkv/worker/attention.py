@@ -54,13 +54,62 @@ class TorchReferenceBackend:
         Returns [T, Hq, D]."""
         self._write(k, v, kv_cache, meta)
         out = torch.empty_like(q)
+        decodes = []
         for r in range(len(meta.seq_lens)):
             start, end = meta.query_start_loc[r], meta.query_start_loc[r + 1]
-            if start == end:
-                continue
-            keys, values = self._gather(kv_cache, meta, r)
-            out[start:end] = _attend(q[start:end], keys, values, meta.seq_lens[r], params)
+            if end - start == 1:
+                decodes.append(r)  # batched below
+            elif end > start:
+                keys, values = self._gather(kv_cache, meta, r)
+                out[start:end] = _attend(q[start:end], keys, values, meta.seq_lens[r], params)
+        if decodes:
+            rows = torch.tensor(decodes, dtype=torch.int64, device=q.device)
+            tokens = torch.tensor([meta.query_start_loc[r] for r in decodes],
+                                  dtype=torch.int64, device=q.device)
+            seq_lens = torch.tensor([meta.seq_lens[r] for r in decodes], dtype=torch.int64,
+                                    device=q.device)
+            out[tokens] = self._decode_batch(q[tokens], kv_cache, meta, rows, seq_lens, params)
         return out
+
+    @staticmethod
+    def _decode_batch(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                      rows: torch.Tensor, seq_lens: torch.Tensor,
+                      params: AttentionParams) -> torch.Tensor:
+        """One query per request, all requests at once. q [R, Hq, D] -> [R, Hq, D]."""
+        kb = meta.kernel_block_size
+        k_per_block = meta.block_size // kb
+        num_kernel_blocks = -(-int(seq_lens.max()) // kb)
+        kernel_ids = meta.block_table[rows, :num_kernel_blocks]  # [R, n]
+        blocks, sub = kernel_ids // k_per_block, kernel_ids % k_per_block
+        per_page = kv_cache.shape[1]
+        split = kv_cache.unflatten(3, (k_per_block, kb))
+        gathered = split[blocks // per_page, blocks % per_page, :, sub]  # [R, n, 2, kb, H, D]
+        keys = gathered[:, :, 0].flatten(1, 2)  # [R, L, Hk, D]
+        values = gathered[:, :, 1].flatten(1, 2)
+        num_reqs, num_heads, head_dim = q.shape
+        num_kv_heads = keys.shape[2]
+        group = num_heads // num_kv_heads
+        # Query heads grouped by the KV head they share: [R, Hk, G, D]
+        qg = q.float().view(num_reqs, num_kv_heads, group, head_dim)
+        scores = torch.einsum("rkgd,rlkd->rkgl", qg, keys.float()) * params.scale
+        if params.softcap is not None:
+            scores = torch.tanh(scores / params.softcap) * params.softcap
+        k_pos = torch.arange(keys.shape[1], device=q.device).unsqueeze(0)  # [1, L]
+        q_pos = (seq_lens - 1).unsqueeze(1)  # [R, 1]
+        allowed = k_pos <= q_pos
+        if params.sliding_window is not None:
+            allowed &= q_pos - k_pos < params.sliding_window
+        if params.chunk_size is not None:
+            allowed &= k_pos // params.chunk_size == q_pos // params.chunk_size
+        scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+        if params.sinks is not None:
+            sink = params.sinks.float().view(1, num_kv_heads, group, 1).expand(
+                num_reqs, -1, -1, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("rkgl,rlkd->rkgd", probs, values.float())
+        return out.reshape(num_reqs, num_heads, head_dim).to(q.dtype)
 
     @staticmethod
     def _write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
