@@ -7,10 +7,12 @@ causal, sliding-window and chunked masks, GQA, logit soft-capping and attention 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol
 
 import torch
+from torch import nn
 
 
 @dataclass
@@ -23,6 +25,56 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] kernel_block_id * kernel_block_size + offset
     block_size: int  # the manager's block size (tokens per block of the KV view)
     kernel_block_size: int
+    blocks_per_page: int  # of the group's KV views: block b is (page b // n, slot b % n)
+    # Masks of the decode batch per (window, chunk), shared by the group's layers.
+    _masks: dict[tuple[int | None, int | None], torch.Tensor] = field(default_factory=dict)
+
+    # Everything below depends only on the batch, not on the layer: computed once per step
+    # by the first layer that asks, reused by the others.
+    @cached_property
+    def write_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(page, slot, offset) where each scheduled token's K/V goes."""
+        blocks = self.slot_mapping // self.block_size
+        offsets = self.slot_mapping % self.block_size
+        return blocks // self.blocks_per_page, blocks % self.blocks_per_page, offsets
+
+    @cached_property
+    def decode_rows(self) -> list[int]:
+        """Requests with exactly one query token (batched together)."""
+        loc = self.query_start_loc
+        return [r for r in range(len(self.seq_lens)) if loc[r + 1] - loc[r] == 1]
+
+    @cached_property
+    def decode_batch(self) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """(token index [R], sequence lengths [R], gather index into the KV view)."""
+        rows = self.decode_rows
+        device = self.slot_mapping.device
+        tokens = torch.tensor([self.query_start_loc[r] for r in rows], device=device)
+        seq_lens = torch.tensor([self.seq_lens[r] for r in rows], device=device)
+        kb = self.kernel_block_size
+        kernel_ids = self.block_table[torch.tensor(rows, device=device),
+                                      :-(-int(seq_lens.max()) // kb)]  # [R, n]
+        k_per_block = self.block_size // kb
+        blocks = kernel_ids // k_per_block
+        pages, slots = blocks // self.blocks_per_page, blocks % self.blocks_per_page
+        index = (pages, slots) if k_per_block == 1 else (pages, slots, kernel_ids % k_per_block)
+        return tokens, seq_lens, index
+
+    def decode_mask(self, window: int | None, chunk: int | None) -> torch.Tensor:
+        """[R, L]: which cached positions each decode query may attend to."""
+        mask = self._masks.get((window, chunk))
+        if mask is None:
+            _, seq_lens, index = self.decode_batch
+            num_pos = index[0].shape[1] * self.kernel_block_size
+            k_pos = torch.arange(num_pos, device=seq_lens.device).unsqueeze(0)  # [1, L]
+            q_pos = (seq_lens - 1).unsqueeze(1)  # [R, 1]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= q_pos - k_pos < window
+            if chunk is not None:
+                mask &= k_pos // chunk == q_pos // chunk
+            self._masks[(window, chunk)] = mask
+        return mask
 
 
 @dataclass(frozen=True)
@@ -54,53 +106,45 @@ class TorchReferenceBackend:
         Returns [T, Hq, D]."""
         self._write(k, v, kv_cache, meta)
         out = torch.empty_like(q)
-        decodes = []
         for r in range(len(meta.seq_lens)):
             start, end = meta.query_start_loc[r], meta.query_start_loc[r + 1]
-            if end - start == 1:
-                decodes.append(r)  # batched below
-            elif end > start:
+            if end - start > 1:  # prompt chunks one by one; single tokens batched below
                 keys, values = self._gather(kv_cache, meta, r)
                 out[start:end] = _attend(q[start:end], keys, values, meta.seq_lens[r], params)
-        if decodes:
-            rows = torch.tensor(decodes, dtype=torch.int64, device=q.device)
-            tokens = torch.tensor([meta.query_start_loc[r] for r in decodes],
-                                  dtype=torch.int64, device=q.device)
-            seq_lens = torch.tensor([meta.seq_lens[r] for r in decodes], dtype=torch.int64,
-                                    device=q.device)
-            out[tokens] = self._decode_batch(q[tokens], kv_cache, meta, rows, seq_lens, params)
+        if meta.decode_rows:
+            tokens = meta.decode_batch[0]
+            out[tokens] = self._decode_batch(q[tokens], kv_cache, meta, params)
         return out
 
     @staticmethod
     def _decode_batch(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                      rows: torch.Tensor, seq_lens: torch.Tensor,
                       params: AttentionParams) -> torch.Tensor:
         """One query per request, all requests at once. q [R, Hq, D] -> [R, Hq, D]."""
-        kb = meta.kernel_block_size
-        k_per_block = meta.block_size // kb
-        num_kernel_blocks = -(-int(seq_lens.max()) // kb)
-        kernel_ids = meta.block_table[rows, :num_kernel_blocks]  # [R, n]
-        blocks, sub = kernel_ids // k_per_block, kernel_ids % k_per_block
-        per_page = kv_cache.shape[1]
-        split = kv_cache.unflatten(3, (k_per_block, kb))
-        gathered = split[blocks // per_page, blocks % per_page, :, sub]  # [R, n, 2, kb, H, D]
+        _, _, index = meta.decode_batch
+        if len(index) == 2:
+            gathered = kv_cache[index]  # [R, n, 2, block, H, D]
+        else:  # kernel blocks inside manager blocks
+            split = kv_cache.unflatten(3, (meta.block_size // meta.kernel_block_size,
+                                           meta.kernel_block_size))
+            gathered = split[index[0], index[1], :, index[2]]  # [R, n, 2, kb, H, D]
         keys = gathered[:, :, 0].flatten(1, 2)  # [R, L, Hk, D]
         values = gathered[:, :, 1].flatten(1, 2)
         num_reqs, num_heads, head_dim = q.shape
         num_kv_heads = keys.shape[2]
         group = num_heads // num_kv_heads
+        allowed = meta.decode_mask(params.sliding_window, params.chunk_size)
+        if params.softcap is None and params.sinks is None:
+            # Plain softmax attention: torch's fused kernel (on CPU and CUDA alike).
+            out = nn.functional.scaled_dot_product_attention(
+                q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+                attn_mask=allowed[:, None, None, :], scale=params.scale,
+                enable_gqa=group > 1)  # [R, Hq, 1, D]
+            return out.squeeze(2)
         # Query heads grouped by the KV head they share: [R, Hk, G, D]
         qg = q.float().view(num_reqs, num_kv_heads, group, head_dim)
         scores = torch.einsum("rkgd,rlkd->rkgl", qg, keys.float()) * params.scale
         if params.softcap is not None:
             scores = torch.tanh(scores / params.softcap) * params.softcap
-        k_pos = torch.arange(keys.shape[1], device=q.device).unsqueeze(0)  # [1, L]
-        q_pos = (seq_lens - 1).unsqueeze(1)  # [R, 1]
-        allowed = k_pos <= q_pos
-        if params.sliding_window is not None:
-            allowed &= q_pos - k_pos < params.sliding_window
-        if params.chunk_size is not None:
-            allowed &= k_pos // params.chunk_size == q_pos // params.chunk_size
         scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
         if params.sinks is not None:
             sink = params.sinks.float().view(1, num_kv_heads, group, 1).expand(
@@ -115,10 +159,7 @@ class TorchReferenceBackend:
     def _write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                meta: AttentionMetadata) -> None:
         # Kernel slots and manager slots are the same numbers (see BlockTable).
-        blocks = meta.slot_mapping // meta.block_size
-        offsets = meta.slot_mapping % meta.block_size
-        per_page = kv_cache.shape[1]
-        pages, slots = blocks // per_page, blocks % per_page
+        pages, slots, offsets = meta.write_index
         kv_cache[pages, slots, 0, offsets] = k.to(kv_cache.dtype)
         kv_cache[pages, slots, 1, offsets] = v.to(kv_cache.dtype)
 

@@ -39,6 +39,7 @@ class ModelRunner:
         self.block_tables = [
             BlockTable(max_num_reqs, cdiv(max_model_len, g.block_size) + 1, g.block_size,
                        kernel_block_size) for g in kv_config.groups]
+        self.blocks_per_page = [g.blocks_per_large_page for g in kv_config.groups]
         self.backend = get_backend(attention_backend)
         self.sampler = Sampler()
         # The persistent batch: row -> request, in one order shared by every group.
@@ -110,13 +111,15 @@ class ModelRunner:
         rows_t = torch.tensor(token_rows, dtype=torch.int64)
         batch_rows = torch.tensor([self.row_of[r] for r in scheduled], dtype=torch.int64)
         metadata = []
-        for table in self.block_tables:
+        for table, blocks_per_page in zip(self.block_tables, self.blocks_per_page,
+                                          strict=True):
             kernel = table.kernel_table(len(self.rows))
             metadata.append(AttentionMetadata(
                 query_start_loc=query_start_loc, seq_lens=seq_lens,
                 block_table=kernel[batch_rows].to(self.device),
                 slot_mapping=table.slot_mapping(rows_t, pos_t).to(self.device),
-                block_size=table.block_size, kernel_block_size=table.kernel_block_size))
+                block_size=table.block_size, kernel_block_size=table.kernel_block_size,
+                blocks_per_page=blocks_per_page))
         ctx = ForwardContext(self.backend, self.kv_caches, metadata, self.layer_group)
         hidden = self.model(ids_t.to(self.device), pos_t.to(self.device), ctx)
         if not sample_ids:
