@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +22,20 @@ class ForwardContext:
     kv_caches: Mapping[str, torch.Tensor]  # layer name -> its KV view
     metadata: list[AttentionMetadata]  # per group
     layer_group: Mapping[str, int]  # layer name -> group id
+    # RoPE cos/sin of this step's positions, per distinct RoPE parameters.
+    rope_cache: dict[object, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def rope_cos_sin(self, positions: torch.Tensor, key: object, inv_freq: torch.Tensor,
+                     scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, 1, D] cos and sin, computed once per step for layers whose RoPE parameters
+        (`key`, see `rope_key`) are equal."""
+        cached = self.rope_cache.get(key)
+        if cached is None:
+            freqs = positions.float().unsqueeze(-1) * inv_freq
+            cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).unsqueeze(1) * scaling
+            sin = torch.cat([freqs.sin(), freqs.sin()], dim=-1).unsqueeze(1) * scaling
+            cached = self.rope_cache[key] = (cos, sin)
+        return cached
 
     def attention(self, layer_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   params: AttentionParams) -> torch.Tensor:
@@ -61,6 +75,10 @@ def activation(name: str) -> Any:
     except KeyError:
         raise ValueError(f"unsupported activation {name!r}; supported: "
                          f"{', '.join(ACTIVATIONS)}") from None
+
+
+def rope_key(head_dim: int, params: Mapping[str, Any]) -> object:
+    return (head_dim, tuple(sorted((k, str(v)) for k, v in params.items())))
 
 
 def rope_inv_freq(head_dim: int, params: Mapping[str, Any]) -> tuple[torch.Tensor, float]:
@@ -122,12 +140,9 @@ def _yarn(dim: int, base: float, params: Mapping[str, Any]) -> tuple[torch.Tenso
     return inv_freq, float(attention_factor)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-               scaling: float = 1.0) -> torch.Tensor:
-    """x [T, H, D] rotated by position, the half-split convention of HF checkpoints."""
-    freqs = positions.float().unsqueeze(-1) * inv_freq.to(x.device)  # [T, D/2]
-    cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).unsqueeze(1) * scaling
-    sin = torch.cat([freqs.sin(), freqs.sin()], dim=-1).unsqueeze(1) * scaling
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by position, the half-split convention of HF checkpoints;
+    cos/sin [T, 1, D] from `ForwardContext.rope_cos_sin`."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)

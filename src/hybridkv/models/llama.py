@@ -17,7 +17,14 @@ import torch
 from torch import nn
 
 from hybridkv.models.layer_mix import CHUNKED, FULL, SLIDING, layer_kinds
-from hybridkv.models.layers import ForwardContext, RMSNorm, activation, apply_rope, rope_inv_freq
+from hybridkv.models.layers import (
+    ForwardContext,
+    RMSNorm,
+    activation,
+    apply_rope,
+    rope_inv_freq,
+    rope_key,
+)
 from hybridkv.models.weights import load_named_weights
 from hybridkv.worker.attention import AttentionParams
 
@@ -127,6 +134,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset) if cfg.qk_norm else None
         inv_freq, self.rope_scaling = rope_inv_freq(cfg.head_dim, cfg.rope_params[layer])
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Layers with equal RoPE parameters share one cos/sin per step.
+        self.rope_key = rope_key(cfg.head_dim, cfg.rope_params[layer])
         # Learned per-head sink logits (gpt-oss): part of the softmax, attached to no value.
         self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.sinks else None
         self.sliding_window = cfg.sliding_window if cfg.layer_kinds[layer] == SLIDING else None
@@ -140,8 +149,8 @@ class Attention(nn.Module):
         v = self.v_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, self.inv_freq, self.rope_scaling)
-        k = apply_rope(k, positions, self.inv_freq, self.rope_scaling)
+        cos, sin = ctx.rope_cos_sin(positions, self.rope_key, self.inv_freq, self.rope_scaling)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         params = AttentionParams(scale=self.scale, softcap=self.softcap,
                                  sliding_window=self.sliding_window, sinks=self.sinks)
         out = ctx.attention(self.name, q, k, v, params)
