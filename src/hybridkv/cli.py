@@ -102,6 +102,26 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--repeat", type=_positive_int, default=1,
                     help="run N times and report the median of each figure")
     kv.add_argument("--json", action="store_true")
+
+    tp = suites.add_parser("throughput", help="output tokens/s, side by side with "
+                                              "transformers generate")
+    tp.add_argument("model_dir")
+    tp.add_argument("--num-prompts", type=_positive_int, default=32)
+    tp.add_argument("--input-len", type=_positive_int, default=64)
+    tp.add_argument("--output-len", type=_positive_int, default=128)
+    tp.add_argument("--repeat", type=_positive_int, default=1)
+    tp.add_argument("--no-transformers", action="store_true")
+    tp.add_argument("--json", action="store_true")
+
+    cap = suites.add_parser("capacity", help="concurrent long requests in one KV budget, "
+                                             "hybrid management on vs off")
+    cap.add_argument("model_dir", nargs="?", default=None,
+                     help="default: a tiny Gemma-3-like demo model built on the fly")
+    cap.add_argument("--kv-cache-memory", type=_memory, default=parse_bytes("8MiB"))
+    cap.add_argument("--num-prompts", type=_positive_int, default=16)
+    cap.add_argument("--input-len", type=_positive_int, default=1024)
+    cap.add_argument("--output-len", type=_positive_int, default=32)
+    cap.add_argument("--json", action="store_true")
     return parser
 
 
@@ -203,6 +223,20 @@ def cmd_demo_model(args: argparse.Namespace) -> str:
 
 def cmd_bench(args: argparse.Namespace) -> str:
     from hybridkv.bench.kv_trace import DEFAULT_MEMORY, bench_kv
+
+    if args.suite == "throughput":
+        from hybridkv.bench.engine import bench_throughput
+
+        return bench_throughput(args.model_dir, num_prompts=args.num_prompts,
+                                input_len=args.input_len, output_len=args.output_len,
+                                repeat=args.repeat, with_transformers=not args.no_transformers,
+                                as_json=args.json)
+    if args.suite == "capacity":
+        from hybridkv.bench.engine import bench_capacity
+
+        return bench_capacity(args.model_dir, kv_cache_memory=args.kv_cache_memory,
+                              num_prompts=args.num_prompts, input_len=args.input_len,
+                              output_len=args.output_len, as_json=args.json)
 
     configs = ["hybrid", "full"] if args.config == "both" else [args.config]
     return bench_kv(configs, memory_bytes=args.memory or DEFAULT_MEMORY,

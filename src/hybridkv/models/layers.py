@@ -53,11 +53,11 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Normalise in float32 (as the reference implementations do), one fused op.
+        normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         if self.offset:
-            return (xf * (self.offset + self.weight.float())).to(x.dtype)
-        return self.weight * xf.to(x.dtype)
+            return (normed * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
 
 
 ACTIVATIONS = {

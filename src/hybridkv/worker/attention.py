@@ -121,14 +121,16 @@ class TorchReferenceBackend:
                       params: AttentionParams) -> torch.Tensor:
         """One query per request, all requests at once. q [R, Hq, D] -> [R, Hq, D]."""
         _, _, index = meta.decode_batch
+        # K and V gathered apart, each straight into a contiguous [R, n, block, H, D].
         if len(index) == 2:
-            gathered = kv_cache[index]  # [R, n, 2, block, H, D]
+            pages, slots = index
+            keys, values = kv_cache[pages, slots, 0], kv_cache[pages, slots, 1]
         else:  # kernel blocks inside manager blocks
             split = kv_cache.unflatten(3, (meta.block_size // meta.kernel_block_size,
                                            meta.kernel_block_size))
-            gathered = split[index[0], index[1], :, index[2]]  # [R, n, 2, kb, H, D]
-        keys = gathered[:, :, 0].flatten(1, 2)  # [R, L, Hk, D]
-        values = gathered[:, :, 1].flatten(1, 2)
+            keys = split[index[0], index[1], 0, index[2]]
+            values = split[index[0], index[1], 1, index[2]]
+        keys, values = keys.flatten(1, 2), values.flatten(1, 2)  # [R, L, Hk, D]
         num_reqs, num_heads, head_dim = q.shape
         num_kv_heads = keys.shape[2]
         group = num_heads // num_kv_heads

@@ -1,0 +1,140 @@
+"""`hybridkv bench throughput | capacity`: the engine end to end, figures printed."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, vocab, (length,), generator=gen).tolist() for _ in range(num)]
+
+
+def _vocab(model_dir: str) -> int:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return int((config.get("text_config") or config)["vocab_size"])
+
+
+def _ours(model_dir: str, prompts: list[list[int]], output_len: int,
+          options: dict[str, Any]) -> tuple[float, Any]:
+    from hybridkv import LLM, SamplingParams
+
+    llm = LLM(model_dir, **options)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True),
+                        use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.token_ids) for o in outs) / elapsed, llm
+
+
+def _transformers(model_dir: str, prompts: list[list[int]], output_len: int) -> float:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    ids = torch.tensor(prompts)  # equal lengths: no padding needed
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.generate(ids[:2], max_new_tokens=2, **kwargs)  # warm up
+    start = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kwargs)
+    elapsed = time.perf_counter() - start
+    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / elapsed
+
+
+def bench_throughput(model_dir: str, *, num_prompts: int, input_len: int, output_len: int,
+                     repeat: int = 1, with_transformers: bool = True,
+                     as_json: bool = False) -> str:
+    prompts = _prompts(num_prompts, input_len, _vocab(model_dir))
+    options = dict(dtype="float32", max_model_len=input_len + output_len + 16,
+                   max_num_seqs=num_prompts, kv_cache_memory="256MiB")
+    ours, theirs = [], []
+    for _ in range(repeat):  # interleaved, so both see the same machine load
+        ours.append(_ours(model_dir, prompts, output_len, options)[0])
+        if with_transformers:
+            theirs.append(_transformers(model_dir, prompts, output_len))
+    figures: dict[str, Any] = {
+        "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
+        "repeat": repeat, "output_tokens_per_s": statistics.median(ours),
+        "transformers_output_tokens_per_s": statistics.median(theirs) if theirs else None}
+    if theirs:
+        figures["ratio"] = figures["output_tokens_per_s"] / figures[
+            "transformers_output_tokens_per_s"]
+    if as_json:
+        return json.dumps(figures)
+    lines = [f"{num_prompts} prompts x {input_len} tokens in, {output_len} out, float32, "
+             f"medians of {repeat}",
+             f"hybridkv      {figures['output_tokens_per_s']:9.1f} output tokens/s"]
+    if theirs:
+        lines.append(f"transformers  {figures['transformers_output_tokens_per_s']:9.1f} output "
+                     f"tokens/s (generate, batch {num_prompts})")
+        lines.append(f"ratio         {figures['ratio']:9.2f}x")
+    return "\n".join(lines)
+
+
+def bench_capacity(model_dir: str | None, *, kv_cache_memory: int, num_prompts: int,
+                   input_len: int, output_len: int, as_json: bool = False) -> str:
+    """Concurrent long requests and throughput in one KV budget, hybrid on vs off."""
+    from hybridkv.models.demo import DemoShape, write_demo_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if model_dir is None:
+            # Gemma-3-like: 5 sliding layers (window 256) per full layer.
+            model_dir = str(write_demo_model(Path(tmp) / "gemma3", "gemma3", DemoShape(
+                layers=6, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256,
+                vocab=512, window=256)))
+        prompts = _prompts(num_prompts, input_len, _vocab(model_dir), seed=1)
+        rows = {}
+        for hybrid in (True, False):
+            options = dict(dtype="float32", max_model_len=input_len + output_len + 16,
+                           max_num_seqs=num_prompts, kv_cache_memory=kv_cache_memory,
+                           max_num_batched_tokens=input_len,
+                           disable_hybrid_kv_cache=not hybrid)
+            peak = _PeakRunning()
+            tok_s, llm = _ours_with_peak(model_dir, prompts, output_len, options, peak)
+            rows["hybrid" if hybrid else "no_hybrid"] = {
+                "max_concurrent_requests": peak.value, "output_tokens_per_s": tok_s,
+                "preemptions": llm.engine.scheduler.num_preemptions,
+                "plan_max_concurrency": llm.engine.plan.max_concurrency}
+    figures = {"kv_cache_memory": kv_cache_memory, "num_prompts": num_prompts,
+               "input_len": input_len, "output_len": output_len, **rows}
+    if as_json:
+        return json.dumps(figures)
+    lines = [f"{num_prompts} requests of {input_len} + {output_len} tokens, KV budget "
+             f"{kv_cache_memory / (1 << 20):.1f} MiB",
+             f"{'':10} {'concurrent':>10} {'plan':>8} {'tokens/s':>9} {'preempt':>8}"]
+    for name, r in rows.items():
+        lines.append(f"{name:10} {r['max_concurrent_requests']:10d} "
+                     f"{r['plan_max_concurrency']:8.2f} {r['output_tokens_per_s']:9.1f} "
+                     f"{r['preemptions']:8d}")
+    return "\n".join(lines)
+
+
+class _PeakRunning:
+    def __init__(self) -> None:
+        self.value = 0
+
+
+def _ours_with_peak(model_dir: str, prompts: list[list[int]], output_len: int,
+                    options: dict[str, Any], peak: _PeakRunning) -> tuple[float, Any]:
+    from hybridkv import LLM, SamplingParams
+
+    llm = LLM(model_dir, **options)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"c{i}", prompt, params)
+    produced = 0
+    start = time.perf_counter()
+    while engine.has_unfinished:
+        produced += len(engine.step())
+        peak.value = max(peak.value, len(engine.scheduler.running))
+    return produced / (time.perf_counter() - start), llm
