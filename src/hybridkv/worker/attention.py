@@ -55,17 +55,18 @@ class AttentionMetadata:
         kernel_ids = self.block_table[torch.tensor(rows, device=device),
                                       :-(-int(seq_lens.max()) // kb)]  # [R, n]
         k_per_block = self.block_size // kb
+        if k_per_block == 1:
+            return tokens, seq_lens, (kernel_ids,)  # block ids, for index_select
         blocks = kernel_ids // k_per_block
         pages, slots = blocks // self.blocks_per_page, blocks % self.blocks_per_page
-        index = (pages, slots) if k_per_block == 1 else (pages, slots, kernel_ids % k_per_block)
-        return tokens, seq_lens, index
+        return tokens, seq_lens, (pages, slots, kernel_ids % k_per_block)
 
     def decode_mask(self, window: int | None, chunk: int | None) -> torch.Tensor:
         """[R, L]: which cached positions each decode query may attend to."""
         mask = self._masks.get((window, chunk))
         if mask is None:
             _, seq_lens, index = self.decode_batch
-            num_pos = index[0].shape[1] * self.kernel_block_size
+            num_pos = index[-1].shape[1] * self.kernel_block_size
             k_pos = torch.arange(num_pos, device=seq_lens.device).unsqueeze(0)  # [1, L]
             q_pos = (seq_lens - 1).unsqueeze(1)  # [R, 1]
             mask = k_pos <= q_pos
@@ -122,8 +123,15 @@ class TorchReferenceBackend:
         """One query per request, all requests at once. q [R, Hq, D] -> [R, Hq, D]."""
         _, _, index = meta.decode_batch
         # K and V gathered apart, each straight into a contiguous [R, n, block, H, D].
-        if len(index) == 2:
-            pages, slots = index
+        flat = _flat_blocks(kv_cache)
+        if len(index) == 1 and flat is not None:
+            ids = index[0].flatten()
+            shape = (*index[0].shape, *flat.shape[2:])
+            keys = flat[:, 0].index_select(0, ids).view(shape)
+            values = flat[:, 1].index_select(0, ids).view(shape)
+        elif len(index) == 1:  # padded large pages: no flat block view
+            blocks = index[0]
+            pages, slots = blocks // meta.blocks_per_page, blocks % meta.blocks_per_page
             keys, values = kv_cache[pages, slots, 0], kv_cache[pages, slots, 1]
         else:  # kernel blocks inside manager blocks
             split = kv_cache.unflatten(3, (meta.block_size // meta.kernel_block_size,
@@ -172,6 +180,11 @@ class TorchReferenceBackend:
         k_per_block = meta.block_size // kb
         seq_len = meta.seq_lens[r]
         kernel_ids = meta.block_table[r, :-(-seq_len // kb)]
+        flat = _flat_blocks(kv_cache)
+        if k_per_block == 1 and flat is not None:
+            keys = flat[:, 0].index_select(0, kernel_ids).flatten(0, 1)[:seq_len]
+            values = flat[:, 1].index_select(0, kernel_ids).flatten(0, 1)[:seq_len]
+            return keys, values
         blocks, sub = kernel_ids // k_per_block, kernel_ids % k_per_block
         per_page = kv_cache.shape[1]
         # [pages, per_page, 2, k, kb, H, D]: kernel block `sub` of manager block `blocks`
@@ -180,6 +193,16 @@ class TorchReferenceBackend:
         keys = gathered[:, 0].flatten(0, 1)[:seq_len]
         values = gathered[:, 1].flatten(0, 1)[:seq_len]
         return keys, values
+
+
+def _flat_blocks(kv_cache: torch.Tensor) -> torch.Tensor | None:
+    """[num_blocks, 2, block, H, D] view of [pages, per_page, ...] when the large pages have
+    no padding for this group (then blocks are evenly spaced), else None."""
+    if kv_cache.shape[1] == 1:  # one block per page (a size-1 dim's stride is arbitrary)
+        return kv_cache[:, 0]
+    if kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1):
+        return None
+    return kv_cache.flatten(0, 1)
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_len: int,
