@@ -1,0 +1,93 @@
+"""The reference backend over paged KV against dense attention, for every cache layout."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hybridkv.worker.attention import (  # noqa: E402
+    AttentionMetadata,
+    AttentionParams,
+    TorchReferenceBackend,
+    get_backend,
+)
+
+BS, H_Q, H_KV, D = 8, 4, 2, 16
+
+
+def dense(q, keys, values, q_pos, params):
+    """q [nq, Hq, D] at positions q_pos; keys/values [L, Hk, D] at 0..L-1."""
+    keys = keys.repeat_interleave(H_Q // H_KV, dim=1)
+    values = values.repeat_interleave(H_Q // H_KV, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) * params.scale
+    if params.softcap:
+        scores = torch.tanh(scores / params.softcap) * params.softcap
+    k_pos = torch.arange(keys.shape[0])
+    ok = k_pos[None, :] <= q_pos[:, None]
+    if params.sliding_window:
+        ok &= q_pos[:, None] - k_pos[None, :] < params.sliding_window
+    if params.chunk_size:
+        ok &= k_pos[None, :] // params.chunk_size == q_pos[:, None] // params.chunk_size
+    scores = scores.masked_fill(~ok, float("-inf"))
+    if params.sinks is not None:
+        sink = params.sinks.view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, -1)
+    return torch.einsum("hqk,khd->qhd", probs, values)
+
+
+@pytest.mark.parametrize("layout", ["flat", "multi_block_pages", "padded_pages"])
+@pytest.mark.parametrize("kernel_block", [BS, BS // 2])
+@pytest.mark.parametrize("feature", ["plain", "window", "chunk", "softcap", "sinks"])
+def test_paged_attention_equals_dense(layout, kernel_block, feature):
+    torch.manual_seed(0)
+    per_page = 1 if layout == "flat" else 3
+    num_pages = 12
+    # A padded page leaves room after its blocks: the view is strided over pages.
+    page_elems = per_page * 2 * BS * H_KV * D + (7 if layout == "padded_pages" else 0)
+    arena = torch.zeros(num_pages, page_elems)
+    kv = arena[:, :per_page * 2 * BS * H_KV * D].unflatten(1, (per_page, 2, BS, H_KV, D))
+    params = AttentionParams(
+        scale=1 / math.sqrt(D), sliding_window=5 if feature == "window" else None,
+        chunk_size=8 if feature == "chunk" else None,
+        softcap=3.0 if feature == "softcap" else None,
+        sinks=torch.randn(H_Q) if feature == "sinks" else None)
+    # Two requests: one decoding (context 19 -> 20), one prompt chunk of 6 at 7..12.
+    lens, new = [20, 13], [1, 6]
+    tables = [[5, 9, 14], [30, 4]]  # manager block ids (page = id // per_page)
+    if layout == "flat":
+        tables = [[5, 9, 11], [10, 4]]
+    keys_all = [torch.randn(n, H_KV, D) for n in lens]
+    values_all = [torch.randn(n, H_KV, D) for n in lens]
+    k_per = BS // kernel_block
+    for r, (table, n) in enumerate(zip(tables, lens, strict=True)):  # past tokens, by hand
+        for pos in range(n - new[r]):
+            b = table[pos // BS]
+            kv[b // per_page, b % per_page, 0, pos % BS] = keys_all[r][pos]
+            kv[b // per_page, b % per_page, 1, pos % BS] = values_all[r][pos]
+    kernel_table = torch.tensor([[b * k_per + j for b in t for j in range(k_per)]
+                                 + [0] * (8 - len(t) * k_per) for t in tables])
+    slots = [table[p // BS] * BS + p % BS for table, n, m in zip(tables, lens, new, strict=True)
+             for p in range(n - m, n)]
+    meta = AttentionMetadata(query_start_loc=[0, 1, 7], seq_lens=lens,
+                             block_table=kernel_table,
+                             slot_mapping=torch.tensor(slots), block_size=BS,
+                             kernel_block_size=kernel_block, blocks_per_page=per_page)
+    q = torch.randn(7, H_Q, D)
+    k_new = torch.cat([keys_all[0][-1:], keys_all[1][-6:]])
+    v_new = torch.cat([values_all[0][-1:], values_all[1][-6:]])
+    out = get_backend("torch").forward(q, k_new, v_new, kv, meta, params)
+    expect = torch.cat([
+        dense(q[:1], keys_all[0], values_all[0], torch.tensor([19]), params),
+        dense(q[1:], keys_all[1], values_all[1], torch.arange(7, 13), params)])
+    torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+
+
+def test_unknown_backend_lists_the_known_ones():
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'; available: torch"):
+        get_backend("flash")
+    assert isinstance(get_backend("torch"), TorchReferenceBackend)
