@@ -20,17 +20,20 @@ class Sampler:
                params: list[SamplingParams]) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits [R, V] -> one token per row, plus top logprobs where asked."""
         logits = logits.float()
-        tokens: list[int] = []
+        if all(p.greedy for p in params):  # the common case: one argmax for the batch
+            tokens = torch.argmax(logits, dim=-1).tolist()
+        else:
+            tokens = [self._sample_row(logits[row], rid, p)
+                      for row, (rid, p) in enumerate(zip(request_ids, params, strict=True))]
         logprobs: list[dict[int, float] | None] = []
-        for row, (rid, p) in enumerate(zip(request_ids, params, strict=True)):
-            tokens.append(self._sample_row(logits[row], rid, p))
+        for row, p in enumerate(params):
             if p.logprobs is None:
                 logprobs.append(None)
                 continue
             lp = torch.log_softmax(logits[row], dim=-1)
             top = torch.topk(lp, min(p.logprobs, lp.shape[-1]))
             entry = {int(i): float(v) for v, i in zip(top.values, top.indices, strict=True)}
-            entry[tokens[-1]] = float(lp[tokens[-1]])
+            entry[tokens[row]] = float(lp[tokens[row]])
             logprobs.append(entry)
         return tokens, logprobs
 
