@@ -211,12 +211,6 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_len: 
     [seq_len, Hk, D]."""
     num_q, num_heads = q.shape[0], q.shape[1]
     group = num_heads // keys.shape[1]
-    if group > 1:
-        keys = keys.repeat_interleave(group, dim=1)
-        values = values.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), keys.float()) * params.scale
-    if params.softcap is not None:
-        scores = torch.tanh(scores / params.softcap) * params.softcap
     q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device).unsqueeze(1)
     k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
     allowed = k_pos <= q_pos
@@ -224,6 +218,17 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_len: 
         allowed &= q_pos - k_pos < params.sliding_window
     if params.chunk_size is not None:
         allowed &= k_pos // params.chunk_size == q_pos // params.chunk_size
+    if params.softcap is None and params.sinks is None:
+        out = nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            attn_mask=allowed, scale=params.scale, enable_gqa=group > 1)  # [Hq, nq, D]
+        return out.transpose(0, 1)
+    if group > 1:
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys.float()) * params.scale
+    if params.softcap is not None:
+        scores = torch.tanh(scores / params.softcap) * params.softcap
     scores = scores.masked_fill(~allowed, float("-inf"))
     if params.sinks is not None:
         # A per-head sink logit joins the softmax and takes probability mass, no value.
