@@ -10,14 +10,14 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from hybridkv import LLM, SamplingParams  # noqa: E402
+from hybridkv.models.demo import train_tokenizer  # noqa: E402
 from tests.models.tiny import build_tiny_model  # noqa: E402
-from tests.models.tokenizer import train_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = build_tiny_model("llama", tmp_path_factory.mktemp("llama"))
-    train_tokenizer(path)
+    train_tokenizer(path, vocab_size=256)
     return path
 
 
@@ -144,3 +144,27 @@ def test_mismatched_checkpoint_shapes_are_reported(tmp_path, model_dir):
     (bad / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="missing model.safetensors"):
         LLM(str(bad), dtype="float32")
+
+
+def test_sharded_checkpoints_load_like_single_files(tmp_path, model_dir, llm):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    for file in ("config.json", "generation_config.json", "tokenizer.json"):
+        (sharded / file).write_bytes((model_dir / file).read_bytes())
+    for shard, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(sharded / shard))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: shard for shard, keys in shards.items() for k in keys}}))
+    other = LLM(str(sharded), dtype="float32", max_model_len=64, kv_cache_memory="4MiB")
+    params = SamplingParams(max_tokens=6)
+    assert other.generate([4, 5, 6], params)[0].token_ids == \
+        llm.generate([4, 5, 6], params)[0].token_ids
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match="missing weight shard model-00002-of-00002"):
+        LLM(str(sharded), dtype="float32")
