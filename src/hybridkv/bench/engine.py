@@ -98,10 +98,9 @@ def bench_capacity(model_dir: str | None, *, kv_cache_memory: int, num_prompts: 
                            max_num_seqs=num_prompts, kv_cache_memory=kv_cache_memory,
                            max_num_batched_tokens=input_len,
                            disable_hybrid_kv_cache=not hybrid)
-            peak = _PeakRunning()
-            tok_s, llm = _ours_with_peak(model_dir, prompts, output_len, options, peak)
+            tok_s, llm, peak = _ours_with_peak(model_dir, prompts, output_len, options)
             rows["hybrid" if hybrid else "no_hybrid"] = {
-                "max_concurrent_requests": peak.value, "output_tokens_per_s": tok_s,
+                "max_concurrent_requests": peak, "output_tokens_per_s": tok_s,
                 "preemptions": llm.engine.scheduler.num_preemptions,
                 "plan_max_concurrency": llm.engine.plan.max_concurrency}
     figures = {"kv_cache_memory": kv_cache_memory, "num_prompts": num_prompts,
@@ -118,13 +117,9 @@ def bench_capacity(model_dir: str | None, *, kv_cache_memory: int, num_prompts: 
     return "\n".join(lines)
 
 
-class _PeakRunning:
-    def __init__(self) -> None:
-        self.value = 0
-
-
 def _ours_with_peak(model_dir: str, prompts: list[list[int]], output_len: int,
-                    options: dict[str, Any], peak: _PeakRunning) -> tuple[float, Any]:
+                    options: dict[str, Any]) -> tuple[float, Any, int]:
+    """Output tokens/s, the LLM, and the most requests running at once."""
     from hybridkv import LLM, SamplingParams
 
     llm = LLM(model_dir, **options)
@@ -132,9 +127,9 @@ def _ours_with_peak(model_dir: str, prompts: list[list[int]], output_len: int,
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"c{i}", prompt, params)
-    produced = 0
+    produced = peak = 0
     start = time.perf_counter()
     while engine.has_unfinished:
         produced += len(engine.step())
-        peak.value = max(peak.value, len(engine.scheduler.running))
-    return produced / (time.perf_counter() - start), llm
+        peak = max(peak, len(engine.scheduler.running))
+    return produced / (time.perf_counter() - start), llm, peak

@@ -36,7 +36,7 @@ class LLMEngine:
             (hf_config.get("text_config") or hf_config).get("torch_dtype")
             or hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
         dtype = torch_dtype(dtype_name)
-        loaded = load_model(model_dir, dtype=dtype, device=device)
+        loaded = load_model(model_dir, dtype=dtype, device=device, config=hf_config)
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         text_cfg = hf_config.get("text_config") or hf_config

@@ -102,8 +102,7 @@ def write_demo_model(out_dir: str | Path, arch: str, shape: DemoShape | None = N
     from hybridkv.models.registry import build_model
 
     shape = shape or DemoShape()
-    if arch not in ARCHS:
-        raise ValueError(f"unknown demo architecture {arch!r}; available: {', '.join(ARCHS)}")
+    config = demo_config(arch, shape, shape.vocab)  # checks the architecture first
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)
     # The tokenizer learns at most `vocab` tokens from the small text; the model keeps the
@@ -111,7 +110,6 @@ def write_demo_model(out_dir: str | Path, arch: str, shape: DemoShape | None = N
     if train_tokenizer(path, shape.vocab) > shape.vocab:
         raise ValueError(f"vocab {shape.vocab} is below the byte-level tokenizer's minimum "
                          f"(258: 256 bytes + 2 special tokens)")
-    config = demo_config(arch, shape, shape.vocab)
     torch.manual_seed(shape.seed)
     model = build_model(config)
     with torch.no_grad():

@@ -61,10 +61,11 @@ def eos_ids(model_dir: Path, config: dict[str, Any]) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
-def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: torch.device | str
-               ) -> LoadedModel:
+def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: torch.device | str,
+               config: dict[str, Any] | None = None) -> LoadedModel:
+    """`config`: the directory's config.json when the caller has read it already."""
     path = Path(model_dir)
-    config = read_config(path)
+    config = config if config is not None else read_config(path)
     model = build_model(config)
     model.to(dtype=dtype)
     model.load_weights(iter_weights(path))  # type: ignore[operator]

@@ -49,8 +49,8 @@ class BlockTable:
         return (table.unsqueeze(-1) * k + sub).flatten(1)
 
     def slot_mapping(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Where each token's K/V goes: kernel_block_id * kernel_block_size + offset."""
-        kb = self.kernel_block_size
-        kernel_blocks = self.kernel_table(int(rows.max()) + 1 if len(rows) else 0)
-        ids = kernel_blocks[rows, positions // kb]
-        return ids * kb + positions % kb
+        """Where each token's K/V goes. Kernel and manager slots are the same numbers:
+        (b*k + j) * kernel_block_size + offset == b * block_size + j * kernel_block_size +
+        offset, so the manager table answers directly."""
+        ids = self.table[rows, positions // self.block_size]
+        return ids * self.block_size + positions % self.block_size
