@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from hybridkv.config import EngineConfig
+from hybridkv.engine.detokenizer import IncrementalDetokenizer
 from hybridkv.engine.outputs import RequestOutput
 from hybridkv.engine.request import Request, RequestStatus
 from hybridkv.engine.sampling import SamplingParams
@@ -70,7 +71,7 @@ class LLMEngine:
             attention_backend=config.attention_backend,
             kernel_block_size=config.kernel_block_size, keep_logits=config.keep_logits)
         self._params: dict[str, SamplingParams] = {}
-        self._texts: dict[str, str] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._logits: dict[str, list[torch.Tensor]] = {}
         self._next_index = 0
 
@@ -106,7 +107,8 @@ class LLMEngine:
                           eos_token_ids=self.eos_token_ids, arrival_index=self._next_index)
         self._next_index += 1
         self._params[request_id] = params
-        self._texts[request_id] = ""
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> None:
@@ -141,7 +143,7 @@ class LLMEngine:
             if rid in result.logits:
                 self._logits.setdefault(rid, []).append(result.logits[rid])
             status = self._check_stop(request)
-            new_text, stopped = self._detokenize(request)
+            new_text, stopped = self._detokenize(request, final=status is not None)
             if stopped and status is None:
                 status = RequestStatus.FINISHED_STOPPED
             if status is not None:
@@ -167,29 +169,24 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _detokenize(self, request: Request) -> tuple[str, bool]:
-        """Decode the outputs so far: (new text, whether a stop string ended it there)."""
-        if self.tokenizer is None:
+    def _detokenize(self, request: Request, *, final: bool) -> tuple[str, bool]:
+        """(new text, whether a stop string ended the request there)."""
+        detokenizer = self._detokenizers.get(request.request_id)
+        if detokenizer is None:
             return "", False
-        rid = request.request_id
-        old = self._texts[rid]
-        text = self.tokenizer.decode(request.output_token_ids)
-        stopped = False
-        for stop in request.sampling_params.stop:
-            # Only look where the new text could complete a stop string.
-            cut = text.find(stop, max(0, len(old) - len(stop) + 1))
-            if cut >= 0:
-                text, stopped = text[:cut], True
-                request.stop_reason = stop
-        self._texts[rid] = text
-        return (text[len(old):] if text.startswith(old) else text), stopped
+        new_text, stop = detokenizer.add(request.output_token_ids, final=final)
+        if stop is not None:
+            request.stop_reason = stop
+        return new_text, stop is not None
 
     def _output(self, request: Request, status: RequestStatus | None,
                 new_text: str) -> RequestOutput:
         rid = request.request_id
+        detokenizer = self._detokenizers.get(rid)
         return RequestOutput(
             request_id=rid, prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids), text=self._texts[rid],
+            token_ids=list(request.output_token_ids),
+            text=detokenizer.text if detokenizer else "",
             finished=status is not None, finish_reason=status.value if status else None,
             logprobs=list(request.output_logprobs) if request.sampling_params.logprobs
             is not None else None,
@@ -198,5 +195,5 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> None:
         self._params.pop(request_id, None)
-        self._texts.pop(request_id, None)
+        self._detokenizers.pop(request_id, None)
         self._logits.pop(request_id, None)
