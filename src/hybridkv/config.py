@@ -22,6 +22,7 @@ class EngineConfig:
     dtype: str = "auto"  # the checkpoint's dtype ("auto"), or bf16 / fp16 / fp32
     device: str = "auto"  # cuda when available, else cpu
     attention_backend: str = "torch"
+    scheduling_policy: str = "fcfs"  # or "priority": lower `priority` values first
     keep_logits: bool = False  # keep sampled rows' logits in outputs (for tests)
 
     def __post_init__(self) -> None:

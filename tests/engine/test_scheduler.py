@@ -74,3 +74,49 @@ def test_memory_pressure_preempts_the_latest_admitted_request():
     assert s.waiting[0].request_id == "b" and s.num_preemptions == 1
     assert s.requests["b"].num_computed_tokens == 0
     s.kv.check_integrity()
+
+
+def prioritized(rid, n, priority, arrival):
+    req = request(rid, n, max_tokens=10)
+    req.priority, req.arrival_index = priority, arrival
+    return req
+
+
+def test_priority_policy_admits_and_preempts_by_priority():
+    s = make(num_pages=9, budget=64, policy="priority")
+    s.add_request(prioritized("a", 8, priority=5, arrival=0))
+    s.add_request(prioritized("b", 8, priority=1, arrival=1))
+    s.add_request(prioritized("c", 4, priority=9, arrival=2))
+    out = step(s)
+    # b (priority 1) is admitted before a; c waits behind them (no memory left).
+    assert [n.request_id for n in out.new_requests] == ["b", "a"]
+    out = step(s)  # both need a third block: a, the lowest priority, is preempted
+    assert out.preempted_request_ids == {"a"}
+    assert out.num_scheduled_tokens == {"b": 1}
+    assert [r.request_id for r in s.waiting] == ["a", "c"]
+    s.kv.check_integrity()
+
+
+def test_a_preempted_request_already_scheduled_this_step_gives_its_budget_back():
+    s = make(num_pages=11, budget=64, policy="priority")  # 10 usable blocks
+    s.add_request(prioritized("a", 8, priority=9, arrival=0))
+    step(s)  # a alone: 2 + 2 blocks
+    s.add_request(prioritized("b", 8, priority=1, arrival=1))
+    out = step(s)  # a's 9th token takes a third block per group; b is admitted: 10 blocks
+    assert [n.request_id for n in out.new_requests] == ["b"]
+    assert [r.request_id for r in s.running] == ["a", "b"]
+    out = step(s)
+    # a is scheduled first (it fits), then b's 9th token needs two blocks: the victim is a,
+    # already in this step's output, which must forget it.
+    assert out.preempted_request_ids == {"a"}
+    assert out.num_scheduled_tokens == {"b": 1}
+    assert [c.request_id for c in out.cached_requests] == ["b"]
+    assert "a" in out.finished_request_ids
+    s.kv.check_integrity()
+
+
+def test_unknown_policy():
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown scheduling policy 'lifo'"):
+        SchedulerConfig(policy="lifo")

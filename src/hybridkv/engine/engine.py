@@ -58,7 +58,8 @@ class LLMEngine:
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=self.max_model_len,
-                            enable_chunked_prefill=config.enable_chunked_prefill),
+                            enable_chunked_prefill=config.enable_chunked_prefill,
+                            policy=config.scheduling_policy),
             self.kv_manager)
         if not config.enable_chunked_prefill and \
                 config.max_num_batched_tokens < self.max_model_len:
@@ -84,7 +85,8 @@ class LLMEngine:
         return [int(t) for t in prompt]
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
-                    params: SamplingParams | dict[str, Any] | None = None) -> None:
+                    params: SamplingParams | dict[str, Any] | None = None, *,
+                    priority: int = 0) -> None:
         """Validate and queue a request; a bad one raises ValueError and changes nothing."""
         if isinstance(params, dict):
             params = SamplingParams.from_dict(params)
@@ -104,7 +106,8 @@ class LLMEngine:
                              f"vocabulary [0, {self.vocab_size})")
         request = Request(request_id, token_ids, params,
                           hash_block_size=self.plan.config.hash_block_size,
-                          eos_token_ids=self.eos_token_ids, arrival_index=self._next_index)
+                          eos_token_ids=self.eos_token_ids, arrival_index=self._next_index,
+                          priority=priority)
         self._next_index += 1
         self._params[request_id] = params
         if self.tokenizer is not None:

@@ -21,7 +21,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 *, use_tqdm: bool | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (a string or a list of token ids); outputs in prompt
         order. All prompts are checked before any is queued."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -33,12 +34,15 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         ids = []
-        for prompt, p in zip(prompts, params, strict=True):
+        for prompt, p, prio in zip(prompts, params, priorities, strict=True):
             rid = str(self._counter)
             self._counter += 1
             try:
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, priority=prio)
             except ValueError:
                 for queued in ids:
                     self.engine.abort_request(queued)

@@ -24,8 +24,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
+    # "fcfs": arrival order. "priority": lower `priority` first (ties by arrival), and the
+    # lowest-priority running request is the one preempted.
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {self.policy!r}; accepted: fcfs, "
+                             f"priority")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -78,7 +84,29 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request, front=False)
+
+    def _enqueue(self, request: Request, *, front: bool) -> None:
+        if self.config.policy == "priority":
+            # Keep `waiting` sorted by (priority, arrival); a preempted request goes back to
+            # its place, which is first among its priority.
+            key = (request.priority, request.arrival_index)
+            index = next((i for i, r in enumerate(self.waiting)
+                          if (r.priority, r.arrival_index) > key), len(self.waiting))
+            self.waiting.insert(index, request)
+        elif front:
+            self.waiting.appendleft(request)  # FCFS: a preempted request is next again
+        else:
+            self.waiting.append(request)
+
+    def _victim(self) -> tuple[int, Request]:
+        """Remove and return (position, request) of the running request to preempt: the
+        latest admitted (FCFS), or the lowest priority, latest arrival first (priority)."""
+        position = len(self.running) - 1
+        if self.config.policy == "priority":
+            position = max(range(len(self.running)), key=lambda i: (
+                self.running[i].priority, self.running[i].arrival_index))
+        return position, self.running.pop(position)
 
     @property
     def has_unfinished(self) -> bool:
@@ -95,9 +123,16 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             req = self.running[index]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            new_blocks = self._allocate_or_preempt(req, num_new, out)
-            if new_blocks is None:
-                break  # req itself was preempted: nothing after it is running any more
+            while (new := self.kv.allocate_slots(req, num_new)) is None:
+                position, victim = self._victim()
+                budget += self._preempt(victim, out)  # gives back what it was scheduled
+                if position < index:
+                    index -= 1
+                if victim is req:
+                    break
+            if new is None:
+                continue  # req was preempted; the next request moved into its place
+            new_blocks = new.block_ids()
             budget -= num_new
             sent = self._num_sent_tokens[req.request_id]
             out.cached_requests.append(CachedRequestData(
@@ -131,28 +166,24 @@ class Scheduler:
             out.num_scheduled_tokens[req.request_id] = num_new
         return out
 
-    def _allocate_or_preempt(self, req: Request, num_new: int,
-                             out: SchedulerOutput) -> list[list[int]] | None:
-        while True:
-            new_blocks = self.kv.allocate_slots(req, num_new)
-            if new_blocks is not None:
-                return new_blocks.block_ids()
-            victim = self.running.pop()  # the latest admitted
-            self._preempt(victim, out)
-            if victim is req:
-                return None
-
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput) -> int:
+        """Free a running request for recompute; returns the tokens it had been scheduled
+        in this step (now unscheduled)."""
         self.kv.free(req)
+        num_scheduled = out.num_scheduled_tokens.pop(req.request_id, 0)
+        if num_scheduled:
+            out.cached_requests = [c for c in out.cached_requests
+                                   if c.request_id != req.request_id]
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
         self._num_sent_tokens.pop(req.request_id, None)
         out.preempted_request_ids.add(req.request_id)
         # Its worker state is rebuilt when it is admitted again.
         out.finished_request_ids.add(req.request_id)
+        return num_scheduled
 
     def update_from_output(self, out: SchedulerOutput,
                            sampled: dict[str, int]) -> list[Request]:
