@@ -84,3 +84,15 @@ def test_model_directory_and_errors(tmp_path):
         load_hf_config(str(tmp_path / "bad.json"))
     with pytest.raises(ValueError, match="unknown layer type 'foo'"):
         layer_kinds({"model_type": "llama", "num_hidden_layers": 1, "layer_types": ["foo"]})
+
+
+def test_transformers_5_spelling_of_mamba_layers():
+    # transformers 5.x saves NemotronH's mix as layers_block_type with "linear_attention".
+    config = {"model_type": "nemotron_h", "num_hidden_layers": 3, "hidden_size": 64,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "layers_block_type": ["linear_attention", "full_attention", "mlp"],
+              "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2,
+              "conv_kernel": 4}
+    assert layer_kinds(config) == [("mamba",), ("full",), ()]
+    spec = kv_layout_from_config(config).layer_specs["model.layers.0.mamba"]
+    assert spec.shapes == ((8 * 16 + 2 * 2 * 16, 3), (8, 16, 16))

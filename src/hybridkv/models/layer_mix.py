@@ -105,6 +105,10 @@ def layer_kinds(config: Mapping[str, Any]) -> list[tuple[str, ...]]:
     if model_type == "falcon_h1":
         return [(FULL, MAMBA)] * n
     kinds = _attention_kinds(cfg, model_type, n)
+    if not cfg.get("linear_num_key_heads"):
+        # transformers 5.x saves Mamba layers as "linear_attention"; only configs with Gated
+        # DeltaNet fields (Qwen3-Next) mean a linear-attention state by it.
+        kinds = [MAMBA if k == LINEAR else k for k in kinds]
     return [() if k == NONE else (MAMBA1 if k == MAMBA and model_type == "jamba" else k,)
             for k in kinds]
 
