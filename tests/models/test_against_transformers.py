@@ -14,7 +14,9 @@ from hybridkv import LLM, SamplingParams  # noqa: E402
 from tests.models.tiny import build_tiny_model  # noqa: E402
 
 ARCHS = ["llama", "qwen3", "qwen3_swa", "mistral", "gemma2", "gemma3", "gpt_oss",
-         "llama4_text"]
+         "llama4_text", "nemotron_h"]
+# Models with state layers: no prefix hit until state checkpoints are saved.
+STATE_ARCHS = {"nemotron_h"}
 NUM_NEW = 16
 # Lengths cross the 16-token windows and the 16-token blocks.
 PROMPT_LENS = (40, 23, 7)
@@ -63,14 +65,15 @@ def test_batch_matches_transformers(reference):
 
 
 def test_prefix_cache_hit_gives_the_same_outputs(reference):
-    _, model_dir, prompts, tokens, logits = reference
+    name, model_dir, prompts, tokens, logits = reference
     llm, first = run(model_dir, prompts[:1])
     check(first, tokens[:1], logits[:1])
     # The same prompt again: every full block but the last token's is reused.
     again = llm.generate(prompts[:1], SamplingParams(max_tokens=NUM_NEW))
     check(again, tokens[:1], logits[:1])
     stats = llm.engine.kv_manager.stats
-    assert stats.num_hit_tokens == (len(prompts[0]) - 1) // 16 * 16 > 0
+    expected = 0 if name in STATE_ARCHS else (len(prompts[0]) - 1) // 16 * 16
+    assert stats.num_hit_tokens == expected
 
 
 def test_prefix_caching_off(reference):
@@ -112,7 +115,9 @@ def test_hybrid_management_off(reference):
     _, model_dir, prompts, tokens, logits = reference
     llm, outs = run(model_dir, prompts, disable_hybrid_kv_cache=True)
     check(outs, tokens, logits)
-    assert all(g.spec.kind == "full" for g in llm.engine.plan.config.groups)
+    # Windows and chunks become full attention; state layers stay state layers.
+    kinds = {g.spec.kind for g in llm.engine.plan.config.groups}
+    assert not kinds & {"sliding_window", "chunked_local"} and "full" in kinds
 
 
 def test_kernel_block_size_below_the_manager_block_size(reference):

@@ -47,3 +47,8 @@ def build_tiny_model(name: str, out_dir: Path) -> Path:
     model.generation_config.eos_token_id = None
     model.save_pretrained(out_dir)
     return out_dir
+
+# NemotronH: Mamba2, attention (no RoPE), relu² MLP; 2 groups of 4 heads in the mixer.
+ARCHS["nemotron_h"] = ("NemotronHConfig", "NemotronHForCausalLM", dict(
+    num_hidden_layers=5, hybrid_override_pattern="M*M-M", mamba_num_heads=8,
+    mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=16))

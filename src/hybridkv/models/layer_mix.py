@@ -101,7 +101,9 @@ def layer_kinds(config: Mapping[str, Any]) -> list[tuple[str, ...]]:
     two parts for Falcon-H1, whose layers run attention and Mamba2 in parallel)."""
     cfg = _text_config(config)
     model_type = str(cfg.get("model_type") or config.get("model_type") or "")
-    n = int(cfg["num_hidden_layers"])
+    listed = cfg.get("layers_block_type") or cfg.get("layer_types") or []
+    # transformers 5.x saves some hybrids (NemotronH) with the list only.
+    n = int(cfg.get("num_hidden_layers") or len(listed))
     if model_type == "falcon_h1":
         return [(FULL, MAMBA)] * n
     kinds = _attention_kinds(cfg, model_type, n)

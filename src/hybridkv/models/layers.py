@@ -4,7 +4,7 @@ context that carries attention metadata and KV views through one forward pass.""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,8 +19,8 @@ class ForwardContext:
     """Everything attention layers need for one step, passed explicitly (no globals)."""
 
     backend: AttentionBackend
-    kv_caches: Mapping[str, torch.Tensor]  # layer name -> its KV view
-    metadata: list[AttentionMetadata]  # per group
+    kv_caches: Mapping[str, Any]  # layer name -> its KV view (or state tensors)
+    metadata: Sequence[Any]  # per group: AttentionMetadata, or StateMetadata for states
     layer_group: Mapping[str, int]  # layer name -> group id
     # RoPE cos/sin of this step's positions, per distinct RoPE parameters.
     rope_cache: dict[object, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -40,6 +40,7 @@ class ForwardContext:
     def attention(self, layer_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   params: AttentionParams) -> torch.Tensor:
         meta = self.metadata[self.layer_group[layer_name]]
+        assert isinstance(meta, AttentionMetadata)
         return self.backend.forward(q, k, v, self.kv_caches[layer_name], meta, params)
 
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from hybridkv.models.llama import DecoderConfig, DecoderForCausalLM
 from hybridkv.models.llama4 import Llama4ForCausalLM
+from hybridkv.models.nemotron_h import NemotronHForCausalLM
 
 
 def _decoder(config: Mapping[str, Any]) -> nn.Module:
@@ -20,6 +21,7 @@ MODELS: dict[str, Callable[[Mapping[str, Any]], nn.Module]] = {
                                        "gpt_oss")
 }
 MODELS["llama4_text"] = Llama4ForCausalLM
+MODELS["nemotron_h"] = NemotronHForCausalLM
 
 
 def build_model(config: Mapping[str, Any]) -> nn.Module:

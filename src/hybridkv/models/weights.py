@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 # Checkpoints of multimodal wrappers keep the text model under another prefix.
-_PREFIXES = (("model.language_model.", "model."),)
+_PREFIXES = (("model.language_model.", "model."), ("backbone.", "model."))
 
 
 def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], *,

@@ -12,10 +12,13 @@ page has padding). Nothing is allocated per step.
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 
 from hybridkv.kv.plan import KVCacheConfig
-from hybridkv.kv.spec import AttentionSpec
+from hybridkv.kv.spec import AttentionSpec, MambaSpec
 
 TORCH_DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -33,11 +36,12 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def allocate_kv_caches(config: KVCacheConfig, device: torch.device | str
-                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The arena and a view per attention layer (layers of other kinds get none here)."""
+                       ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The arena and a view per layer: a KV tensor for attention layers, a tuple of state
+    tensors `[pages, blocks_per_page, *shape]` (e.g. conv and SSM state) for state layers."""
     arena = torch.zeros(config.num_large_pages, config.large_page_bytes, dtype=torch.int8,
                         device=device)
-    views: dict[str, torch.Tensor] = {}
+    views: dict[str, Any] = {}
     for group in config.groups:
         per_page = group.blocks_per_large_page
         blocks = arena[:, :per_page * group.block_bytes].unflatten(
@@ -45,14 +49,29 @@ def allocate_kv_caches(config: KVCacheConfig, device: torch.device | str
         offset = 0
         spec = group.spec
         for name, page_bytes in zip(group.layer_names, group.layer_page_bytes, strict=True):
-            if not isinstance(spec, AttentionSpec):
+            if isinstance(spec, AttentionSpec):
+                layer = blocks[:, :, offset:offset + page_bytes].view(torch_dtype(spec.dtype))
+                views[name] = layer.unflatten(2, (2, spec.block_size, -1, spec.head_size))
+            elif isinstance(spec, MambaSpec):
+                views[name] = _state_views(blocks, offset, spec)
+            else:
                 raise NotImplementedError(
                     f"layer {name}: {spec.kind} KV caches have no tensor layout yet")
-            layer = blocks[:, :, offset:offset + page_bytes].view(torch_dtype(spec.dtype))
-            views[name] = layer.unflatten(2, (2, spec.block_size, -1, spec.head_size))
             offset += page_bytes
         if group.shared_layer_names:
             raise NotImplementedError(
                 f"layers {', '.join(group.shared_layer_names)}: KV sharing is not supported "
                 f"by the model runner yet")
     return arena, views
+
+
+def _state_views(blocks: torch.Tensor, offset: int, spec: MambaSpec
+                 ) -> tuple[torch.Tensor, ...]:
+    """One layer's states inside its block: each shape's bytes back to back."""
+    views = []
+    for shape, dtype_name in zip(spec.shapes, spec.dtypes, strict=True):
+        dtype = torch_dtype(dtype_name)
+        nbytes = math.prod(shape) * dtype.itemsize
+        views.append(blocks[:, :, offset:offset + nbytes].view(dtype).unflatten(2, shape))
+        offset += nbytes
+    return tuple(views)

@@ -11,12 +11,13 @@ from torch import nn
 from hybridkv.engine.sampling import SamplingParams
 from hybridkv.engine.scheduler import SchedulerOutput
 from hybridkv.kv.plan import KVCacheConfig
-from hybridkv.kv.spec import cdiv
+from hybridkv.kv.spec import MambaSpec, cdiv
 from hybridkv.models.layers import ForwardContext
 from hybridkv.worker.attention import AttentionMetadata, get_backend
 from hybridkv.worker.block_table import BlockTable
 from hybridkv.worker.kv_cache import allocate_kv_caches
 from hybridkv.worker.sampler import Sampler
+from hybridkv.worker.state import StateMetadata
 
 
 @dataclass
@@ -40,6 +41,7 @@ class ModelRunner:
             BlockTable(max_num_reqs, cdiv(max_model_len, g.block_size) + 1, g.block_size,
                        kernel_block_size) for g in kv_config.groups]
         self.blocks_per_page = [g.blocks_per_large_page for g in kv_config.groups]
+        self.is_state_group = [isinstance(g.spec, MambaSpec) for g in kv_config.groups]
         self.backend = get_backend(attention_backend)
         self.sampler = Sampler()
         # The persistent batch: row -> request, in one order shared by every group.
@@ -110,9 +112,19 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.int64)
         rows_t = torch.tensor(token_rows, dtype=torch.int64)
         batch_rows = torch.tensor([self.row_of[r] for r in scheduled], dtype=torch.int64)
-        metadata = []
-        for table, blocks_per_page in zip(self.block_tables, self.blocks_per_page,
-                                          strict=True):
+        metadata: list[AttentionMetadata | StateMetadata] = []
+        for table, blocks_per_page, is_state in zip(self.block_tables, self.blocks_per_page,
+                                                    self.is_state_group, strict=True):
+            if is_state:
+                # A request's live state is the last block of its row.
+                live = [int(table.table[self.row_of[r], table.num_blocks[self.row_of[r]] - 1])
+                        for r in scheduled]
+                metadata.append(StateMetadata(
+                    query_start_loc=query_start_loc,
+                    state_pages=[b // blocks_per_page for b in live],
+                    state_slots=[b % blocks_per_page for b in live],
+                    has_initial_state=[self.num_computed[r] > 0 for r in scheduled]))
+                continue
             kernel = table.kernel_table(len(self.rows))
             metadata.append(AttentionMetadata(
                 query_start_loc=query_start_loc, seq_lens=seq_lens,

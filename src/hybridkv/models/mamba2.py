@@ -1,0 +1,113 @@
+"""The Mamba2 mixer with its state in the KV cache arena.
+
+Each request owns one state block of its group: a conv state `[conv_dim, kernel - 1]` (the
+last inputs of the causal depthwise convolution) and an SSM state `[heads, head_dim, state]`.
+A step reads them when the request has computed tokens before (chunked prefill, decode),
+starts from zeros otherwise (a fresh or recomputed request), and writes them back.
+
+The scan is the exact token-by-token recurrence, vectorised over heads:
+    h_t = exp(dt_t * A) * h_{t-1} + dt_t * x_t (outer) B_t,   y_t = h_t . C_t + D * x_t
+(The chunked SSD form is a faster way to the same numbers; it is not implemented yet.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridkv.worker.state import StateMetadata
+
+
+class GatedRMSNorm(nn.Module):
+    """x * silu(gate), normalised per group of channels (float32), then weighted."""
+
+    def __init__(self, dim: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.group_size, self.eps = group_size, eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float() * nn.functional.silu(gate.float())
+        groups = h.unflatten(-1, (-1, self.group_size))
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * groups.flatten(-2).to(x.dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: Mapping[str, Any], layer: int) -> None:
+        super().__init__()
+        self.name = f"model.layers.{layer}.mamba"
+        hidden = int(cfg["hidden_size"])
+        self.num_heads = int(cfg.get("mamba_num_heads") or cfg["mamba_n_heads"])
+        self.head_dim = int(cfg.get("mamba_head_dim") or cfg["mamba_d_head"])
+        self.state_size = int(cfg.get("ssm_state_size") or cfg["mamba_d_state"])
+        self.n_groups = int(cfg.get("n_groups") or cfg.get("mamba_n_groups") or 1)
+        self.kernel = int(cfg.get("conv_kernel") or cfg.get("mamba_d_conv") or 4)
+        self.inner = self.num_heads * self.head_dim
+        self.conv_dim = self.inner + 2 * self.n_groups * self.state_size
+        self.time_step_min = float(cfg.get("time_step_min", 0.0))
+        use_bias = bool(cfg.get("use_bias", False))
+        self.in_proj = nn.Linear(hidden, self.inner + self.conv_dim + self.num_heads,
+                                 bias=use_bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel,
+                                groups=self.conv_dim, bias=bool(cfg.get("use_conv_bias", True)))
+        self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_heads))
+        self.D = nn.Parameter(torch.ones(self.num_heads))
+        self.norm = GatedRMSNorm(self.inner, self.inner // self.n_groups,
+                                 float(cfg.get("layer_norm_epsilon", 1e-5)))
+        self.out_proj = nn.Linear(self.inner, hidden, bias=use_bias)
+
+    def forward(self, h: torch.Tensor, meta: StateMetadata,
+                states: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        # h [T, hidden] -> gate [T, inner], xBC [T, conv_dim], dt [T, heads]
+        gate, xbc, dt = self.in_proj(h).split([self.inner, self.conv_dim, self.num_heads], -1)
+        conv_states, ssm_states = states
+        y = torch.empty(h.shape[0], self.inner, dtype=h.dtype, device=h.device)
+        for r in range(len(meta.state_pages)):
+            start, end = meta.query_start_loc[r], meta.query_start_loc[r + 1]
+            if start == end:
+                continue
+            page, slot = meta.state_pages[r], meta.state_slots[r]
+            conv_state, ssm_state = conv_states[page, slot], ssm_states[page, slot]
+            if not meta.has_initial_state[r]:
+                conv_state.zero_()
+                ssm_state.zero_()
+            y[start:end] = self._request(xbc[start:end], dt[start:end], conv_state, ssm_state)
+        return self.out_proj(self.norm(y, gate))
+
+    def _request(self, xbc: torch.Tensor, dt: torch.Tensor, conv_state: torch.Tensor,
+                 ssm_state: torch.Tensor) -> torch.Tensor:
+        """One request's tokens; updates its conv and SSM states in place."""
+        num_tokens = xbc.shape[0]
+        # Causal depthwise conv continuing from the last kernel - 1 inputs.
+        window = torch.cat([conv_state.to(xbc.dtype), xbc.T], dim=-1)  # [conv_dim, k-1+L]
+        conv_state.copy_(window[:, -(self.kernel - 1):])
+        conv = nn.functional.conv1d(window.unsqueeze(0), self.conv1d.weight, self.conv1d.bias,
+                                    groups=self.conv_dim)[0]  # [conv_dim, L]
+        x, b, c = nn.functional.silu(conv.T).split(
+            [self.inner, self.n_groups * self.state_size, self.n_groups * self.state_size], -1)
+        dt = nn.functional.softplus(dt.float() + self.dt_bias.float())  # [L, heads]
+        if num_tokens > 1:
+            # The reference clamps dt in its multi-token scan only (not in single steps).
+            dt = dt.clamp(min=self.time_step_min)
+        a = -torch.exp(self.A_log.float())  # [heads]
+        heads_per_group = self.num_heads // self.n_groups
+        x = x.float().view(num_tokens, self.num_heads, self.head_dim)
+        b = b.float().view(num_tokens, self.n_groups, self.state_size).repeat_interleave(
+            heads_per_group, dim=1)  # [L, heads, state]
+        c = c.float().view(num_tokens, self.n_groups, self.state_size).repeat_interleave(
+            heads_per_group, dim=1)
+        state = ssm_state.float()  # [heads, head_dim, state]
+        out = torch.empty(num_tokens, self.num_heads, self.head_dim, device=x.device)
+        decay = torch.exp(dt * a)  # [L, heads]
+        for t in range(num_tokens):
+            state = state * decay[t, :, None, None] + \
+                (dt[t, :, None, None] * x[t, :, :, None]) * b[t, :, None, :]
+            out[t] = torch.einsum("hds,hs->hd", state, c[t])
+        ssm_state.copy_(state.to(ssm_state.dtype))
+        out = out + x * self.D.float()[None, :, None]
+        return out.flatten(1).to(xbc.dtype)

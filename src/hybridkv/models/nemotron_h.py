@@ -1,0 +1,112 @@
+"""NemotronH: one mixer per layer (Mamba2, attention without RoPE, relu² MLP), pre-norm
+residual blocks. The mix comes from `layer_mix` like every model's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridkv.models.layer_mix import FULL, MAMBA, layer_kinds
+from hybridkv.models.layers import ForwardContext, RMSNorm
+from hybridkv.models.mamba2 import Mamba2Mixer
+from hybridkv.models.weights import load_named_weights
+from hybridkv.worker.attention import AttentionParams
+
+
+class NoPEAttention(nn.Module):
+    def __init__(self, cfg: Mapping[str, Any], layer: int) -> None:
+        super().__init__()
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        self.head_dim = int(cfg.get("head_dim") or hidden // heads)
+        self.num_heads, self.num_kv_heads = heads, int(cfg["num_key_value_heads"])
+        self.name = f"model.layers.{layer}.self_attn"
+        bias = bool(cfg.get("attention_bias", False))
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=bias)
+        self.params = AttentionParams(scale=self.head_dim ** -0.5)
+
+    def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        q = self.q_proj(h).unflatten(-1, (self.num_heads, self.head_dim))
+        k = self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return self.o_proj(ctx.attention(self.name, q, k, v, self.params).flatten(1))
+
+
+class ReluSquaredMLP(nn.Module):
+    def __init__(self, cfg: Mapping[str, Any]) -> None:
+        super().__init__()
+        hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+        bias = bool(cfg.get("mlp_bias", False))
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.relu(self.up_proj(x)).square())
+
+
+class NemotronHBlock(nn.Module):
+    def __init__(self, cfg: Mapping[str, Any], layer: int, kind: str | None) -> None:
+        super().__init__()
+        self.kind = kind
+        self.norm = RMSNorm(int(cfg["hidden_size"]), float(cfg.get("layer_norm_epsilon", 1e-5)))
+        if kind == MAMBA:
+            self.mixer: nn.Module = Mamba2Mixer(cfg, layer)
+        elif kind == FULL:
+            self.mixer = NoPEAttention(cfg, layer)
+        elif kind is None:
+            self.mixer = ReluSquaredMLP(cfg)
+        else:
+            raise NotImplementedError(f"NemotronH layer {layer}: {kind} mixers are not "
+                                      f"supported yet")
+
+    def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.norm(h)
+        if self.kind == MAMBA:
+            name = self.mixer.name
+            out = self.mixer(x, ctx.metadata[ctx.layer_group[name]], ctx.kv_caches[name])
+        elif self.kind == FULL:
+            out = self.mixer(x, ctx)
+        else:
+            out = self.mixer(x)
+        return h + out
+
+
+class NemotronHModel(nn.Module):
+    def __init__(self, cfg: Mapping[str, Any]) -> None:
+        super().__init__()
+        pattern = cfg.get("hybrid_override_pattern") or ""
+        if "E" in pattern or "moe" in (cfg.get("layers_block_type") or []):
+            raise NotImplementedError("NemotronH MoE layers are not supported yet")
+        kinds = [parts[0] if parts else None for parts in layer_kinds(cfg)]
+        self.embeddings = nn.Embedding(int(cfg["vocab_size"]), int(cfg["hidden_size"]))
+        self.layers = nn.ModuleList(NemotronHBlock(cfg, i, k) for i, k in enumerate(kinds))
+        self.norm_f = RMSNorm(int(cfg["hidden_size"]), float(cfg.get("layer_norm_epsilon", 1e-5)))
+
+
+class NemotronHForCausalLM(nn.Module):
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.model = NemotronHModel(config)
+        self.lm_head = nn.Linear(int(config["hidden_size"]), int(config["vocab_size"]),
+                                 bias=False)
+        self.tied = bool(config.get("tie_word_embeddings", False))
+        if self.tied:
+            self.lm_head.weight = self.model.embeddings.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        h = self.model.embeddings(input_ids)
+        for layer in self.model.layers:
+            h = layer(h, ctx)
+        return self.model.norm_f(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_named_weights(self, weights, model_type="nemotron_h", tied=self.tied)

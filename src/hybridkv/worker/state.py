@@ -1,0 +1,15 @@
+"""Metadata for state groups (Mamba/SSM): where each request's live state lies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class StateMetadata:
+    """One state group's view of the batch (same request order as every group)."""
+
+    query_start_loc: list[int]
+    state_pages: list[int]  # the large page and slot of each request's live state block
+    state_slots: list[int]
+    has_initial_state: list[bool]  # computed tokens before this step: continue its state
