@@ -130,27 +130,51 @@ def test_hybrid_hit_lowers_when_one_group_lacks_its_window():
     m.check_integrity()
 
 
-def test_mamba_hit_needs_a_checkpoint_exactly_at_the_hit_point():
+def test_mamba_checkpoints_at_the_prompt_end_make_the_next_request_hit():
     m = toy_manager(full(), mamba(), num_pages=40)
-    a = request("a", PROMPT)
-    admit(m, a)
-    assert m.get_block_ids("a") == [[1, 2, 3, 4, 5], [6]]  # one state, whatever the length
+    a = request("a", PROMPT)  # 18 tokens: the prompt ends in block 4, so checkpoint at 16
+    admit_blocks = m.allocate_slots(a, a.num_tokens)
+    a.num_computed_tokens = a.num_tokens
+    assert admit_blocks.block_ids() == [[1, 2, 3, 4, 5], [6]]  # one live state
+    assert admit_blocks.checkpoints == ((1, 16, 7),)  # group 1 writes the state at 16
     b = request("b", PROMPT + [5])
-    assert m.get_computed_blocks(b).num_computed_tokens == 0  # no checkpoint saved
-    # Save a checkpoint of the state after 8 tokens (the model runner's job, by hand here).
-    pool = m.pool
-    [ckpt] = pool.take(1, 1)
-    pool.cache(ckpt, b.block_hashes[1])
-    pool.free(1, [ckpt])
     hit = m.get_computed_blocks(b)
-    assert hit.num_computed_tokens == 8
-    assert hit.blocks.block_ids()[1] == [0, ckpt.block_id]
-    assert ckpt.block_id == 7
-    m.allocate_slots(b, b.num_tokens - 8, 8, hit.blocks)
+    # The checkpoint is registered at once (written in the same step as it is handed out).
+    assert hit.num_computed_tokens == 16
+    assert hit.blocks.block_ids() == [[1, 2, 3, 4], [0, 0, 0, 7]]
+    m.allocate_slots(b, b.num_tokens - 16, 16, hit.blocks)
     b.num_computed_tokens = b.num_tokens
-    assert m.get_block_ids("b") == [[1, 2, 8, 9, 10], [0, 7, 11]]
-    decode(m, b, 1)  # the checkpoint was consumed: released
-    assert m.get_block_ids("b")[1] == [0, 0, 11]
+    assert m.get_block_ids("b") == [[1, 2, 3, 4, 8], [0, 0, 0, 7, 9]]
+    decode(m, b, 1)  # b copied the checkpoint into its live state: released
+    assert m.get_block_ids("b")[1] == [0, 0, 0, 0, 9]
+    assert m.pool.groups[1].blocks[7].ref_cnt == 1  # a holds it until its next step
+    decode(m, a, 1)
+    assert m.pool.groups[1].blocks[7].ref_cnt == 0  # cached, evictable
+    m.check_integrity()
+
+
+def test_mamba_branch_point_checkpoint():
+    m = toy_manager(full(), mamba(), num_pages=60)
+    admit(m, request("a", PROMPT))  # checkpoint at 16
+    # b shares 12 tokens with a, then differs; its prompt ends at 22 (checkpoint at 20).
+    b = request("b", PROMPT[:12] + [1] * 10)
+    hit = m.get_computed_blocks(b)
+    assert hit.num_computed_tokens == 0  # no state at 12 yet, so no hit in the state group
+    new = m.allocate_slots(b, b.num_tokens)
+    # The full group matched 12 tokens: b saves its state there (the branch point).
+    assert [position for _, position, _ in new.checkpoints] == [12, 20]
+    c = request("c", PROMPT[:12] + [2] * 10)
+    assert m.get_computed_blocks(c).num_computed_tokens == 12
+    m.check_integrity()
+
+
+def test_mamba_checkpoint_interval():
+    m = toy_manager(full(), mamba(), num_pages=60)
+    for manager in m.managers:
+        manager.set_checkpoint_interval(2)  # every 2 blocks = 8 tokens
+    a = request("a", list(range(1, 30)))
+    new = m.allocate_slots(a, a.num_tokens)
+    assert [position for _, position, _ in new.checkpoints] == [8, 16, 24, 28]
     m.check_integrity()
 
 

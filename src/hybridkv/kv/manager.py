@@ -22,12 +22,15 @@ from hybridkv.kv.request import KVRequest
 
 
 class KVCacheBlocks:
-    """Blocks per group (outer index = group id)."""
+    """Blocks per group (outer index = group id), and the state checkpoints the model runner
+    must write in this step: (group id, token position, block id)."""
 
-    __slots__ = ("blocks",)
+    __slots__ = ("blocks", "checkpoints")
 
-    def __init__(self, blocks: tuple[list[Block], ...]) -> None:
+    def __init__(self, blocks: tuple[list[Block], ...],
+                 checkpoints: tuple[tuple[int, int, int], ...] = ()) -> None:
         self.blocks = blocks
+        self.checkpoints = checkpoints
 
     def block_ids(self) -> list[list[int]]:
         return [[b.block_id for b in blocks] for blocks in self.blocks]
@@ -57,7 +60,8 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, config: KVCacheConfig, *, max_model_len: int,
-                 enable_caching: bool = True, enable_events: bool = False) -> None:
+                 enable_caching: bool = True, enable_events: bool = False,
+                 checkpoint_interval: int = 0) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -65,6 +69,9 @@ class KVCacheManager:
                               enable_events=enable_events)
         self.coordinator = make_coordinator(config, self.pool, enable_caching=enable_caching)
         self.managers = self.coordinator.managers
+        if enable_caching:
+            for m in self.managers:
+                m.set_checkpoint_interval(checkpoint_interval)
         self.stats = PrefixCacheStats(hit_tokens_per_group=[0] * len(self.managers))
         self._no_blocks = KVCacheBlocks(tuple([] for _ in self.managers))
         # Per request: token counts below which allocate_slots has nothing to do.
@@ -87,6 +94,8 @@ class KVCacheManager:
         stats.num_hit_tokens += num_tokens
         for g, n in enumerate(own):
             stats.hit_tokens_per_group[g] += n
+        for m in self.managers:
+            m.note_lookup(request, max(own))
         return ComputedBlocks(KVCacheBlocks(blocks), num_tokens)
 
     def allocate_slots(self, request: KVRequest, num_new_tokens: int,
@@ -138,6 +147,11 @@ class KVCacheManager:
         if self.enable_caching:
             for m in managers:
                 m.cache_blocks(request, num_to_cache)
+            checkpoints = tuple((g, position, block.block_id)
+                                for g, m in enumerate(managers)
+                                for position, block in m.take_checkpoints(request.request_id))
+            if checkpoints:
+                new = KVCacheBlocks(new.blocks, checkpoints)
         self._quiet[request.request_id] = self._quiet_limits(request, num_computed)
         return new
 
@@ -180,7 +194,7 @@ class KVCacheManager:
         self.pool.check_integrity()
         for m in self.managers:
             holders: dict[int, int] = {}
-            for blocks in m.req_blocks.values():
+            for blocks in m.holdings():
                 for b in blocks:
                     assert b.group_id == m.group_id, "a request holds another group's block"
                     if b.block_id:

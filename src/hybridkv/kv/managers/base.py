@@ -9,7 +9,7 @@ replaced by the group's null block, so an entry's index keeps its meaning:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
 from hybridkv.kv.block_pool import Block, BlockPool
@@ -160,6 +160,22 @@ class SingleTypeManager:
     def next_drop(self, num_computed_tokens: int) -> int:
         """The fewest computed tokens at which `drop_skipped_blocks` could drop more."""
         return NEVER
+
+    def note_lookup(self, request: KVRequest, matched_tokens: int) -> None:
+        """A lookup found the request's tokens cached up to `matched_tokens` in some group
+        (its branch point). State kinds save a checkpoint there."""
+
+    def set_checkpoint_interval(self, num_blocks: int) -> None:
+        """Save state checkpoints every `num_blocks` blocks too (state kinds only)."""
+
+    def take_checkpoints(self, request_id: str) -> list[tuple[int, Block]]:
+        """State checkpoints (position, block) the last allocation asked the runner to
+        write; only state kinds have any."""
+        return []
+
+    def holdings(self) -> Iterable[list[Block]]:
+        """Every list of blocks this manager holds a reference on."""
+        return self.req_blocks.values()
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]

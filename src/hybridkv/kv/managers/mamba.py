@@ -1,17 +1,23 @@
 """Mamba / SSM / linear-attention state: one fixed-size state per request.
 
-A request holds its live state block (plus speculative ones). A prefix hit needs a cached
-state checkpoint taken exactly at the hit point; the hit's block list is then
-`[null, ..., null, checkpoint]`, whose last entry the model runner copies into the live state.
-The checkpoint is released once the request has computed past it.
+A request holds its live state block (plus speculative ones). A prefix hit needs a state
+checkpoint taken exactly at the hit point; the hit's block list is then
+`[null, ..., null, checkpoint]`, whose last entry the model runner copies into the live
+state. The checkpoint is released once the request has computed past it.
 
-Saving checkpoints needs the model runner to copy states, so `cache_blocks` registers
-nothing yet: without saved checkpoints a state group allows only the empty hit.
+Checkpoints are saved at block-aligned positions: the end of the prompt (rounded down to a
+block), the branch point (how far the request matched cached blocks before its tokens
+diverged: the next request with that prefix hits there) and, optionally, every
+`checkpoint_interval` blocks. A step whose tokens cross such a position gets a block for it;
+the block is registered under the prefix hash at once (like attention blocks, it is written
+in this very step) and held until the next step, so that nothing reuses it before the model
+runner has written it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from itertools import chain
 
 from hybridkv.kv.block_pool import Block, BlockPool
 from hybridkv.kv.hashing import BlockHash
@@ -25,6 +31,12 @@ class MambaManager(SingleTypeManager):
     def __init__(self, group: KVCacheGroup, pool: BlockPool, hash_block_size: int) -> None:
         super().__init__(group, pool, hash_block_size)
         self.has_live_state: set[str] = set()
+        self.checkpoint_interval = 0  # in blocks; 0 = only prompt ends and branch points
+        self.branch_points: dict[str, int] = {}  # tokens matched before diverging
+        self._planned: dict[str, list[int]] = {}  # positions this allocation saves
+        self._step_end: dict[str, int] = {}
+        self._pending: dict[str, list[Block]] = {}  # checkpoint blocks being written
+        self._handed_out: dict[str, list[tuple[int, Block]]] = {}
 
     @property
     def num_live_blocks(self) -> int:
@@ -45,6 +57,10 @@ class MambaManager(SingleTypeManager):
         return [[] for _ in managers]
 
     def drop_skipped_blocks(self, request: KVRequest, num_computed_tokens: int) -> None:
+        # Last step's checkpoints are written now: release them to the cache.
+        pending = self._pending.pop(request.request_id, None)
+        if pending:
+            self.pool.free(self.group_id, pending)
         blocks = self.req_blocks.get(request.request_id)
         if not blocks or num_computed_tokens == 0:
             return
@@ -56,26 +72,93 @@ class MambaManager(SingleTypeManager):
             blocks[:-live] = [null] * (len(blocks) - live)
             self.pool.free(self.group_id, dropped)
 
+    def note_lookup(self, request: KVRequest, matched_tokens: int) -> None:
+        self.branch_points[request.request_id] = matched_tokens
+
+    def set_checkpoint_interval(self, num_blocks: int) -> None:
+        self.checkpoint_interval = num_blocks
+
+    def checkpoint_positions(self, request: KVRequest, start: int, end: int) -> list[int]:
+        """Block-aligned positions in (start, end] whose state this request should save
+        (skipping prefixes already checkpointed)."""
+        bs = self.block_size
+        wanted = {request.num_prompt_tokens // bs * bs,
+                  self.branch_points.get(request.request_id, 0) // bs * bs}
+        if self.checkpoint_interval:
+            step = self.checkpoint_interval * bs
+            wanted.update(range((start // step + 1) * step, end + 1, step))
+        hashes = request.block_hashes
+        return sorted(p for p in wanted if start < p <= end and p // bs <= len(hashes)
+                      and hashes[p // bs * self.stride - 1] not in self.cached)
+
     def num_blocks_to_allocate(self, request: KVRequest, num_tokens: int,
                                num_new_computed_blocks: int) -> int:
-        # The live state is allocated once, after any hit blocks; it does not grow.
-        return 0 if request.request_id in self.has_live_state else self.num_live_blocks
+        # The live state is allocated once, after any hit blocks; it does not grow. Steps
+        # crossing a checkpoint position need one block per checkpoint.
+        rid = request.request_id
+        start = request.num_computed_tokens + num_new_computed_blocks * self.block_size
+        end = min(num_tokens, request.num_tokens)
+        self._planned[rid] = self.checkpoint_positions(request, start, end)
+        self._step_end[rid] = end
+        live = 0 if rid in self.has_live_state else self.num_live_blocks
+        return live + len(self._planned[rid])
 
     def allocate(self, request: KVRequest, num_blocks: int) -> list[Block]:
-        if num_blocks:
-            self.has_live_state.add(request.request_id)
-        return super().allocate(request, num_blocks)
+        rid = request.request_id
+        positions = self._planned.pop(rid, [])
+        if not num_blocks:
+            return []
+        new = self.pool.take(self.group_id, num_blocks)
+        live, checkpoints = new[:num_blocks - len(positions)], new[num_blocks - len(positions):]
+        for position, block in zip(positions, checkpoints, strict=True):
+            self.pool.cache(block, request.block_hashes[position // self.block_size
+                                                        * self.stride - 1])
+        if checkpoints:
+            self._pending[rid] = checkpoints
+            self._handed_out[rid] = list(zip(positions, checkpoints, strict=True))
+        if live:
+            self.has_live_state.add(rid)
+            self.req_blocks.setdefault(rid, []).extend(live)
+        return live
+
+    def take_checkpoints(self, request_id: str) -> list[tuple[int, Block]]:
+        return self._handed_out.pop(request_id, [])
+
+    def holdings(self) -> Iterable[list[Block]]:
+        return chain(self.req_blocks.values(), self._pending.values())
 
     def free(self, request: KVRequest) -> None:
-        self.has_live_state.discard(request.request_id)
+        rid = request.request_id
+        self.has_live_state.discard(rid)
+        self.branch_points.pop(rid, None)
+        self._handed_out.pop(rid, None)
+        self._planned.pop(rid, None)
+        self._step_end.pop(rid, None)
+        pending = self._pending.pop(rid, None)
+        if pending:
+            self.pool.free(self.group_id, pending)
         super().free(request)
 
     def quiet_limits(self, request: KVRequest, num_computed_tokens: int) -> tuple[int, int, int]:
-        blocks = self.req_blocks.get(request.request_id)
-        if request.request_id not in self.has_live_state or not blocks:
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        if rid not in self.has_live_state or not blocks:
             return 0, 0, 0
         holds_checkpoint = any(b is not self.null_block for b in blocks[:-self.num_live_blocks])
-        return NEVER, NEVER, 0 if holds_checkpoint else NEVER
+        must_release = holds_checkpoint or rid in self._pending
+        # The next position that may need a checkpoint block bounds the quiet steps.
+        upcoming = self._next_checkpoint(request, self._step_end.get(rid, num_computed_tokens))
+        return NEVER, upcoming - 1, num_computed_tokens if must_release else NEVER
+
+    def _next_checkpoint(self, request: KVRequest, after: int) -> int:
+        """The first candidate position beyond `after` (NEVER if none)."""
+        bs = self.block_size
+        candidates = [request.num_prompt_tokens // bs * bs,
+                      self.branch_points.get(request.request_id, 0) // bs * bs]
+        if self.checkpoint_interval:
+            step = self.checkpoint_interval * bs
+            candidates.append((after // step + 1) * step)
+        return min((p for p in candidates if p > after), default=NEVER)
 
     def cache_blocks(self, request: KVRequest, num_tokens: int) -> None:
         return  # checkpoints are saved by copy, not by registering the live state
