@@ -23,6 +23,7 @@ class EngineConfig:
     device: str = "auto"  # cuda when available, else cpu
     attention_backend: str = "torch"
     scheduling_policy: str = "fcfs"  # or "priority": lower `priority` values first
+    mamba_checkpoint_interval: int = 0  # also save state checkpoints every N blocks
     keep_logits: bool = False  # keep sampled rows' logits in outputs (for tests)
 
     def __post_init__(self) -> None:

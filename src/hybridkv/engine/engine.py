@@ -53,7 +53,8 @@ class LLMEngine:
                              kv_sharing=layout.kv_sharing)
         self.plan = plan
         self.kv_manager = KVCacheManager(plan.config, max_model_len=self.max_model_len,
-                                         enable_caching=config.enable_prefix_caching)
+                                         enable_caching=config.enable_prefix_caching,
+                                         checkpoint_interval=config.mamba_checkpoint_interval)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,

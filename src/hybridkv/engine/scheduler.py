@@ -64,6 +64,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_request_ids: set[str] = field(default_factory=set)  # worker drops their state
     preempted_request_ids: set[str] = field(default_factory=set)
+    # State checkpoints to write in this step, per request: (group, token position, block).
+    state_checkpoints: dict[str, tuple[tuple[int, int, int], ...]] = field(
+        default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -133,6 +136,8 @@ class Scheduler:
             if new is None:
                 continue  # req was preempted; the next request moved into its place
             new_blocks = new.block_ids()
+            if new.checkpoints:
+                out.state_checkpoints[req.request_id] = new.checkpoints
             budget -= num_new
             sent = self._num_sent_tokens[req.request_id]
             out.cached_requests.append(CachedRequestData(
@@ -151,9 +156,11 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if self.kv.allocate_slots(req, num_new, hit.num_computed_tokens,
-                                      hit.blocks) is None:
+            new = self.kv.allocate_slots(req, num_new, hit.num_computed_tokens, hit.blocks)
+            if new is None:
                 break  # head of line waits for memory
+            if new.checkpoints:
+                out.state_checkpoints[req.request_id] = new.checkpoints
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = hit.num_computed_tokens
@@ -171,6 +178,7 @@ class Scheduler:
         in this step (now unscheduled)."""
         self.kv.free(req)
         num_scheduled = out.num_scheduled_tokens.pop(req.request_id, 0)
+        out.state_checkpoints.pop(req.request_id, None)
         if num_scheduled:
             out.cached_requests = [c for c in out.cached_requests
                                    if c.request_id != req.request_id]

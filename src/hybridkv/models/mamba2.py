@@ -73,19 +73,32 @@ class Mamba2Mixer(nn.Module):
                 continue
             page, slot = meta.state_pages[r], meta.state_slots[r]
             conv_state, ssm_state = conv_states[page, slot], ssm_states[page, slot]
-            if not meta.has_initial_state[r]:
+            source = meta.init_from[r]
+            if source is not None:  # a prefix hit: continue from the checkpoint's state
+                conv_state.copy_(conv_states[source])
+                ssm_state.copy_(ssm_states[source])
+            elif not meta.has_initial_state[r]:
                 conv_state.zero_()
                 ssm_state.zero_()
-            y[start:end] = self._request(xbc[start:end], dt[start:end], conv_state, ssm_state)
+            saves = [(offset, conv_states[p, s], ssm_states[p, s])
+                     for offset, p, s in meta.checkpoints[r]]
+            y[start:end] = self._request(xbc[start:end], dt[start:end], conv_state, ssm_state,
+                                         saves)
         return self.out_proj(self.norm(y, gate))
 
     def _request(self, xbc: torch.Tensor, dt: torch.Tensor, conv_state: torch.Tensor,
-                 ssm_state: torch.Tensor) -> torch.Tensor:
-        """One request's tokens; updates its conv and SSM states in place."""
+                 ssm_state: torch.Tensor,
+                 saves: list[tuple[int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One request's tokens; updates its conv and SSM states in place, and writes the
+        states after `offset` tokens into each checkpoint of `saves`."""
         num_tokens = xbc.shape[0]
         # Causal depthwise conv continuing from the last kernel - 1 inputs.
         window = torch.cat([conv_state.to(xbc.dtype), xbc.T], dim=-1)  # [conv_dim, k-1+L]
         conv_state.copy_(window[:, -(self.kernel - 1):])
+        save_at = {offset: (conv, ssm) for offset, conv, ssm in saves}
+        for offset, (conv, _) in save_at.items():
+            # The last kernel - 1 inputs once `offset` tokens are in.
+            conv.copy_(window[:, offset:offset + self.kernel - 1])
         conv = nn.functional.conv1d(window.unsqueeze(0), self.conv1d.weight, self.conv1d.bias,
                                     groups=self.conv_dim)[0]  # [conv_dim, L]
         x, b, c = nn.functional.silu(conv.T).split(
@@ -108,6 +121,8 @@ class Mamba2Mixer(nn.Module):
             state = state * decay[t, :, None, None] + \
                 (dt[t, :, None, None] * x[t, :, :, None]) * b[t, :, None, :]
             out[t] = torch.einsum("hds,hs->hd", state, c[t])
+            if t + 1 in save_at:
+                save_at[t + 1][1].copy_(state.to(ssm_state.dtype))
         ssm_state.copy_(state.to(ssm_state.dtype))
         out = out + x * self.D.float()[None, :, None]
         return out.flatten(1).to(xbc.dtype)

@@ -49,6 +49,7 @@ class ModelRunner:
         self.row_of: dict[str, int] = {}
         self.tokens: dict[str, list[int]] = {}
         self.num_computed: dict[str, int] = {}
+        self._new_this_step: set[str] = set()
 
     # ---------------------------------------------------------------- the diff
     def _remove(self, rid: str) -> None:
@@ -65,6 +66,7 @@ class ModelRunner:
         self.sampler.forget(rid)
 
     def _apply(self, out: SchedulerOutput) -> None:
+        self._new_this_step = {new.request_id for new in out.new_requests}
         for rid in out.finished_request_ids:
             if rid in self.row_of:
                 self._remove(rid)
@@ -82,6 +84,33 @@ class ModelRunner:
             self.num_computed[cached.request_id] = cached.num_computed_tokens
             for table, block_ids in zip(self.block_tables, cached.new_block_ids, strict=True):
                 table.append(row, block_ids)
+
+    def _state_metadata(self, group_id: int, table: BlockTable, blocks_per_page: int,
+                        scheduled: list[str], query_start_loc: list[int],
+                        out: SchedulerOutput) -> StateMetadata:
+        """Where each request's live state is, where it starts from, what it saves."""
+        def place(block: int) -> tuple[int, int]:
+            return block // blocks_per_page, block % blocks_per_page
+
+        live, init_from, checkpoints = [], [], []
+        for rid in scheduled:
+            row = self.row_of[rid]
+            n = table.num_blocks[row]
+            live.append(place(int(table.table[row, n - 1])))  # the last block of the row
+            # A request new to the worker that starts past 0 starts from a prefix hit: its
+            # row is [null..., checkpoint, live].
+            source = int(table.table[row, n - 2]) if n >= 2 else 0
+            starts_from_hit = rid in self._new_this_step and self.num_computed[rid] > 0
+            init_from.append(place(source) if starts_from_hit and source else None)
+            checkpoints.append([
+                (position - self.num_computed[rid], *place(block))
+                for group, position, block in out.state_checkpoints.get(rid, ())
+                if group == group_id])
+        return StateMetadata(
+            query_start_loc=query_start_loc, state_pages=[p for p, _ in live],
+            state_slots=[s for _, s in live],
+            has_initial_state=[self.num_computed[r] > 0 for r in scheduled],
+            init_from=init_from, checkpoints=checkpoints)
 
     # ---------------------------------------------------------------- one step
     @torch.inference_mode()
@@ -116,14 +145,8 @@ class ModelRunner:
         for table, blocks_per_page, is_state in zip(self.block_tables, self.blocks_per_page,
                                                     self.is_state_group, strict=True):
             if is_state:
-                # A request's live state is the last block of its row.
-                live = [int(table.table[self.row_of[r], table.num_blocks[self.row_of[r]] - 1])
-                        for r in scheduled]
-                metadata.append(StateMetadata(
-                    query_start_loc=query_start_loc,
-                    state_pages=[b // blocks_per_page for b in live],
-                    state_slots=[b % blocks_per_page for b in live],
-                    has_initial_state=[self.num_computed[r] > 0 for r in scheduled]))
+                metadata.append(self._state_metadata(
+                    len(metadata), table, blocks_per_page, scheduled, query_start_loc, out))
                 continue
             kernel = table.kernel_table(len(self.rows))
             metadata.append(AttentionMetadata(

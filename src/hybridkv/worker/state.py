@@ -13,3 +13,7 @@ class StateMetadata:
     state_pages: list[int]  # the large page and slot of each request's live state block
     state_slots: list[int]
     has_initial_state: list[bool]  # computed tokens before this step: continue its state
+    # A request starting from a prefix hit copies the checkpoint (page, slot) first.
+    init_from: list[tuple[int, int] | None]
+    # Per request: states to save, as (tokens into this step's chunk, page, slot).
+    checkpoints: list[list[tuple[int, int, int]]]
