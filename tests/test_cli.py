@@ -33,3 +33,13 @@ def test_console_script_rejects_bad_flags_without_a_traceback():
                          capture_output=True, text=True)
     assert out.returncode == 2
     assert "Traceback" not in out.stderr and "cannot read 'lots'" in out.stderr
+
+
+def test_plan_of_a_state_hybrid_shows_the_state_size(capsys):
+    assert main(["plan", "Nemotron-H-8B-Base-8K", "--max-num-batched-tokens", "512",
+                 "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    state = next(g for g in plan["groups"] if g["kind"] == "mamba")
+    # 24 Mamba2 layers: conv [128*64 + 2*8*128, 3] + SSM [128, 64, 128], bf16.
+    assert state["state_bytes_per_request"] == 24 * 2 * (10240 * 3 + 128 * 64 * 128)
+    assert plan["block_size"] == 16 and plan["ideal_fraction"] >= 0.99

@@ -169,6 +169,9 @@ def _plan_table(model: str, model_type: str, main: KVCachePlan, hybrid: KVCacheP
         f"large page            {format_bytes(cfg.large_page_bytes)} x {cfg.num_large_pages} "
         f"(arena {format_bytes(cfg.arena_bytes)}, page 0 holds the null blocks)",
         f"padding               {format_bytes(main.padding_bytes)}",
+        *(f"state / request       {format_bytes(g.block_bytes)} (group {g.group_id}: one "
+          f"state block of {len(g.layer_names)} layers; attention blocks stay "
+          f"{cfg.hit_alignment} tokens)" for g in cfg.groups if g.spec.kind == "mamba"),
         f"ideal bytes / token   {main.ideal_bytes_per_token:,.1f} (at max_model_len)",
         f"capacity              {main.capacity_tokens:,} tokens",
         f"max concurrency       {main.max_concurrency:.2f} requests of {main.max_model_len} "
