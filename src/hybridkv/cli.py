@@ -122,6 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--input-len", type=_positive_int, default=1024)
     cap.add_argument("--output-len", type=_positive_int, default=32)
     cap.add_argument("--json", action="store_true")
+
+    pre = suites.add_parser("prefix", help="prefix caching on a multi-turn chat trace")
+    pre.add_argument("model_dir", nargs="?", default=None,
+                     help="default: a tiny NemotronH-like demo model built on the fly")
+    pre.add_argument("--systems", type=_positive_int, default=2)
+    pre.add_argument("--conversations-per-system", type=_positive_int, default=3)
+    pre.add_argument("--turns", type=_positive_int, default=3)
+    pre.add_argument("--answer-len", type=_positive_int, default=16)
+    pre.add_argument("--json", action="store_true")
     return parser
 
 
@@ -234,6 +243,12 @@ def cmd_bench(args: argparse.Namespace) -> str:
                                 input_len=args.input_len, output_len=args.output_len,
                                 repeat=args.repeat, with_transformers=not args.no_transformers,
                                 as_json=args.json)
+    if args.suite == "prefix":
+        from hybridkv.bench.prefix import bench_prefix
+
+        return bench_prefix(args.model_dir, num_systems=args.systems,
+                            conversations_per_system=args.conversations_per_system,
+                            turns=args.turns, answer_len=args.answer_len, as_json=args.json)
     if args.suite == "capacity":
         from hybridkv.bench.engine import bench_capacity
 

@@ -171,7 +171,7 @@ def test_mamba_branch_point_checkpoint():
 def test_mamba_checkpoint_interval():
     m = toy_manager(full(), mamba(), num_pages=60)
     for manager in m.managers:
-        manager.set_checkpoint_interval(2)  # every 2 blocks = 8 tokens
+        manager.set_checkpoint_policy(interval=2, branch_points=True)  # every 8 tokens
     a = request("a", list(range(1, 30)))
     new = m.allocate_slots(a, a.num_tokens)
     assert [position for _, position, _ in new.checkpoints] == [8, 16, 24, 28]

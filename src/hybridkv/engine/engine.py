@@ -54,7 +54,9 @@ class LLMEngine:
         self.plan = plan
         self.kv_manager = KVCacheManager(plan.config, max_model_len=self.max_model_len,
                                          enable_caching=config.enable_prefix_caching,
-                                         checkpoint_interval=config.mamba_checkpoint_interval)
+                                         checkpoint_interval=config.mamba_checkpoint_interval,
+                                         checkpoint_branch_points=(
+                                             config.mamba_checkpoint_branch_points))
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,

@@ -61,7 +61,7 @@ class PrefixCacheStats:
 class KVCacheManager:
     def __init__(self, config: KVCacheConfig, *, max_model_len: int,
                  enable_caching: bool = True, enable_events: bool = False,
-                 checkpoint_interval: int = 0) -> None:
+                 checkpoint_interval: int = 0, checkpoint_branch_points: bool = True) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -71,7 +71,8 @@ class KVCacheManager:
         self.managers = self.coordinator.managers
         if enable_caching:
             for m in self.managers:
-                m.set_checkpoint_interval(checkpoint_interval)
+                m.set_checkpoint_policy(interval=checkpoint_interval,
+                                        branch_points=checkpoint_branch_points)
         self.stats = PrefixCacheStats(hit_tokens_per_group=[0] * len(self.managers))
         self._no_blocks = KVCacheBlocks(tuple([] for _ in self.managers))
         # Per request: token counts below which allocate_slots has nothing to do.

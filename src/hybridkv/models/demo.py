@@ -29,6 +29,9 @@ ARCHS: dict[str, dict[str, Any]] = {
                "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh"},
     "gemma3": {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
                "sliding": "5:1", "hidden_activation": "gelu_pytorch_tanh"},
+    # Mamba2 / attention / MLP layers in Nemotron-H-8B's proportions ("M-M-M-M*-" repeated).
+    "nemotron_h": {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"],
+                   "sliding": "mamba"},
 }
 
 
@@ -91,6 +94,14 @@ def demo_config(arch: str, shape: DemoShape, vocab_size: int) -> dict[str, Any]:
         del config["rope_theta"]
     if arch.startswith("gemma"):
         config["query_pre_attn_scalar"] = shape.head_dim
+    if sliding == "mamba":
+        del config["sliding_window"]
+        unit = "M-M-M-M*-"
+        config["hybrid_override_pattern"] = (unit * shape.layers)[:shape.layers]
+        config.update(mamba_num_heads=2 * shape.hidden // shape.head_dim,
+                      mamba_head_dim=shape.head_dim, ssm_state_size=shape.head_dim,
+                      n_groups=2, conv_kernel=4, layer_norm_epsilon=1e-5,
+                      time_step_min=0.001)
     return config
 
 

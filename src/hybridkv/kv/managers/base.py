@@ -165,8 +165,9 @@ class SingleTypeManager:
         """A lookup found the request's tokens cached up to `matched_tokens` in some group
         (its branch point). State kinds save a checkpoint there."""
 
-    def set_checkpoint_interval(self, num_blocks: int) -> None:
-        """Save state checkpoints every `num_blocks` blocks too (state kinds only)."""
+    def set_checkpoint_policy(self, *, interval: int, branch_points: bool) -> None:
+        """Save state checkpoints every `interval` blocks too (0: never), and at branch
+        points or not (state kinds only)."""
 
     def take_checkpoints(self, request_id: str) -> list[tuple[int, Block]]:
         """State checkpoints (position, block) the last allocation asked the runner to

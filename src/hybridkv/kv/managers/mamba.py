@@ -32,6 +32,7 @@ class MambaManager(SingleTypeManager):
         super().__init__(group, pool, hash_block_size)
         self.has_live_state: set[str] = set()
         self.checkpoint_interval = 0  # in blocks; 0 = only prompt ends and branch points
+        self.checkpoint_branch_points = True
         self.branch_points: dict[str, int] = {}  # tokens matched before diverging
         self._planned: dict[str, list[int]] = {}  # positions this allocation saves
         self._step_end: dict[str, int] = {}
@@ -73,10 +74,12 @@ class MambaManager(SingleTypeManager):
             self.pool.free(self.group_id, dropped)
 
     def note_lookup(self, request: KVRequest, matched_tokens: int) -> None:
-        self.branch_points[request.request_id] = matched_tokens
+        if self.checkpoint_branch_points:
+            self.branch_points[request.request_id] = matched_tokens
 
-    def set_checkpoint_interval(self, num_blocks: int) -> None:
-        self.checkpoint_interval = num_blocks
+    def set_checkpoint_policy(self, *, interval: int, branch_points: bool) -> None:
+        self.checkpoint_interval = interval
+        self.checkpoint_branch_points = branch_points
 
     def checkpoint_positions(self, request: KVRequest, start: int, end: int) -> list[int]:
         """Block-aligned positions in (start, end] whose state this request should save
