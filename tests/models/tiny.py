@@ -52,3 +52,8 @@ def build_tiny_model(name: str, out_dir: Path) -> Path:
 ARCHS["nemotron_h"] = ("NemotronHConfig", "NemotronHForCausalLM", dict(
     num_hidden_layers=5, hybrid_override_pattern="M*M-M", mamba_num_heads=8,
     mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=16))
+
+# Bamba: Mamba2 + attention with RoPE on half of each head, SwiGLU after every mixer.
+ARCHS["bamba"] = ("BambaConfig", "BambaForCausalLM", dict(
+    num_hidden_layers=4, attn_layer_indices=[1, 3], mamba_n_heads=8, mamba_d_head=16,
+    mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=16))

@@ -48,17 +48,19 @@ class Mamba2Mixer(nn.Module):
         self.kernel = int(cfg.get("conv_kernel") or cfg.get("mamba_d_conv") or 4)
         self.inner = self.num_heads * self.head_dim
         self.conv_dim = self.inner + 2 * self.n_groups * self.state_size
-        self.time_step_min = float(cfg.get("time_step_min", 0.0))
-        use_bias = bool(cfg.get("use_bias", False))
+        limit = cfg.get("time_step_limit")
+        self.time_step_min = float(limit[0] if limit else cfg.get("time_step_min", 0.0))
+        use_bias = bool(cfg.get("use_bias", cfg.get("mamba_proj_bias", False)))
         self.in_proj = nn.Linear(hidden, self.inner + self.conv_dim + self.num_heads,
                                  bias=use_bias)
+        conv_bias = cfg.get("use_conv_bias", cfg.get("mamba_conv_bias", True))
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel,
-                                groups=self.conv_dim, bias=bool(cfg.get("use_conv_bias", True)))
+                                groups=self.conv_dim, bias=bool(conv_bias))
         self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
-        self.norm = GatedRMSNorm(self.inner, self.inner // self.n_groups,
-                                 float(cfg.get("layer_norm_epsilon", 1e-5)))
+        eps = cfg.get("layer_norm_epsilon") or cfg.get("rms_norm_eps") or 1e-5
+        self.norm = GatedRMSNorm(self.inner, self.inner // self.n_groups, float(eps))
         self.out_proj = nn.Linear(self.inner, hidden, bias=use_bias)
 
     def forward(self, h: torch.Tensor, meta: StateMetadata,
