@@ -57,3 +57,11 @@ ARCHS["nemotron_h"] = ("NemotronHConfig", "NemotronHForCausalLM", dict(
 ARCHS["bamba"] = ("BambaConfig", "BambaForCausalLM", dict(
     num_hidden_layers=4, attn_layer_indices=[1, 3], mamba_n_heads=8, mamba_d_head=16,
     mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=16))
+
+# Granite 4.0-H: Mamba2 + NoPE attention, top-2 of 4 experts + shared MLP, µP multipliers.
+ARCHS["granitemoehybrid"] = ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+    num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "mamba"],
+    intermediate_size=32, shared_intermediate_size=64, mamba_n_heads=8, mamba_d_head=16,
+    mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=16, num_local_experts=4,
+    num_experts_per_tok=2, embedding_multiplier=2.0, attention_multiplier=0.3,
+    residual_multiplier=0.5, logits_scaling=4.0))

@@ -24,9 +24,11 @@ from hybridkv.worker.attention import AttentionParams
 
 
 class PartialRopeAttention(nn.Module):
-    """Rotates the first `partial_rotary_factor` of each head, passes the rest through."""
+    """Rotates the first `partial_rotary_factor` of each head, passes the rest through
+    (`use_rope=False`: no positions at all, as in Granite 4.0-H)."""
 
-    def __init__(self, cfg: Mapping[str, Any], layer: int) -> None:
+    def __init__(self, cfg: Mapping[str, Any], layer: int, *, use_rope: bool = True,
+                 scale: float | None = None) -> None:
         super().__init__()
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         self.head_dim = int(cfg.get("head_dim") or hidden // heads)
@@ -45,17 +47,20 @@ class PartialRopeAttention(nn.Module):
         inv_freq, self.rope_scaling = rope_inv_freq(self.rotary_dim, params)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_key = rope_key(self.rotary_dim, params)
-        self.params = AttentionParams(scale=self.head_dim ** -0.5)
+        self.use_rope = use_rope
+        self.params = AttentionParams(scale=scale if scale is not None else self.head_dim ** -0.5)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         q = self.q_proj(h).unflatten(-1, (self.num_heads, self.head_dim))
         k = self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = self.v_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        cos, sin = ctx.rope_cos_sin(positions, self.rope_key, self.inv_freq, self.rope_scaling)
-        d = self.rotary_dim
-        q = torch.cat([apply_rope(q[..., :d], cos, sin), q[..., d:]], dim=-1)
-        k = torch.cat([apply_rope(k[..., :d], cos, sin), k[..., d:]], dim=-1)
+        if self.use_rope:
+            cos, sin = ctx.rope_cos_sin(positions, self.rope_key, self.inv_freq,
+                                        self.rope_scaling)
+            d = self.rotary_dim
+            q = torch.cat([apply_rope(q[..., :d], cos, sin), q[..., d:]], dim=-1)
+            k = torch.cat([apply_rope(k[..., :d], cos, sin), k[..., d:]], dim=-1)
         return self.o_proj(ctx.attention(self.name, q, k, v, self.params).flatten(1))
 
 

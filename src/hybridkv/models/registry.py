@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from hybridkv.models.bamba import BambaForCausalLM
+from hybridkv.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from hybridkv.models.llama import DecoderConfig, DecoderForCausalLM
 from hybridkv.models.llama4 import Llama4ForCausalLM
 from hybridkv.models.nemotron_h import NemotronHForCausalLM
@@ -24,6 +25,7 @@ MODELS: dict[str, Callable[[Mapping[str, Any]], nn.Module]] = {
 MODELS["llama4_text"] = Llama4ForCausalLM
 MODELS["nemotron_h"] = NemotronHForCausalLM
 MODELS["bamba"] = BambaForCausalLM
+MODELS["granitemoehybrid"] = GraniteMoeHybridForCausalLM
 
 
 def build_model(config: Mapping[str, Any]) -> nn.Module:
