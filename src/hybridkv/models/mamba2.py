@@ -12,13 +12,54 @@ The scan is the exact token-by-token recurrence, vectorised over heads:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from hybridkv.worker.state import StateMetadata
+
+Saves = list[tuple[int, torch.Tensor, torch.Tensor]]
+
+
+def request_states(meta: StateMetadata, states: tuple[torch.Tensor, torch.Tensor]
+                   ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, Saves]]:
+    """Per request with tokens this step: (start, end, conv state, SSM state, checkpoints
+    to save), the live states made ready: copied from a prefix-hit checkpoint, zeroed for
+    a fresh start, or left to continue. Requests come in row order, so a checkpoint written
+    in this step by an earlier request is complete before a later one copies it."""
+    conv_states, ssm_states = states
+    for r in range(len(meta.state_pages)):
+        start, end = meta.query_start_loc[r], meta.query_start_loc[r + 1]
+        if start == end:
+            continue
+        page, slot = meta.state_pages[r], meta.state_slots[r]
+        conv_state, ssm_state = conv_states[page, slot], ssm_states[page, slot]
+        source = meta.init_from[r]
+        if source is not None:
+            conv_state.copy_(conv_states[source])
+            ssm_state.copy_(ssm_states[source])
+        elif not meta.has_initial_state[r]:
+            conv_state.zero_()
+            ssm_state.zero_()
+        saves = [(offset, conv_states[p, s], ssm_states[p, s])
+                 for offset, p, s in meta.checkpoints[r]]
+        yield start, end, conv_state, ssm_state, saves
+
+
+def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, conv: nn.Conv1d,
+                saves: Saves) -> torch.Tensor:
+    """Depthwise causal conv of x [L, channels] continuing from the last kernel - 1 inputs in
+    `conv_state` [channels, kernel - 1]; updates it and the checkpoints' conv states.
+    Returns [L, channels] (before the activation)."""
+    keep = conv.kernel_size[0] - 1
+    window = torch.cat([conv_state.to(x.dtype), x.T], dim=-1)  # [channels, k-1+L]
+    conv_state.copy_(window[:, -keep:])
+    for offset, checkpoint, _ in saves:
+        checkpoint.copy_(window[:, offset:offset + keep])  # inputs up to `offset` tokens
+    return nn.functional.conv1d(window.unsqueeze(0), conv.weight, conv.bias,
+                                groups=conv.in_channels)[0].T
 
 
 class GatedRMSNorm(nn.Module):
@@ -67,43 +108,20 @@ class Mamba2Mixer(nn.Module):
                 states: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # h [T, hidden] -> gate [T, inner], xBC [T, conv_dim], dt [T, heads]
         gate, xbc, dt = self.in_proj(h).split([self.inner, self.conv_dim, self.num_heads], -1)
-        conv_states, ssm_states = states
         y = torch.empty(h.shape[0], self.inner, dtype=h.dtype, device=h.device)
-        for r in range(len(meta.state_pages)):
-            start, end = meta.query_start_loc[r], meta.query_start_loc[r + 1]
-            if start == end:
-                continue
-            page, slot = meta.state_pages[r], meta.state_slots[r]
-            conv_state, ssm_state = conv_states[page, slot], ssm_states[page, slot]
-            source = meta.init_from[r]
-            if source is not None:  # a prefix hit: continue from the checkpoint's state
-                conv_state.copy_(conv_states[source])
-                ssm_state.copy_(ssm_states[source])
-            elif not meta.has_initial_state[r]:
-                conv_state.zero_()
-                ssm_state.zero_()
-            saves = [(offset, conv_states[p, s], ssm_states[p, s])
-                     for offset, p, s in meta.checkpoints[r]]
+        for start, end, conv_state, ssm_state, saves in request_states(meta, states):
             y[start:end] = self._request(xbc[start:end], dt[start:end], conv_state, ssm_state,
                                          saves)
         return self.out_proj(self.norm(y, gate))
 
     def _request(self, xbc: torch.Tensor, dt: torch.Tensor, conv_state: torch.Tensor,
-                 ssm_state: torch.Tensor,
-                 saves: list[tuple[int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                 ssm_state: torch.Tensor, saves: Saves) -> torch.Tensor:
         """One request's tokens; updates its conv and SSM states in place, and writes the
         states after `offset` tokens into each checkpoint of `saves`."""
         num_tokens = xbc.shape[0]
-        # Causal depthwise conv continuing from the last kernel - 1 inputs.
-        window = torch.cat([conv_state.to(xbc.dtype), xbc.T], dim=-1)  # [conv_dim, k-1+L]
-        conv_state.copy_(window[:, -(self.kernel - 1):])
-        save_at = {offset: (conv, ssm) for offset, conv, ssm in saves}
-        for offset, (conv, _) in save_at.items():
-            # The last kernel - 1 inputs once `offset` tokens are in.
-            conv.copy_(window[:, offset:offset + self.kernel - 1])
-        conv = nn.functional.conv1d(window.unsqueeze(0), self.conv1d.weight, self.conv1d.bias,
-                                    groups=self.conv_dim)[0]  # [conv_dim, L]
-        x, b, c = nn.functional.silu(conv.T).split(
+        save_at = {offset: ssm for offset, _, ssm in saves}
+        conv = causal_conv(xbc, conv_state, self.conv1d, saves)  # [L, conv_dim]
+        x, b, c = nn.functional.silu(conv).split(
             [self.inner, self.n_groups * self.state_size, self.n_groups * self.state_size], -1)
         dt = nn.functional.softplus(dt.float() + self.dt_bias.float())  # [L, heads]
         if num_tokens > 1:
@@ -124,7 +142,7 @@ class Mamba2Mixer(nn.Module):
                 (dt[t, :, None, None] * x[t, :, :, None]) * b[t, :, None, :]
             out[t] = torch.einsum("hds,hs->hd", state, c[t])
             if t + 1 in save_at:
-                save_at[t + 1][1].copy_(state.to(ssm_state.dtype))
+                save_at[t + 1].copy_(state.to(ssm_state.dtype))
         ssm_state.copy_(state.to(ssm_state.dtype))
         out = out + x * self.D.float()[None, :, None]
         return out.flatten(1).to(xbc.dtype)
