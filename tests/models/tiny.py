@@ -65,3 +65,9 @@ ARCHS["granitemoehybrid"] = ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausa
     mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=16, num_local_experts=4,
     num_experts_per_tok=2, embedding_multiplier=2.0, attention_multiplier=0.3,
     residual_multiplier=0.5, logits_scaling=4.0))
+
+# Jamba: Mamba1 + attention (no positions) every 2nd layer, MoE (top-2 of 4) every 2nd layer.
+ARCHS["jamba"] = ("JambaConfig", "JambaForCausalLM", dict(
+    num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+    expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=16,
+    mamba_dt_rank=8, use_mamba_kernels=False))

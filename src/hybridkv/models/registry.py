@@ -9,6 +9,7 @@ from torch import nn
 
 from hybridkv.models.bamba import BambaForCausalLM
 from hybridkv.models.granite_hybrid import GraniteMoeHybridForCausalLM
+from hybridkv.models.jamba import JambaForCausalLM
 from hybridkv.models.llama import DecoderConfig, DecoderForCausalLM
 from hybridkv.models.llama4 import Llama4ForCausalLM
 from hybridkv.models.nemotron_h import NemotronHForCausalLM
@@ -26,6 +27,7 @@ MODELS["llama4_text"] = Llama4ForCausalLM
 MODELS["nemotron_h"] = NemotronHForCausalLM
 MODELS["bamba"] = BambaForCausalLM
 MODELS["granitemoehybrid"] = GraniteMoeHybridForCausalLM
+MODELS["jamba"] = JambaForCausalLM
 
 
 def build_model(config: Mapping[str, Any]) -> nn.Module:

@@ -1,0 +1,161 @@
+"""Jamba: Mamba1 layers with attention layers (no positional encoding) every
+`attn_layer_period`, a top-k MoE every `expert_layer_period` layers and a SwiGLU MLP
+elsewhere.
+
+Mamba1 keeps one SSM state per channel, `[inner, state]`, with input-dependent dt, B and C
+(each RMS-normalised in Jamba):
+    h_t = exp(dt_t A) * h_{t-1} + dt_t * B_t * x_t,   y_t = (h_t . C_t + D * x_t) * silu(z_t)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridkv.models.bamba import PartialRopeAttention, SwiGLU
+from hybridkv.models.layer_mix import MAMBA1, layer_kinds
+from hybridkv.models.layers import ForwardContext, RMSNorm, activation
+from hybridkv.models.mamba2 import Saves, causal_conv, request_states
+from hybridkv.models.weights import load_named_weights
+from hybridkv.worker.state import StateMetadata
+
+
+class Mamba1Mixer(nn.Module):
+    def __init__(self, cfg: Mapping[str, Any], layer: int) -> None:
+        super().__init__()
+        self.name = f"model.layers.{layer}.mamba"
+        hidden = int(cfg["hidden_size"])
+        self.inner = int(cfg.get("mamba_expand", 2)) * hidden
+        self.state_size = int(cfg.get("mamba_d_state", 16))
+        self.rank = int(cfg.get("mamba_dt_rank") or -(-hidden // 16))
+        kernel = int(cfg.get("mamba_d_conv", 4))
+        proj_bias = bool(cfg.get("mamba_proj_bias", False))
+        eps = float(cfg.get("rms_norm_eps", 1e-6))
+        self.in_proj = nn.Linear(hidden, 2 * self.inner, bias=proj_bias)
+        self.conv1d = nn.Conv1d(self.inner, self.inner, kernel, groups=self.inner,
+                                bias=bool(cfg.get("mamba_conv_bias", True)))
+        self.x_proj = nn.Linear(self.inner, self.rank + 2 * self.state_size, bias=False)
+        self.dt_proj = nn.Linear(self.rank, self.inner, bias=True)
+        self.A_log = nn.Parameter(torch.zeros(self.inner, self.state_size))
+        self.D = nn.Parameter(torch.ones(self.inner))
+        self.out_proj = nn.Linear(self.inner, hidden, bias=proj_bias)
+        self.dt_layernorm = RMSNorm(self.rank, eps)
+        self.b_layernorm = RMSNorm(self.state_size, eps)
+        self.c_layernorm = RMSNorm(self.state_size, eps)
+        self.act = activation(str(cfg.get("hidden_act", "silu")))
+
+    def forward(self, h: torch.Tensor, meta: StateMetadata,
+                states: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, z = self.in_proj(h).chunk(2, dim=-1)  # [T, inner] each
+        y = torch.empty_like(x)
+        for start, end, conv_state, ssm_state, saves in request_states(meta, states):
+            y[start:end] = self._request(x[start:end], conv_state, ssm_state, saves)
+        return self.out_proj(y * nn.functional.silu(z))
+
+    def _request(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                 saves: Saves) -> torch.Tensor:
+        x = self.act(causal_conv(x, conv_state, self.conv1d, saves))  # [L, inner]
+        dt, b, c = self.x_proj(x).split([self.rank, self.state_size, self.state_size], -1)
+        dt = self.dt_layernorm(dt) @ self.dt_proj.weight.T  # [L, inner], bias added below
+        dt = nn.functional.softplus(dt.float() + self.dt_proj.bias.float())
+        b = self.b_layernorm(b).float()  # [L, state]
+        c = self.c_layernorm(c).float()
+        a = -torch.exp(self.A_log.float())  # [inner, state]
+        xf = x.float()
+        save_at = {offset: ssm for offset, _, ssm in saves}
+        state = ssm_state.float()
+        out = torch.empty_like(xf)
+        for t in range(x.shape[0]):
+            state = torch.exp(dt[t, :, None] * a) * state + \
+                (dt[t] * xf[t])[:, None] * b[t][None, :]
+            out[t] = state @ c[t]
+            if t + 1 in save_at:
+                save_at[t + 1].copy_(state.to(ssm_state.dtype))
+        ssm_state.copy_(state.to(ssm_state.dtype))
+        return (out + xf * self.D.float()).to(x.dtype)
+
+
+class JambaMoE(nn.Module):
+    """Softmax over all experts, then the top-k weights as they are (no renormalising)."""
+
+    def __init__(self, cfg: Mapping[str, Any]) -> None:
+        super().__init__()
+        hidden, num_experts = int(cfg["hidden_size"]), int(cfg["num_experts"])
+        self.top_k = int(cfg.get("num_experts_per_tok", 2))
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(cfg) for _ in range(num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = torch.softmax(self.router(x).float(), dim=-1)
+        top_weights, top_ids = torch.topk(weights, self.top_k, dim=-1)
+        top_weights = top_weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for expert in top_ids.unique().tolist():
+            token_idx, slot = torch.where(top_ids == expert)
+            y = self.experts[expert](x[token_idx])
+            out.index_add_(0, token_idx, y * top_weights[token_idx, slot, None])
+        return out
+
+
+class JambaLayer(nn.Module):
+    def __init__(self, cfg: Mapping[str, Any], layer: int, kind: str) -> None:
+        super().__init__()
+        hidden, eps = int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-6))
+        self.kind = kind
+        if kind == MAMBA1:
+            self.mamba = Mamba1Mixer(cfg, layer)
+        else:
+            self.self_attn = PartialRopeAttention(cfg, layer, use_rope=False)
+        period = int(cfg.get("expert_layer_period", 2))
+        offset = int(cfg.get("expert_layer_offset", 1))
+        moe = int(cfg.get("num_experts", 1)) > 1 and layer % period == offset
+        self.feed_forward: nn.Module = JambaMoE(cfg) if moe else SwiGLU(cfg)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.pre_ff_layernorm = RMSNorm(hidden, eps)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        if self.kind == MAMBA1:
+            name = self.mamba.name
+            h = h + self.mamba(x, ctx.metadata[ctx.layer_group[name]], ctx.kv_caches[name])
+        else:
+            h = h + self.self_attn(x, positions, ctx)
+        return h + self.feed_forward(self.pre_ff_layernorm(h))
+
+
+class JambaModel(nn.Module):
+    def __init__(self, cfg: Mapping[str, Any]) -> None:
+        super().__init__()
+        hidden = int(cfg["hidden_size"])
+        kinds = [parts[0] for parts in layer_kinds(cfg)]
+        self.embed_tokens = nn.Embedding(int(cfg["vocab_size"]), hidden)
+        self.layers = nn.ModuleList(JambaLayer(cfg, i, k) for i, k in enumerate(kinds))
+        self.final_layernorm = RMSNorm(hidden, float(cfg.get("rms_norm_eps", 1e-6)))
+
+
+class JambaForCausalLM(nn.Module):
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.model = JambaModel(config)
+        self.lm_head = nn.Linear(int(config["hidden_size"]), int(config["vocab_size"]),
+                                 bias=False)
+        self.tied = bool(config.get("tie_word_embeddings", False))
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = layer(h, positions, ctx)
+        return self.model.final_layernorm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_named_weights(self, weights, model_type="jamba", tied=self.tied)
