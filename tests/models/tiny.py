@@ -71,3 +71,12 @@ ARCHS["jamba"] = ("JambaConfig", "JambaForCausalLM", dict(
     num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
     expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=16,
     mamba_dt_rank=8, use_mamba_kernels=False))
+
+# Falcon-H1: attention and Mamba2 in parallel in every layer; non-trivial µP multipliers.
+ARCHS["falcon_h1"] = ("FalconH1Config", "FalconH1ForCausalLM", dict(
+    num_hidden_layers=3, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16,
+    mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=16,
+    ssm_multipliers=[1.5, 0.5, 1.2, 0.8, 1.1], mlp_multipliers=[0.7, 1.3],
+    key_multiplier=0.9, attention_in_multiplier=1.1, attention_out_multiplier=0.8,
+    ssm_in_multiplier=1.2, ssm_out_multiplier=0.6, embedding_multiplier=2.0,
+    lm_head_multiplier=0.5))

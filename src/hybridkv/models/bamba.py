@@ -28,7 +28,7 @@ class PartialRopeAttention(nn.Module):
     (`use_rope=False`: no positions at all, as in Granite 4.0-H)."""
 
     def __init__(self, cfg: Mapping[str, Any], layer: int, *, use_rope: bool = True,
-                 scale: float | None = None) -> None:
+                 scale: float | None = None, key_multiplier: float = 1.0) -> None:
         super().__init__()
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         self.head_dim = int(cfg.get("head_dim") or hidden // heads)
@@ -48,12 +48,15 @@ class PartialRopeAttention(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_key = rope_key(self.rotary_dim, params)
         self.use_rope = use_rope
+        self.key_multiplier = key_multiplier  # Falcon-H1's µP factor on keys
         self.params = AttentionParams(scale=scale if scale is not None else self.head_dim ** -0.5)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         q = self.q_proj(h).unflatten(-1, (self.num_heads, self.head_dim))
         k = self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.key_multiplier != 1.0:
+            k = k * self.key_multiplier
         v = self.v_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.use_rope:
             cos, sin = ctx.rope_cos_sin(positions, self.rope_key, self.inv_freq,

@@ -63,17 +63,25 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, conv: nn.Conv1d,
 
 
 class GatedRMSNorm(nn.Module):
-    """x * silu(gate), normalised per group of channels (float32), then weighted."""
+    """x * silu(gate), normalised per group of channels (float32), then weighted; with
+    `norm_before_gate` (Falcon-H1), normalised and weighted first, then gated."""
 
-    def __init__(self, dim: int, group_size: int, eps: float) -> None:
+    def __init__(self, dim: int, group_size: int, eps: float,
+                 norm_before_gate: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.group_size, self.eps = group_size, eps
+        self.norm_before_gate = norm_before_gate
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = x.float() * nn.functional.silu(gate.float())
+        h = x.float()
+        if not self.norm_before_gate:
+            h = h * nn.functional.silu(gate.float())
         groups = h.unflatten(-1, (-1, self.group_size))
         groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.norm_before_gate:
+            weighted = self.weight.float() * groups.flatten(-2)
+            return (weighted * nn.functional.silu(gate.float())).to(x.dtype)
         return self.weight * groups.flatten(-2).to(x.dtype)
 
 
@@ -87,7 +95,7 @@ class Mamba2Mixer(nn.Module):
         self.state_size = int(cfg.get("ssm_state_size") or cfg["mamba_d_state"])
         self.n_groups = int(cfg.get("n_groups") or cfg.get("mamba_n_groups") or 1)
         self.kernel = int(cfg.get("conv_kernel") or cfg.get("mamba_d_conv") or 4)
-        self.inner = self.num_heads * self.head_dim
+        self.inner = int(cfg.get("mamba_d_ssm") or self.num_heads * self.head_dim)
         self.conv_dim = self.inner + 2 * self.n_groups * self.state_size
         limit = cfg.get("time_step_limit")
         self.time_step_min = float(limit[0] if limit else cfg.get("time_step_min", 0.0))
@@ -101,17 +109,38 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
         eps = cfg.get("layer_norm_epsilon") or cfg.get("rms_norm_eps") or 1e-5
-        self.norm = GatedRMSNorm(self.inner, self.inner // self.n_groups, float(eps))
-        self.out_proj = nn.Linear(self.inner, hidden, bias=use_bias)
+        # Falcon-H1 may leave the norm out (then y * silu(z)) or normalise before gating.
+        self.norm = GatedRMSNorm(
+            self.inner, self.inner // self.n_groups, float(eps),
+            norm_before_gate=bool(cfg.get("mamba_norm_before_gate", False))
+        ) if cfg.get("mamba_rms_norm", True) else None
+        self.out_proj = nn.Linear(self.inner, hidden,
+                                  bias=bool(cfg.get("projectors_bias", use_bias)))
+        # µP (Falcon-H1): a multiplier on the input and one per section of the projection.
+        self.in_multiplier = float(cfg.get("ssm_in_multiplier", 1.0))
+        sections = cfg.get("ssm_multipliers")
+        mup = None
+        if sections:
+            gn = self.n_groups * self.state_size
+            sizes = [self.inner, self.inner, gn, gn, self.num_heads]  # z, x, B, C, dt
+            mup = torch.cat([torch.full((n,), float(m))
+                             for n, m in zip(sizes, sections, strict=True)])
+        self.mup: torch.Tensor | None
+        self.register_buffer("mup", mup, persistent=False)
 
     def forward(self, h: torch.Tensor, meta: StateMetadata,
                 states: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # h [T, hidden] -> gate [T, inner], xBC [T, conv_dim], dt [T, heads]
-        gate, xbc, dt = self.in_proj(h).split([self.inner, self.conv_dim, self.num_heads], -1)
+        projected = self.in_proj(h * self.in_multiplier if self.in_multiplier != 1.0 else h)
+        if self.mup is not None:
+            projected = projected * self.mup
+        gate, xbc, dt = projected.split([self.inner, self.conv_dim, self.num_heads], -1)
         y = torch.empty(h.shape[0], self.inner, dtype=h.dtype, device=h.device)
         for start, end, conv_state, ssm_state, saves in request_states(meta, states):
             y[start:end] = self._request(xbc[start:end], dt[start:end], conv_state, ssm_state,
                                          saves)
+        if self.norm is None:
+            return self.out_proj(y * nn.functional.silu(gate))
         return self.out_proj(self.norm(y, gate))
 
     def _request(self, xbc: torch.Tensor, dt: torch.Tensor, conv_state: torch.Tensor,

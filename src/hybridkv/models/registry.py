@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from hybridkv.models.bamba import BambaForCausalLM
+from hybridkv.models.falcon_h1 import FalconH1ForCausalLM
 from hybridkv.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from hybridkv.models.jamba import JambaForCausalLM
 from hybridkv.models.llama import DecoderConfig, DecoderForCausalLM
@@ -28,6 +29,7 @@ MODELS["nemotron_h"] = NemotronHForCausalLM
 MODELS["bamba"] = BambaForCausalLM
 MODELS["granitemoehybrid"] = GraniteMoeHybridForCausalLM
 MODELS["jamba"] = JambaForCausalLM
+MODELS["falcon_h1"] = FalconH1ForCausalLM
 
 
 def build_model(config: Mapping[str, Any]) -> nn.Module:
