@@ -15,7 +15,7 @@ from tests.models.tiny import build_tiny_model  # noqa: E402
 
 ARCHS = ["llama", "qwen3", "qwen3_swa", "mistral", "gemma2", "gemma3", "gpt_oss",
          "llama4_text", "nemotron_h", "bamba", "granitemoehybrid",
-         "jamba", "falcon_h1"]
+         "jamba", "falcon_h1", "qwen3_next"]
 NUM_NEW = 16
 # Lengths cross the 16-token windows and the 16-token blocks.
 PROMPT_LENS = (40, 23, 7)

@@ -80,3 +80,10 @@ ARCHS["falcon_h1"] = ("FalconH1Config", "FalconH1ForCausalLM", dict(
     key_multiplier=0.9, attention_in_multiplier=1.1, attention_out_multiplier=0.8,
     ssm_in_multiplier=1.2, ssm_out_multiplier=0.6, embedding_multiplier=2.0,
     lm_head_multiplier=0.5))
+
+# Qwen3-Next: 3 Gated DeltaNet layers (2 key heads, 4 value heads) + 1 gated attention layer,
+# MoE (top-2 of 4) with a shared expert everywhere.
+ARCHS["qwen3_next"] = ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+    num_hidden_layers=4, full_attention_interval=4, moe_intermediate_size=32,
+    shared_expert_intermediate_size=48, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2))

@@ -14,6 +14,7 @@ from hybridkv.models.jamba import JambaForCausalLM
 from hybridkv.models.llama import DecoderConfig, DecoderForCausalLM
 from hybridkv.models.llama4 import Llama4ForCausalLM
 from hybridkv.models.nemotron_h import NemotronHForCausalLM
+from hybridkv.models.qwen3_next import Qwen3NextForCausalLM
 
 
 def _decoder(config: Mapping[str, Any]) -> nn.Module:
@@ -30,6 +31,7 @@ MODELS["bamba"] = BambaForCausalLM
 MODELS["granitemoehybrid"] = GraniteMoeHybridForCausalLM
 MODELS["jamba"] = JambaForCausalLM
 MODELS["falcon_h1"] = FalconH1ForCausalLM
+MODELS["qwen3_next"] = Qwen3NextForCausalLM
 
 
 def build_model(config: Mapping[str, Any]) -> nn.Module:
