@@ -79,31 +79,45 @@ def single_page_block_size(model_dir: str, block_size: int = 16) -> int | None:
 
 def bench_prefix(model_dir: str | None, *, num_systems: int, conversations_per_system: int,
                  turns: int, answer_len: int, as_json: bool = False) -> str:
+    """On `model_dir`, or by default on a tiny NemotronH-like and a tiny Gemma-3-like model."""
     from hybridkv.models.demo import DemoShape, write_demo_model
 
+    if model_dir is not None:
+        return _bench_prefix_one(model_dir, num_systems, conversations_per_system, turns,
+                                 answer_len, as_json)
+    shape = DemoShape(layers=9, hidden=128, heads=4, kv_heads=2, head_dim=32,
+                      intermediate=256, vocab=512, window=64)
+    outputs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        if model_dir is None:
-            model_dir = str(write_demo_model(Path(tmp) / "nemotron_h", "nemotron_h", DemoShape(
-                layers=9, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256,
-                vocab=512)))
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        vocab = int((config.get("text_config") or config)["vocab_size"])
-        systems, users = make_chat_trace(0, num_systems=num_systems,
-                                         conversations_per_system=conversations_per_system,
-                                         turns=turns, vocab=vocab)
-        longest = max(len(s) for s in systems) + turns * (60 + answer_len) + 16
-        base = dict(dtype="float32", max_model_len=longest, kv_cache_memory="256MiB",
-                    max_num_seqs=len(users))
-        runs = {
-            "prompt_ends": dict(base, mamba_checkpoint_branch_points=False),
-            "branch_points": dict(base),
-        }
-        forced = single_page_block_size(model_dir)
-        if forced is not None:
-            runs[f"single_page_block_{forced}"] = dict(
-                base, block_size=forced, mamba_checkpoint_branch_points=False)
-        results = {name: run_chat(model_dir, systems, users, answer_len, options)
-                   for name, options in runs.items()}
+        for arch in ("nemotron_h", "gemma3"):
+            path = str(write_demo_model(Path(tmp) / arch, arch, shape))
+            outputs[arch] = _bench_prefix_one(path, num_systems, conversations_per_system,
+                                              turns, answer_len, as_json)
+    if as_json:
+        return json.dumps({arch: json.loads(out) for arch, out in outputs.items()})
+    return "\n\n".join(f"{arch}-like:\n{out}" for arch, out in outputs.items())
+
+
+def _bench_prefix_one(model_dir: str, num_systems: int, conversations_per_system: int,
+                      turns: int, answer_len: int, as_json: bool) -> str:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    vocab = int((config.get("text_config") or config)["vocab_size"])
+    systems, users = make_chat_trace(0, num_systems=num_systems,
+                                     conversations_per_system=conversations_per_system,
+                                     turns=turns, vocab=vocab)
+    longest = max(len(s) for s in systems) + turns * (60 + answer_len) + 16
+    base = dict(dtype="float32", max_model_len=longest, kv_cache_memory="256MiB",
+                max_num_seqs=len(users))
+    runs = {
+        "prompt_ends": dict(base, mamba_checkpoint_branch_points=False),
+        "branch_points": dict(base),
+    }
+    forced = single_page_block_size(model_dir)
+    if forced is not None:
+        runs[f"single_page_block_{forced}"] = dict(
+            base, block_size=forced, mamba_checkpoint_branch_points=False)
+    results = {name: run_chat(model_dir, systems, users, answer_len, options)
+               for name, options in runs.items()}
     if as_json:
         return json.dumps({name: asdict(r) for name, r in results.items()})
     lines = [f"{len(users)} conversations x {turns} turns, {num_systems} system prompts of "
@@ -114,7 +128,8 @@ def bench_prefix(model_dir: str | None, *, num_systems: int, conversations_per_s
     for name, r in results.items():
         lines.append(f"{name:28} {f'{r.hit_tokens} / {r.prompt_tokens}':>22} "
                      f"{r.hit_rate:8.1%} {r.prefill_tokens_computed:9d} {r.wall_s:7.2f}")
-    real = single_page_block_size("Nemotron-H-8B-Base-8K")
-    lines.append(f"(with Nemotron-H-8B's real shapes a single page size forces attention "
-                 f"blocks of {real} tokens; hybridkv keeps 16)")
+    if forced is not None:
+        real = single_page_block_size("Nemotron-H-8B-Base-8K")
+        lines.append(f"(with Nemotron-H-8B's real shapes a single page size forces attention "
+                     f"blocks of {real} tokens; hybridkv keeps 16)")
     return "\n".join(lines)
