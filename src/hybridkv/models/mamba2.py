@@ -5,9 +5,9 @@ last inputs of the causal depthwise convolution) and an SSM state `[heads, head_
 A step reads them when the request has computed tokens before (chunked prefill, decode),
 starts from zeros otherwise (a fresh or recomputed request), and writes them back.
 
-The scan is the exact token-by-token recurrence, vectorised over heads:
+The scan is the chunked SSD form (models/ssd.py) of the recurrence
     h_t = exp(dt_t * A) * h_{t-1} + dt_t * x_t (outer) B_t,   y_t = h_t . C_t + D * x_t
-(The chunked SSD form is a faster way to the same numbers; it is not implemented yet.)
+with chunk edges at every checkpoint offset, so snapshots are exact.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridkv.models.ssd import ssd_scan
 from hybridkv.worker.state import StateMetadata
 
 Saves = list[tuple[int, torch.Tensor, torch.Tensor]]
@@ -99,6 +100,7 @@ class Mamba2Mixer(nn.Module):
         self.conv_dim = self.inner + 2 * self.n_groups * self.state_size
         limit = cfg.get("time_step_limit")
         self.time_step_min = float(limit[0] if limit else cfg.get("time_step_min", 0.0))
+        self.chunk_size = int(cfg.get("chunk_size") or cfg.get("mamba_chunk_size") or 256)
         use_bias = bool(cfg.get("use_bias", cfg.get("mamba_proj_bias", False)))
         self.in_proj = nn.Linear(hidden, self.inner + self.conv_dim + self.num_heads,
                                  bias=use_bias)
@@ -163,15 +165,8 @@ class Mamba2Mixer(nn.Module):
             heads_per_group, dim=1)  # [L, heads, state]
         c = c.float().view(num_tokens, self.n_groups, self.state_size).repeat_interleave(
             heads_per_group, dim=1)
-        state = ssm_state.float()  # [heads, head_dim, state]
-        out = torch.empty(num_tokens, self.num_heads, self.head_dim, device=x.device)
-        decay = torch.exp(dt * a)  # [L, heads]
-        for t in range(num_tokens):
-            state = state * decay[t, :, None, None] + \
-                (dt[t, :, None, None] * x[t, :, :, None]) * b[t, :, None, :]
-            out[t] = torch.einsum("hds,hs->hd", state, c[t])
-            if t + 1 in save_at:
-                save_at[t + 1].copy_(state.to(ssm_state.dtype))
+        out, state = ssd_scan(x, dt, a, b, c, ssm_state.float(), chunk_size=self.chunk_size,
+                              save_at=save_at)
         ssm_state.copy_(state.to(ssm_state.dtype))
         out = out + x * self.D.float()[None, :, None]
         return out.flatten(1).to(xbc.dtype)
