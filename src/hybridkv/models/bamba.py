@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from hybridkv.models.base import CausalLM
 from hybridkv.models.layer_mix import FULL, MAMBA, layer_kinds
 from hybridkv.models.layers import (
     ForwardContext,
@@ -19,7 +20,6 @@ from hybridkv.models.layers import (
     rope_key,
 )
 from hybridkv.models.mamba2 import Mamba2Mixer
-from hybridkv.models.weights import load_named_weights
 from hybridkv.worker.attention import AttentionParams
 
 
@@ -98,11 +98,8 @@ class BambaLayer(nn.Module):
     def forward(self, h: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         x = self.input_layernorm(h)
-        if self.kind == MAMBA:
-            name = self.mamba.name
-            h = h + self.mamba(x, ctx.metadata[ctx.layer_group[name]], ctx.kv_caches[name])
-        else:
-            h = h + self.self_attn(x, positions, ctx)
+        mixed = self.mamba(x, ctx) if self.kind == MAMBA else self.self_attn(x, positions, ctx)
+        h = h + mixed
         return h + self.feed_forward(self.pre_ff_layernorm(h))
 
 
@@ -116,25 +113,9 @@ class BambaModel(nn.Module):
         self.final_layernorm = RMSNorm(hidden, float(cfg.get("rms_norm_eps", 1e-5)))
 
 
-class BambaForCausalLM(nn.Module):
+class BambaForCausalLM(CausalLM):
+    model_type = "bamba"
+    norm_name = "final_layernorm"
+
     def __init__(self, config: Mapping[str, Any]) -> None:
-        super().__init__()
-        self.model = BambaModel(config)
-        self.lm_head = nn.Linear(int(config["hidden_size"]), int(config["vocab_size"]),
-                                 bias=False)
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            h = layer(h, positions, ctx)
-        return self.model.final_layernorm(h)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_named_weights(self, weights, model_type="bamba", tied=self.tied)
+        super().__init__(config, BambaModel(config))

@@ -4,16 +4,16 @@ and outputs, keys, the MLP and the logits."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from hybridkv.models.bamba import PartialRopeAttention
+from hybridkv.models.base import CausalLM
 from hybridkv.models.layers import ForwardContext, RMSNorm, activation
 from hybridkv.models.mamba2 import Mamba2Mixer
-from hybridkv.models.weights import load_named_weights
 
 
 class FalconMLP(nn.Module):
@@ -50,8 +50,7 @@ class FalconH1Layer(nn.Module):
     def forward(self, h: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         x = self.input_layernorm(h)
-        name = self.mamba.name
-        ssm = self.mamba(x, ctx.metadata[ctx.layer_group[name]], ctx.kv_caches[name])
+        ssm = self.mamba(x, ctx)
         attn = self.self_attn(x * self.attn_in, positions, ctx)
         h = h + ssm * self.ssm_out + attn * self.attn_out
         return h + self.feed_forward(self.pre_ff_layernorm(h))
@@ -67,27 +66,9 @@ class FalconH1Model(nn.Module):
         self.final_layernorm = RMSNorm(hidden, float(cfg.get("rms_norm_eps", 1e-5)))
 
 
-class FalconH1ForCausalLM(nn.Module):
+class FalconH1ForCausalLM(CausalLM):
+    model_type = "falcon_h1"
+    norm_name = "final_layernorm"
+
     def __init__(self, config: Mapping[str, Any]) -> None:
-        super().__init__()
-        self.model = FalconH1Model(config)
-        self.lm_head = nn.Linear(int(config["hidden_size"]), int(config["vocab_size"]),
-                                 bias=False)
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.embedding_multiplier = float(config.get("embedding_multiplier", 1.0))
-        self.lm_head_multiplier = float(config.get("lm_head_multiplier", 1.0))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids) * self.embedding_multiplier
-        for layer in self.model.layers:
-            h = layer(h, positions, ctx)
-        return self.model.final_layernorm(h)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden) * self.lm_head_multiplier
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_named_weights(self, weights, model_type="falcon_h1", tied=self.tied)
+        super().__init__(config, FalconH1Model(config))

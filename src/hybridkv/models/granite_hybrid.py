@@ -5,17 +5,17 @@ checkpoint layout (`block_sparse_moe.input_linear` [E, 2I, H], gate rows then up
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from hybridkv.models.bamba import PartialRopeAttention
+from hybridkv.models.base import CausalLM
 from hybridkv.models.layer_mix import MAMBA, layer_kinds
 from hybridkv.models.layers import ForwardContext, RMSNorm, activation
 from hybridkv.models.mamba2 import Mamba2Mixer
-from hybridkv.models.weights import load_named_weights
 
 
 class SharedMLP(nn.Module):
@@ -93,11 +93,7 @@ class GraniteHybridLayer(nn.Module):
     def forward(self, h: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         x = self.input_layernorm(h)
-        if self.kind == MAMBA:
-            name = self.mamba.name
-            x = self.mamba(x, ctx.metadata[ctx.layer_group[name]], ctx.kv_caches[name])
-        else:
-            x = self.self_attn(x, positions, ctx)
+        x = self.mamba(x, ctx) if self.kind == MAMBA else self.self_attn(x, positions, ctx)
         h = h + x * self.residual_multiplier
         x = self.post_attention_layernorm(h)
         y = self.shared_mlp(x)
@@ -116,27 +112,8 @@ class GraniteHybridModel(nn.Module):
         self.norm = RMSNorm(hidden, float(cfg.get("rms_norm_eps", 1e-6)))
 
 
-class GraniteMoeHybridForCausalLM(nn.Module):
+class GraniteMoeHybridForCausalLM(CausalLM):
+    model_type = "granitemoehybrid"
+
     def __init__(self, config: Mapping[str, Any]) -> None:
-        super().__init__()
-        self.model = GraniteHybridModel(config)
-        self.lm_head = nn.Linear(int(config["hidden_size"]), int(config["vocab_size"]),
-                                 bias=False)
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.embedding_multiplier = float(config.get("embedding_multiplier", 1.0))
-        self.logits_scaling = float(config.get("logits_scaling", 1.0))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids) * self.embedding_multiplier
-        for layer in self.model.layers:
-            h = layer(h, positions, ctx)
-        return self.model.norm(h)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden) / self.logits_scaling
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_named_weights(self, weights, model_type="granitemoehybrid", tied=self.tied)
+        super().__init__(config, GraniteHybridModel(config))

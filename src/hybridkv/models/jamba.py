@@ -9,18 +9,17 @@ Mamba1 keeps one SSM state per channel, `[inner, state]`, with input-dependent d
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from hybridkv.models.bamba import PartialRopeAttention, SwiGLU
+from hybridkv.models.base import CausalLM
 from hybridkv.models.layer_mix import MAMBA1, layer_kinds
 from hybridkv.models.layers import ForwardContext, RMSNorm, activation
 from hybridkv.models.mamba2 import Saves, causal_conv, request_states
-from hybridkv.models.weights import load_named_weights
-from hybridkv.worker.state import StateMetadata
 
 
 class Mamba1Mixer(nn.Module):
@@ -47,8 +46,8 @@ class Mamba1Mixer(nn.Module):
         self.c_layernorm = RMSNorm(self.state_size, eps)
         self.act = activation(str(cfg.get("hidden_act", "silu")))
 
-    def forward(self, h: torch.Tensor, meta: StateMetadata,
-                states: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        meta, states = ctx.state(self.name)
         x, z = self.in_proj(h).chunk(2, dim=-1)  # [T, inner] each
         y = torch.empty_like(x)
         for start, end, conv_state, ssm_state, saves in request_states(meta, states):
@@ -119,11 +118,8 @@ class JambaLayer(nn.Module):
     def forward(self, h: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         x = self.input_layernorm(h)
-        if self.kind == MAMBA1:
-            name = self.mamba.name
-            h = h + self.mamba(x, ctx.metadata[ctx.layer_group[name]], ctx.kv_caches[name])
-        else:
-            h = h + self.self_attn(x, positions, ctx)
+        mixed = self.mamba(x, ctx) if self.kind == MAMBA1 else self.self_attn(x, positions, ctx)
+        h = h + mixed
         return h + self.feed_forward(self.pre_ff_layernorm(h))
 
 
@@ -137,25 +133,9 @@ class JambaModel(nn.Module):
         self.final_layernorm = RMSNorm(hidden, float(cfg.get("rms_norm_eps", 1e-6)))
 
 
-class JambaForCausalLM(nn.Module):
+class JambaForCausalLM(CausalLM):
+    model_type = "jamba"
+    norm_name = "final_layernorm"
+
     def __init__(self, config: Mapping[str, Any]) -> None:
-        super().__init__()
-        self.model = JambaModel(config)
-        self.lm_head = nn.Linear(int(config["hidden_size"]), int(config["vocab_size"]),
-                                 bias=False)
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            h = layer(h, positions, ctx)
-        return self.model.final_layernorm(h)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_named_weights(self, weights, model_type="jamba", tied=self.tied)
+        super().__init__(config, JambaModel(config))

@@ -25,6 +25,10 @@ class ForwardContext:
     # RoPE cos/sin of this step's positions, per distinct RoPE parameters.
     rope_cache: dict[object, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
+    def state(self, layer_name: str) -> tuple[Any, tuple[torch.Tensor, ...]]:
+        """A state layer's group metadata (StateMetadata) and its state tensors."""
+        return self.metadata[self.layer_group[layer_name]], self.kv_caches[layer_name]
+
     def rope_cos_sin(self, positions: torch.Tensor, key: object, inv_freq: torch.Tensor,
                      scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, D] cos and sin, computed once per step for layers whose RoPE parameters

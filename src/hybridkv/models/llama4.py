@@ -8,15 +8,15 @@ scale each expert's *input* by a sigmoid router score and add a shared expert.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from hybridkv.models.base import CausalLM
 from hybridkv.models.layer_mix import CHUNKED, layer_kinds
 from hybridkv.models.layers import ForwardContext, RMSNorm, activation, rope_inv_freq
-from hybridkv.models.weights import load_named_weights
 from hybridkv.worker.attention import AttentionParams
 
 
@@ -155,25 +155,9 @@ class Llama4Model(nn.Module):
         self.norm = RMSNorm(int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-5)))
 
 
-class Llama4ForCausalLM(nn.Module):
+class Llama4ForCausalLM(CausalLM):
+    model_type = "llama4_text"
+
     def __init__(self, config: Mapping[str, Any]) -> None:
-        super().__init__()
         cfg = config.get("text_config") or config
-        self.model = Llama4Model(cfg)
-        self.lm_head = nn.Linear(int(cfg["hidden_size"]), int(cfg["vocab_size"]), bias=False)
-        self.tied = bool(config.get("tie_word_embeddings", cfg.get("tie_word_embeddings")))
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            h = layer(h, positions, ctx)
-        return self.model.norm(h)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_named_weights(self, weights, model_type="llama4_text", tied=self.tied)
+        super().__init__(cfg, Llama4Model(cfg))

@@ -18,13 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridkv.models.layers import ForwardContext
 from hybridkv.models.ssd import ssd_scan
 from hybridkv.worker.state import StateMetadata
 
 Saves = list[tuple[int, torch.Tensor, torch.Tensor]]
 
 
-def request_states(meta: StateMetadata, states: tuple[torch.Tensor, torch.Tensor]
+def request_states(meta: StateMetadata, states: tuple[torch.Tensor, ...]
                    ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, Saves]]:
     """Per request with tokens this step: (start, end, conv state, SSM state, checkpoints
     to save), the live states made ready: copied from a prefix-hit checkpoint, zeroed for
@@ -130,8 +131,8 @@ class Mamba2Mixer(nn.Module):
         self.mup: torch.Tensor | None
         self.register_buffer("mup", mup, persistent=False)
 
-    def forward(self, h: torch.Tensor, meta: StateMetadata,
-                states: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        meta, states = ctx.state(self.name)
         # h [T, hidden] -> gate [T, inner], xBC [T, conv_dim], dt [T, heads]
         projected = self.in_proj(h * self.in_multiplier if self.in_multiplier != 1.0 else h)
         if self.mup is not None:

@@ -3,16 +3,16 @@ residual blocks. The mix comes from `layer_mix` like every model's."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from hybridkv.models.base import CausalLM
 from hybridkv.models.layer_mix import FULL, MAMBA, layer_kinds
 from hybridkv.models.layers import ForwardContext, RMSNorm
 from hybridkv.models.mamba2 import Mamba2Mixer
-from hybridkv.models.weights import load_named_weights
 from hybridkv.worker.attention import AttentionParams
 
 
@@ -64,16 +64,10 @@ class NemotronHBlock(nn.Module):
             raise NotImplementedError(f"NemotronH layer {layer}: {kind} mixers are not "
                                       f"supported yet")
 
-    def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
         x = self.norm(h)
-        if self.kind == MAMBA:
-            name = self.mixer.name
-            out = self.mixer(x, ctx.metadata[ctx.layer_group[name]], ctx.kv_caches[name])
-        elif self.kind == FULL:
-            out = self.mixer(x, ctx)
-        else:
-            out = self.mixer(x)
-        return h + out
+        return h + (self.mixer(x, ctx) if self.kind in (MAMBA, FULL) else self.mixer(x))
 
 
 class NemotronHModel(nn.Module):
@@ -88,25 +82,10 @@ class NemotronHModel(nn.Module):
         self.norm_f = RMSNorm(int(cfg["hidden_size"]), float(cfg.get("layer_norm_epsilon", 1e-5)))
 
 
-class NemotronHForCausalLM(nn.Module):
+class NemotronHForCausalLM(CausalLM):
+    model_type = "nemotron_h"
+    embed_name = "embeddings"
+    norm_name = "norm_f"
+
     def __init__(self, config: Mapping[str, Any]) -> None:
-        super().__init__()
-        self.model = NemotronHModel(config)
-        self.lm_head = nn.Linear(int(config["hidden_size"]), int(config["vocab_size"]),
-                                 bias=False)
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        if self.tied:
-            self.lm_head.weight = self.model.embeddings.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        h = self.model.embeddings(input_ids)
-        for layer in self.model.layers:
-            h = layer(h, ctx)
-        return self.model.norm_f(h)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_named_weights(self, weights, model_type="nemotron_h", tied=self.tied)
+        super().__init__(config, NemotronHModel(config))

@@ -8,18 +8,17 @@ Gated delta rule, per value head, with q and k L2-normalised (q also by 1/sqrt(d
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from hybridkv.models.bamba import PartialRopeAttention, SwiGLU
+from hybridkv.models.base import CausalLM
 from hybridkv.models.layer_mix import LINEAR, layer_kinds
 from hybridkv.models.layers import ForwardContext, RMSNorm, activation, apply_rope
 from hybridkv.models.mamba2 import Saves, causal_conv, request_states
-from hybridkv.models.weights import load_named_weights
-from hybridkv.worker.state import StateMetadata
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -70,8 +69,8 @@ class GatedDeltaNet(nn.Module):
                 z.reshape(tokens, self.num_v_heads, self.v_dim),
                 b.reshape(tokens, self.num_v_heads), a.reshape(tokens, self.num_v_heads))
 
-    def forward(self, h: torch.Tensor, meta: StateMetadata,
-                states: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        meta, states = ctx.state(self.name)
         q, k, v, z, b, a = self._split(self.in_proj_qkvz(h), self.in_proj_ba(h))
         mixed = torch.cat([q, k, v], dim=-1)
         beta = torch.sigmoid(b.float())
@@ -186,9 +185,7 @@ class Qwen3NextLayer(nn.Module):
                 ctx: ForwardContext) -> torch.Tensor:
         x = self.input_layernorm(h)
         if self.kind == LINEAR:
-            name = self.linear_attn.name
-            h = h + self.linear_attn(x, ctx.metadata[ctx.layer_group[name]],
-                                     ctx.kv_caches[name])
+            h = h + self.linear_attn(x, ctx)
         else:
             h = h + self.self_attn(x, positions, ctx)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -204,25 +201,8 @@ class Qwen3NextModel(nn.Module):
         self.norm = RMSNorm(hidden, float(cfg.get("rms_norm_eps", 1e-6)), 1.0)
 
 
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(CausalLM):
+    model_type = "qwen3_next"
+
     def __init__(self, config: Mapping[str, Any]) -> None:
-        super().__init__()
-        self.model = Qwen3NextModel(config)
-        self.lm_head = nn.Linear(int(config["hidden_size"]), int(config["vocab_size"]),
-                                 bias=False)
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            h = layer(h, positions, ctx)
-        return self.model.norm(h)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_named_weights(self, weights, model_type="qwen3_next", tied=self.tied)
+        super().__init__(config, Qwen3NextModel(config))
