@@ -9,32 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridkv.models.bamba import PartialRopeAttention
 from hybridkv.models.base import CausalLM
 from hybridkv.models.layer_mix import FULL, MAMBA, layer_kinds
 from hybridkv.models.layers import ForwardContext, RMSNorm
 from hybridkv.models.mamba2 import Mamba2Mixer
-from hybridkv.worker.attention import AttentionParams
-
-
-class NoPEAttention(nn.Module):
-    def __init__(self, cfg: Mapping[str, Any], layer: int) -> None:
-        super().__init__()
-        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        self.head_dim = int(cfg.get("head_dim") or hidden // heads)
-        self.num_heads, self.num_kv_heads = heads, int(cfg["num_key_value_heads"])
-        self.name = f"model.layers.{layer}.self_attn"
-        bias = bool(cfg.get("attention_bias", False))
-        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=bias)
-        self.params = AttentionParams(scale=self.head_dim ** -0.5)
-
-    def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        q = self.q_proj(h).unflatten(-1, (self.num_heads, self.head_dim))
-        k = self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        return self.o_proj(ctx.attention(self.name, q, k, v, self.params).flatten(1))
 
 
 class ReluSquaredMLP(nn.Module):
@@ -57,7 +36,7 @@ class NemotronHBlock(nn.Module):
         if kind == MAMBA:
             self.mixer: nn.Module = Mamba2Mixer(cfg, layer)
         elif kind == FULL:
-            self.mixer = NoPEAttention(cfg, layer)
+            self.mixer = PartialRopeAttention(cfg, layer, use_rope=False)  # no positions
         elif kind is None:
             self.mixer = ReluSquaredMLP(cfg)
         else:
@@ -67,7 +46,11 @@ class NemotronHBlock(nn.Module):
     def forward(self, h: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         x = self.norm(h)
-        return h + (self.mixer(x, ctx) if self.kind in (MAMBA, FULL) else self.mixer(x))
+        if self.kind == MAMBA:
+            return h + self.mixer(x, ctx)
+        if self.kind == FULL:
+            return h + self.mixer(x, positions, ctx)
+        return h + self.mixer(x)
 
 
 class NemotronHModel(nn.Module):
