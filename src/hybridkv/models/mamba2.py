@@ -12,7 +12,7 @@ with chunk edges at every checkpoint offset, so snapshots are exact.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -25,16 +25,18 @@ from hybridkv.worker.state import StateMetadata
 Saves = list[tuple[int, torch.Tensor, torch.Tensor]]
 
 
-def request_states(meta: StateMetadata, states: tuple[torch.Tensor, ...]
+def request_states(meta: StateMetadata, states: tuple[torch.Tensor, ...],
+                   skip: Iterable[int] = ()
                    ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, Saves]]:
     """Per request with tokens this step: (start, end, conv state, SSM state, checkpoints
     to save), the live states made ready: copied from a prefix-hit checkpoint, zeroed for
     a fresh start, or left to continue. Requests come in row order, so a checkpoint written
     in this step by an earlier request is complete before a later one copies it."""
     conv_states, ssm_states = states
+    skipped = set(skip)
     for r in range(len(meta.state_pages)):
         start, end = meta.query_start_loc[r], meta.query_start_loc[r + 1]
-        if start == end:
+        if start == end or r in skipped:
             continue
         page, slot = meta.state_pages[r], meta.state_slots[r]
         conv_state, ssm_state = conv_states[page, slot], ssm_states[page, slot]
@@ -139,12 +141,44 @@ class Mamba2Mixer(nn.Module):
             projected = projected * self.mup
         gate, xbc, dt = projected.split([self.inner, self.conv_dim, self.num_heads], -1)
         y = torch.empty(h.shape[0], self.inner, dtype=h.dtype, device=h.device)
-        for start, end, conv_state, ssm_state, saves in request_states(meta, states):
+        batched = meta.plain_steps
+        if batched:
+            tokens = torch.tensor([meta.query_start_loc[r] for r in batched], device=h.device)
+            y[tokens] = self._decode_batch(xbc[tokens], dt[tokens], meta, batched, states)
+        for start, end, conv_state, ssm_state, saves in request_states(meta, states,
+                                                                        skip=batched):
             y[start:end] = self._request(xbc[start:end], dt[start:end], conv_state, ssm_state,
                                          saves)
         if self.norm is None:
             return self.out_proj(y * nn.functional.silu(gate))
         return self.out_proj(self.norm(y, gate))
+
+    def _decode_batch(self, xbc: torch.Tensor, dt: torch.Tensor, meta: StateMetadata,
+                      rows: list[int], states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """One token for each of `rows`, all at once: xbc [R, conv_dim], dt [R, heads]."""
+        conv_states, ssm_states = states
+        pages = torch.tensor([meta.state_pages[r] for r in rows], device=xbc.device)
+        slots = torch.tensor([meta.state_slots[r] for r in rows], device=xbc.device)
+        window = torch.cat([conv_states[pages, slots].to(xbc.dtype), xbc[:, :, None]], -1)
+        conv_states[pages, slots] = window[:, :, 1:].to(conv_states.dtype)
+        conv = (window * self.conv1d.weight[:, 0, :]).sum(-1)  # [R, conv_dim]
+        if self.conv1d.bias is not None:
+            conv = conv + self.conv1d.bias
+        x, b, c = nn.functional.silu(conv).split(
+            [self.inner, self.n_groups * self.state_size, self.n_groups * self.state_size], -1)
+        num = x.shape[0]
+        per_group = self.num_heads // self.n_groups
+        dt = nn.functional.softplus(dt.float() + self.dt_bias.float())  # [R, heads]
+        x = x.float().view(num, self.num_heads, self.head_dim)
+        b = b.float().view(num, self.n_groups, self.state_size).repeat_interleave(per_group, 1)
+        c = c.float().view(num, self.n_groups, self.state_size).repeat_interleave(per_group, 1)
+        a = -torch.exp(self.A_log.float())
+        state = ssm_states[pages, slots].float()  # [R, heads, head_dim, state]
+        state = state * torch.exp(dt * a)[:, :, None, None] + \
+            (dt[:, :, None] * x)[..., None] * b[:, :, None, :]
+        ssm_states[pages, slots] = state.to(ssm_states.dtype)
+        out = torch.einsum("rhpn,rhn->rhp", state, c) + x * self.D.float()[None, :, None]
+        return out.flatten(1).to(xbc.dtype)
 
     def _request(self, xbc: torch.Tensor, dt: torch.Tensor, conv_state: torch.Tensor,
                  ssm_state: torch.Tensor, saves: Saves) -> torch.Tensor:

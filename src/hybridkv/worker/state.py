@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass
@@ -17,3 +18,12 @@ class StateMetadata:
     init_from: list[tuple[int, int] | None]
     # Per request: states to save, as (tokens into this step's chunk, page, slot).
     checkpoints: list[list[tuple[int, int, int]]]
+
+    @cached_property
+    def plain_steps(self) -> list[int]:
+        """Requests taking one token from their own state with nothing to restore or save
+        (the common decode step): the layers batch these."""
+        loc = self.query_start_loc
+        return [r for r in range(len(self.state_pages))
+                if loc[r + 1] - loc[r] == 1 and self.has_initial_state[r]
+                and self.init_from[r] is None and not self.checkpoints[r]]
