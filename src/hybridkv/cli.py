@@ -130,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--conversations-per-system", type=_positive_int, default=3)
     pre.add_argument("--turns", type=_positive_int, default=3)
     pre.add_argument("--answer-len", type=_positive_int, default=16)
+    pre.add_argument("--kv-cache-memory", type=_memory, default=parse_bytes("256MiB"))
+    pre.add_argument("--system-len", type=_positive_int, nargs=2, default=(100, 2000),
+                     metavar=("MIN", "MAX"), help="system prompt lengths (default 100 2000)")
+    pre.add_argument("--compare-eviction", action="store_true",
+                     help="also run with lru and value-aware eviction (use a small budget)")
     pre.add_argument("--json", action="store_true")
     return parser
 
@@ -248,7 +253,10 @@ def cmd_bench(args: argparse.Namespace) -> str:
 
         return bench_prefix(args.model_dir, num_systems=args.systems,
                             conversations_per_system=args.conversations_per_system,
-                            turns=args.turns, answer_len=args.answer_len, as_json=args.json)
+                            turns=args.turns, answer_len=args.answer_len,
+                            kv_cache_memory=args.kv_cache_memory,
+                            compare_eviction=args.compare_eviction,
+                            system_len=tuple(args.system_len), as_json=args.json)
     if args.suite == "capacity":
         from hybridkv.bench.engine import bench_capacity
 

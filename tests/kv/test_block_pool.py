@@ -1,5 +1,7 @@
 """Narrated scenarios on the pool: exact block ids, eviction order, large pages moving."""
 
+import pytest
+
 from hybridkv.kv.block_pool import BlockPool, BlockRemoved, BlockStored
 from tests.kv.toy import full, sliding, toy_config
 
@@ -108,3 +110,32 @@ def test_reset_prefix_cache_refuses_while_blocks_are_held():
     assert pool.get_cached_block(b"x", 0) is None
     assert sorted(pool.free_pages) == [1, 2]
     pool.check_integrity()
+
+
+@pytest.mark.parametrize("eviction, survivor", [("lru", "attention"), ("value", "checkpoint")])
+def test_value_eviction_keeps_an_expensive_checkpoint_over_cheap_attention(eviction, survivor):
+    from tests.kv.toy import mamba
+
+    pool = BlockPool(toy_config(full(), mamba(), num_pages=5), eviction=eviction)
+    # Two state checkpoints of 1,000-token prefixes and two attention blocks of 16 tokens,
+    # all cached and unused: the arena is full.
+    checkpoints = take_ids(pool, 1, 2)
+    for i, block in enumerate(checkpoints):
+        pool.cache(block, b"c%d" % i, value=1000)
+    pool.free(1, checkpoints)
+    attention = take_ids(pool, 0, 2)
+    pool.cache_run(0, attention, 0, 2, [b"a0", b"a1"], 1, block_size=16)
+    pool.free(0, attention)
+    take_ids(pool, 1, 1)  # the state group needs one more block
+    if survivor == "checkpoint":  # value: an attention page (16 tokens) goes instead
+        assert pool.get_cached_block(b"c0", 1) and pool.get_cached_block(b"c1", 1)
+        assert pool.get_cached_block(b"a0", 0) is None
+    else:  # lru: the state group evicts its own oldest checkpoint first
+        assert pool.get_cached_block(b"c0", 1) is None
+        assert pool.get_cached_block(b"a0", 0) and pool.get_cached_block(b"a1", 0)
+    pool.check_integrity()
+
+
+def test_unknown_eviction_policy():
+    with pytest.raises(ValueError, match="unknown eviction policy 'mru'"):
+        BlockPool(toy_config(full(), num_pages=3), eviction="mru")

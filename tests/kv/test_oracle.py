@@ -76,12 +76,14 @@ def first_needed_block(spec: KVCacheSpec, num_computed: int) -> int:
 
 class ManagerMachine(RuleBasedStateMachine):
     @initialize(specs=specs_st, num_pages=st.integers(6, 40),
-                blocks_per_page=st.integers(1, 3), caching=st.booleans())
-    def setup(self, specs, num_pages, blocks_per_page, caching):
+                blocks_per_page=st.integers(1, 3), caching=st.booleans(),
+                eviction=st.sampled_from(["value", "lru"]))
+    def setup(self, specs, num_pages, blocks_per_page, caching, eviction):
         groups = tuple(KVCacheGroup(i, s, (f"l{i}",), (32,), blocks_per_page)
                        for i, s in enumerate(specs))
         self.config = KVCacheConfig(groups, 32 * blocks_per_page, num_pages)
-        self.manager = KVCacheManager(self.config, max_model_len=64, enable_caching=caching)
+        self.manager = KVCacheManager(self.config, max_model_len=64, enable_caching=caching,
+                                      eviction=eviction)
         self.caching = caching
         self.requests: dict[str, KVRequest] = {}
         self.prompt_done: dict[str, bool] = {}

@@ -30,12 +30,13 @@ class PrefixBenchResult:
 
 
 def make_chat_trace(seed: int, *, num_systems: int, conversations_per_system: int,
-                    turns: int, vocab: int) -> tuple[list[list[int]], list[list[list[int]]]]:
-    """(system prompts, per conversation its user messages), lengths seeded."""
+                    turns: int, vocab: int, system_len: tuple[int, int] = (100, 2000)
+                    ) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """(system prompts of `system_len` tokens, per conversation its user messages)."""
     import random
 
     rng = random.Random(seed)
-    systems = [[rng.randrange(4, vocab) for _ in range(rng.randint(100, 300))]
+    systems = [[rng.randrange(4, vocab) for _ in range(rng.randint(*system_len))]
                for _ in range(num_systems)]
     users = [[[rng.randrange(4, vocab) for _ in range(rng.randint(20, 60))]
               for _ in range(turns)] for _ in range(num_systems * conversations_per_system)]
@@ -78,41 +79,49 @@ def single_page_block_size(model_dir: str, block_size: int = 16) -> int | None:
 
 
 def bench_prefix(model_dir: str | None, *, num_systems: int, conversations_per_system: int,
-                 turns: int, answer_len: int, as_json: bool = False) -> str:
+                 turns: int, answer_len: int, kv_cache_memory: int = 256 << 20,
+                 compare_eviction: bool = False, system_len: tuple[int, int] = (100, 2000),
+                 as_json: bool = False) -> str:
     """On `model_dir`, or by default on a tiny NemotronH-like and a tiny Gemma-3-like model."""
     from hybridkv.models.demo import DemoShape, write_demo_model
 
+    run_args = (num_systems, conversations_per_system, turns, answer_len, kv_cache_memory,
+                compare_eviction, system_len, as_json)
     if model_dir is not None:
-        return _bench_prefix_one(model_dir, num_systems, conversations_per_system, turns,
-                                 answer_len, as_json)
+        return _bench_prefix_one(model_dir, *run_args)
     shape = DemoShape(layers=9, hidden=128, heads=4, kv_heads=2, head_dim=32,
                       intermediate=256, vocab=512, window=64)
     outputs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for arch in ("nemotron_h", "gemma3"):
             path = str(write_demo_model(Path(tmp) / arch, arch, shape))
-            outputs[arch] = _bench_prefix_one(path, num_systems, conversations_per_system,
-                                              turns, answer_len, as_json)
+            outputs[arch] = _bench_prefix_one(path, *run_args)
     if as_json:
         return json.dumps({arch: json.loads(out) for arch, out in outputs.items()})
     return "\n\n".join(f"{arch}-like:\n{out}" for arch, out in outputs.items())
 
 
 def _bench_prefix_one(model_dir: str, num_systems: int, conversations_per_system: int,
-                      turns: int, answer_len: int, as_json: bool) -> str:
+                      turns: int, answer_len: int, kv_cache_memory: int,
+                      compare_eviction: bool, system_len: tuple[int, int],
+                      as_json: bool) -> str:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     vocab = int((config.get("text_config") or config)["vocab_size"])
     systems, users = make_chat_trace(0, num_systems=num_systems,
                                      conversations_per_system=conversations_per_system,
-                                     turns=turns, vocab=vocab)
+                                     turns=turns, vocab=vocab, system_len=system_len)
     longest = max(len(s) for s in systems) + turns * (60 + answer_len) + 16
-    base = dict(dtype="float32", max_model_len=longest, kv_cache_memory="256MiB",
+    base = dict(dtype="float32", max_model_len=longest, kv_cache_memory=kv_cache_memory,
                 max_num_seqs=len(users))
     runs = {
         "prompt_ends": dict(base, mamba_checkpoint_branch_points=False),
         "branch_points": dict(base),
     }
     forced = single_page_block_size(model_dir)
+    if compare_eviction and forced is not None:
+        # Under memory pressure: which cached blocks go when pages move between groups.
+        runs["branch_points_lru_eviction"] = dict(base, kv_eviction="lru")
+        runs["branch_points_value_eviction"] = dict(base, kv_eviction="value")
     if forced is not None:
         runs[f"single_page_block_{forced}"] = dict(
             base, block_size=forced, mamba_checkpoint_branch_points=False)

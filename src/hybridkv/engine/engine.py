@@ -56,7 +56,8 @@ class LLMEngine:
                                          enable_caching=config.enable_prefix_caching,
                                          checkpoint_interval=config.mamba_checkpoint_interval,
                                          checkpoint_branch_points=(
-                                             config.mamba_checkpoint_branch_points))
+                                             config.mamba_checkpoint_branch_points),
+                                         eviction=config.kv_eviction)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,

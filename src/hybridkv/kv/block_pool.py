@@ -12,7 +12,16 @@ Every large page is free (in the arena) or owned by one group. A block of an own
 
 Allocation for a group takes, in order: empty blocks of its own pages (fill partly used pages
 first), whole free pages from the arena, its own least recently used cached blocks, and last
-the oldest unused page of another group (evicting that page's cached blocks). `can_take`
+an unused page of another group (evicting that page's cached blocks). With `eviction="lru"`
+the own cached blocks go first, then the first other group in order gives a page. With
+`eviction="value"` the last two steps weigh what goes: each other group offers its least
+recently used unused page, the group itself its least recently used cached block, and the one
+whose cached blocks spare the fewest tokens of compute per byte goes. A block's value is the
+prefix a hit through it reuses (its end position: a state checkpoint and the attention blocks
+of the same prefix are worth the same tokens, so per byte a big state goes first unless its
+prefix is much longer). Measured with `hybridkv bench prefix --compare-eviction`: neutral to
+slightly better than lru at workable budgets, worse when the budget thrashes, hence not the
+default. `can_take`
 answers whether a set of per-group demands fits, with no side effect; `take` then cannot fail.
 """
 
@@ -30,7 +39,7 @@ from hybridkv.kv.spec import cdiv
 class Block:
     """One block of one group. Identity matters: a request holds the object."""
 
-    __slots__ = ("block_id", "group_id", "page", "ref_cnt", "block_hash")
+    __slots__ = ("block_id", "group_id", "page", "ref_cnt", "block_hash", "value")
 
     def __init__(self, block_id: int, group_id: int, page: LargePage) -> None:
         self.block_id = block_id
@@ -38,6 +47,8 @@ class Block:
         self.page = page
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        # Tokens of compute a hit on this cached block spares (eviction weighs it by bytes).
+        self.value = 0
 
     def __repr__(self) -> str:
         return f"Block(g{self.group_id}:{self.block_id}, ref={self.ref_cnt})"
@@ -96,7 +107,10 @@ class _GroupState:
 
 class BlockPool:
     def __init__(self, config: KVCacheConfig, *, enable_caching: bool = True,
-                 enable_events: bool = False) -> None:
+                 enable_events: bool = False, eviction: str = "lru") -> None:
+        if eviction not in ("value", "lru"):
+            raise ValueError(f"unknown eviction policy {eviction!r}; accepted: value, lru")
+        self.eviction = eviction
         if config.num_large_pages < 2:
             raise ValueError("the arena needs at least 2 large pages (one for null blocks)")
         self.config = config
@@ -163,21 +177,40 @@ class BlockPool:
             pages = min(free_pages, cdiv(need, per_page))
             free_pages -= pages
             need = max(0, need - pages * per_page)
+            if self.eviction == "value":
+                # Own cached blocks and other groups' pages may go in any mix: enough of
+                # both together, and every other group may lose as many pages as could go.
+                if need > cached[g] + per_page * sum(
+                        unused[h] for h in range(len(self.groups)) if h != g):
+                    return False
+                n = min(need, cached[g])
+                cached[g] -= n
+                unused[g] = max(0, unused[g] - n)
+                pages = cdiv(need, per_page)
+                for h, gs in enumerate(self.groups):
+                    if h != g:
+                        n = min(pages, unused[h])
+                        unused[h] -= n
+                        cached[h] = max(0, cached[h] - n * gs.blocks_per_page)
+                        empty[h] = max(0, empty[h] - n * gs.blocks_per_page)
+                continue
             n = min(need, cached[g])
             need -= n
             cached[g] -= n
             unused[g] = max(0, unused[g] - n)
             pages = cdiv(need, per_page)
+            if not pages:
+                continue
+            if sum(unused[h] for h in range(len(self.groups)) if h != g) < pages:
+                return False
             for h, gs in enumerate(self.groups):
-                if h == g or pages == 0:
+                if h == g:
                     continue
-                n = min(pages, unused[h])
-                pages -= n
+                n = min(pages, unused[h])  # `take` reclaims in this very order
                 unused[h] -= n
                 cached[h] = max(0, cached[h] - n * gs.blocks_per_page)
                 empty[h] = max(0, empty[h] - n * gs.blocks_per_page)
-            if pages:
-                return False
+                pages -= n
         return True
 
     # ---------------------------------------------------------------- allocation
@@ -191,8 +224,10 @@ class BlockPool:
                 self._take_empty(gs, need, out)
             elif self.free_pages:
                 self._take_free_pages(gs, need, out)
-            elif gs.lru:
+            elif self.eviction == "lru" and gs.lru:
                 self._take_evicted(gs, need, out)
+            elif self.eviction == "value" and gs.lru and not self._page_cheaper_than_own(gs):
+                self._take_evicted(gs, 1, out)  # weigh again before the next one
             else:
                 self._reclaim_page(gs)  # to the arena; the next turn takes it
         gs.num_used += num_blocks
@@ -277,22 +312,49 @@ class BlockPool:
             del gs.unused_pages[page.index]
         page.num_used += 1
 
-    def _reclaim_page(self, gs: _GroupState) -> None:
-        """Evict the cached blocks of another group's oldest unused page and free it."""
+    def _candidate_page(self, gs: _GroupState) -> tuple[float, _GroupState, LargePage] | None:
+        """(value, group, page) of the unused page of another group to reclaim: the first
+        group's least recently used one (lru), or the least valuable of those (value)."""
+        best: tuple[float, _GroupState, LargePage] | None = None
         for other in self.groups:
             if other is gs or not other.num_unused_pages():
                 continue
             if other.track_unused:
-                _, page = other.unused_pages.popitem(last=False)
+                page = next(iter(other.unused_pages.values()))
             else:
                 page = next(iter(other.lru.values())).page
+            if self.eviction == "lru":
+                return 0.0, other, page
             first = page.index * other.blocks_per_page
-            for block in other.blocks[first:first + other.blocks_per_page]:
-                if block.block_hash is not None:
-                    self._evict(other, block)
-            self._release_page(other, page)
-            return
-        raise RuntimeError("no block left to take: call can_take() before take()")
+            value = sum(b.value for b in other.blocks[first:first + other.blocks_per_page]
+                        if b.block_hash is not None)
+            if best is None or value < best[0]:  # pages have equal bytes: compare values
+                best = (value, other, page)
+        return best
+
+    def _page_cheaper_than_own(self, gs: _GroupState) -> bool:
+        """Whether another group's page spares fewer tokens per byte than the group's own
+        least recently used cached block."""
+        candidate = self._candidate_page(gs)
+        if candidate is None:
+            return False
+        own = next(iter(gs.lru.values()))
+        own_density = own.value / self.config.groups[gs.group_id].block_bytes
+        return candidate[0] / self.config.large_page_bytes < own_density
+
+    def _reclaim_page(self, gs: _GroupState) -> None:
+        """Evict the cached blocks of another group's unused page and free it."""
+        best = self._candidate_page(gs)
+        if best is None:
+            raise RuntimeError("no block left to take: call can_take() before take()")
+        _, other, page = best
+        if other.track_unused:
+            del other.unused_pages[page.index]
+        first = page.index * other.blocks_per_page
+        for block in other.blocks[first:first + other.blocks_per_page]:
+            if block.block_hash is not None:
+                self._evict(other, block)
+        self._release_page(other, page)
 
     def _release_page(self, gs: _GroupState, page: LargePage) -> None:
         """An owned page with no used and no cached block goes back to the arena."""
@@ -347,19 +409,21 @@ class BlockPool:
                     unused[page.index] = page
 
     # ---------------------------------------------------------------- prefix cache
-    def cache(self, block: Block, block_hash: BlockHash) -> None:
-        """Register a full, computed block under its hash (first block per hash wins)."""
+    def cache(self, block: Block, block_hash: BlockHash, value: int = 0) -> None:
+        """Register a full, computed block under its hash (first block per hash wins);
+        `value`: the tokens of compute a hit on it spares."""
         gs = self.groups[block.group_id]
         if block.block_hash is not None or block_hash in gs.cached:
             return
         block.block_hash = block_hash
+        block.value = value
         gs.cached[block_hash] = block
         block.page.num_hashed += 1
         if self.enable_events:
             self.events.append(BlockStored(gs.group_id, (block_hash,), (block.block_id,)))
 
     def cache_run(self, group_id: int, blocks: list[Block], start: int, end: int,
-                  block_hashes: Sequence[BlockHash], stride: int) -> None:
+                  block_hashes: Sequence[BlockHash], stride: int, block_size: int = 0) -> None:
         """`cache` for `blocks[start:end]`, whose hashes are `block_hashes[(i+1)*stride-1]`
         (the null block and duplicates of cached content are skipped)."""
         gs = self.groups[group_id]
@@ -373,6 +437,7 @@ class BlockPool:
             if block_hash in cached:
                 continue
             block.block_hash = block_hash
+            block.value = (i + 1) * block_size  # every hit through it reuses this prefix
             cached[block_hash] = block
             block.page.num_hashed += 1
             if stored is not None:

@@ -61,12 +61,13 @@ class PrefixCacheStats:
 class KVCacheManager:
     def __init__(self, config: KVCacheConfig, *, max_model_len: int,
                  enable_caching: bool = True, enable_events: bool = False,
-                 checkpoint_interval: int = 0, checkpoint_branch_points: bool = True) -> None:
+                 checkpoint_interval: int = 0, checkpoint_branch_points: bool = True,
+                 eviction: str = "lru") -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.pool = BlockPool(config, enable_caching=enable_caching,
-                              enable_events=enable_events)
+                              enable_events=enable_events, eviction=eviction)
         self.coordinator = make_coordinator(config, self.pool, enable_caching=enable_caching)
         self.managers = self.coordinator.managers
         if enable_caching:

@@ -134,7 +134,7 @@ class SingleTypeManager:
         if num_full <= start:
             return
         self.pool.cache_run(self.group_id, self.req_blocks[rid], start, num_full,
-                            request.block_hashes, self.stride)
+                            request.block_hashes, self.stride, block_size=self.block_size)
         self.num_cached[rid] = num_full
 
     def free(self, request: KVRequest) -> None:

@@ -114,8 +114,9 @@ class MambaManager(SingleTypeManager):
         new = self.pool.take(self.group_id, num_blocks)
         live, checkpoints = new[:num_blocks - len(positions)], new[num_blocks - len(positions):]
         for position, block in zip(positions, checkpoints, strict=True):
+            # A checkpoint spares recomputing its whole prefix.
             self.pool.cache(block, request.block_hashes[position // self.block_size
-                                                        * self.stride - 1])
+                                                        * self.stride - 1], value=position)
         if checkpoints:
             self._pending[rid] = checkpoints
             self._handed_out[rid] = list(zip(positions, checkpoints, strict=True))
