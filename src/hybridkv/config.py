@@ -25,7 +25,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # or "priority": lower `priority` values first
     mamba_checkpoint_interval: int = 0  # also save state checkpoints every N blocks
     mamba_checkpoint_branch_points: bool = True  # and where requests leave a cached prefix
-    kv_eviction: str = "lru"  # or "value": weigh cached blocks by prefix tokens per byte
+    # "value": weigh cached blocks by prefix tokens per byte; "lru". Default: value for
+    # models with state layers, lru otherwise.
+    kv_eviction: str | None = None
     keep_logits: bool = False  # keep sampled rows' logits in outputs (for tests)
 
     def __post_init__(self) -> None:

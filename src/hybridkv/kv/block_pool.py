@@ -19,9 +19,9 @@ recently used unused page, the group itself its least recently used cached block
 whose cached blocks spare the fewest tokens of compute per byte goes. A block's value is the
 prefix a hit through it reuses (its end position: a state checkpoint and the attention blocks
 of the same prefix are worth the same tokens, so per byte a big state goes first unless its
-prefix is much longer). Measured with `hybridkv bench prefix --compare-eviction`: neutral to
-slightly better than lru at workable budgets, worse when the budget thrashes, hence not the
-default. `can_take`
+prefix is much longer). Measured with `hybridkv bench prefix --compare-eviction`: equal or
+slightly better than lru at workable budgets, worse when the budget thrashes. KVCacheManager
+uses it for models with state layers and lru for attention-only ones. `can_take`
 answers whether a set of per-group demands fits, with no side effect; `take` then cannot fail.
 """
 

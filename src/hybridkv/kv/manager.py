@@ -62,10 +62,16 @@ class KVCacheManager:
     def __init__(self, config: KVCacheConfig, *, max_model_len: int,
                  enable_caching: bool = True, enable_events: bool = False,
                  checkpoint_interval: int = 0, checkpoint_branch_points: bool = True,
-                 eviction: str = "lru") -> None:
+                 eviction: str | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
+        if eviction is None:
+            # Cost-aware eviction where blocks differ in what they spare per byte (state
+            # checkpoints vs attention blocks); between attention groups plain LRU, whose
+            # admission check is exact.
+            has_state = any(g.spec.kind == "mamba" for g in config.groups)
+            eviction = "value" if has_state else "lru"
         self.pool = BlockPool(config, enable_caching=enable_caching,
                               enable_events=enable_events, eviction=eviction)
         self.coordinator = make_coordinator(config, self.pool, enable_caching=enable_caching)
