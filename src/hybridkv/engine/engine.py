@@ -33,14 +33,14 @@ class LLMEngine:
         device = torch.device(config.device if config.device != "auto" else
                               ("cuda" if torch.cuda.is_available() else "cpu"))
         hf_config = read_config(Path(model_dir))
+        text_cfg = hf_config.get("text_config") or hf_config
         dtype_name = config.dtype if config.dtype != "auto" else str(
-            (hf_config.get("text_config") or hf_config).get("torch_dtype")
-            or hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
+            text_cfg.get("torch_dtype") or hf_config.get("torch_dtype")
+            or hf_config.get("dtype") or "float32")
         dtype = torch_dtype(dtype_name)
         loaded = load_model(model_dir, dtype=dtype, device=device, config=hf_config)
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
-        text_cfg = hf_config.get("text_config") or hf_config
         self.vocab_size = int(text_cfg["vocab_size"])
         max_pos = text_cfg.get("max_position_embeddings") or 8192
         self.max_model_len = config.max_model_len or min(int(max_pos), 8192)

@@ -28,14 +28,16 @@ class PartialRopeAttention(nn.Module):
     (`use_rope=False`: no positions at all, as in Granite 4.0-H)."""
 
     def __init__(self, cfg: Mapping[str, Any], layer: int, *, use_rope: bool = True,
-                 scale: float | None = None, key_multiplier: float = 1.0) -> None:
+                 scale: float | None = None, key_multiplier: float = 1.0,
+                 gated: bool = False) -> None:
         super().__init__()
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         self.head_dim = int(cfg.get("head_dim") or hidden // heads)
         self.num_heads, self.num_kv_heads = heads, int(cfg["num_key_value_heads"])
         self.name = f"model.layers.{layer}.self_attn"
         bias = bool(cfg.get("attention_bias", False))
-        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=bias)
+        # `gated` (Qwen3-Next): q_proj also yields an output gate per head.
+        self.q_proj = nn.Linear(hidden, (2 if gated else 1) * heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=bias)

@@ -113,10 +113,8 @@ class GatedAttention(PartialRopeAttention):
     """q_proj yields queries and a sigmoid output gate per head; q/k normalised per head."""
 
     def __init__(self, cfg: Mapping[str, Any], layer: int) -> None:
-        super().__init__(cfg, layer)
-        hidden, eps = int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-6))
-        self.q_proj = nn.Linear(hidden, 2 * self.num_heads * self.head_dim,
-                                bias=bool(cfg.get("attention_bias", False)))
+        super().__init__(cfg, layer, gated=True)
+        eps = float(cfg.get("rms_norm_eps", 1e-6))
         self.q_norm = RMSNorm(self.head_dim, eps, 1.0)
         self.k_norm = RMSNorm(self.head_dim, eps, 1.0)
 
