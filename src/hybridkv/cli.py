@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--no-prefix-caching", action="store_true")
     gen.add_argument("--no-hybrid", action="store_true")
+    gen.add_argument("--kv-sharing-fast-prefill", action="store_true",
+                     help="run KV-sharing layers (Gemma 3n/4) on sampled tokens only")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
 
     demo = sub.add_parser("demo-model", help="write a tiny random model with a tokenizer")
@@ -212,7 +214,8 @@ def cmd_generate(args: argparse.Namespace) -> str:
     options: dict[str, object] = dict(
         kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
         enable_prefix_caching=not args.no_prefix_caching,
-        disable_hybrid_kv_cache=args.no_hybrid)
+        disable_hybrid_kv_cache=args.no_hybrid,
+        kv_sharing_fast_prefill=args.kv_sharing_fast_prefill)
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
     llm = LLM(args.model_dir, **options)

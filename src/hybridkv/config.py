@@ -28,6 +28,9 @@ class EngineConfig:
     # "value": weigh cached blocks by prefix tokens per byte; "lru". Default: value for
     # models with state layers, lru otherwise.
     kv_eviction: str | None = None
+    # Run layers that only read other layers' KV (Gemma 3n/4, YOCO) on the sampled tokens
+    # only: during prefill their other tokens' outputs are never used.
+    kv_sharing_fast_prefill: bool = False
     keep_logits: bool = False  # keep sampled rows' logits in outputs (for tests)
 
     def __post_init__(self) -> None:

@@ -70,11 +70,18 @@ class LLMEngine:
             raise ValueError(f"without chunked prefill, max_num_batched_tokens "
                              f"({config.max_num_batched_tokens}) must be >= max_model_len "
                              f"({self.max_model_len})")
+        if config.kv_sharing_fast_prefill and getattr(loaded.model, "kv_shared_from",
+                                                      None) is None:
+            raise ValueError(
+                f"kv_sharing_fast_prefill needs a model whose last layers only read other "
+                f"layers' KV (num_kv_shared_layers or kv_sharing_target_layers in config.json"
+                f"); {layout.model_type} at {model_dir} has none")
         self.runner = ModelRunner(
             loaded.model, plan.config, max_num_reqs=config.max_num_seqs,
             max_model_len=self.max_model_len, device=device,
             attention_backend=config.attention_backend,
-            kernel_block_size=config.kernel_block_size, keep_logits=config.keep_logits)
+            kernel_block_size=config.kernel_block_size, keep_logits=config.keep_logits,
+            kv_sharing_fast_prefill=config.kv_sharing_fast_prefill)
         self._params: dict[str, SamplingParams] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._logits: dict[str, list[torch.Tensor]] = {}

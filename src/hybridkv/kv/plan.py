@@ -46,8 +46,13 @@ class KVCacheGroup:
     layer_names: tuple[str, ...]
     layer_page_bytes: tuple[int, ...]
     blocks_per_large_page: int
-    # Layers that compute no KV and read this group's caches (KV sharing).
-    shared_layer_names: tuple[str, ...] = ()
+    # KV sharing: (layer, target) for layers that compute no KV and read the cache of
+    # `target`, one of this group's layers. They get no pages of their own.
+    shared_layers: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def shared_layer_names(self) -> tuple[str, ...]:
+        return tuple(layer for layer, _ in self.shared_layers)
 
     @property
     def block_bytes(self) -> int:
@@ -201,6 +206,7 @@ def plan_kv_cache(
     if max_model_len < 1 or max_num_batched_tokens < 1:
         raise ValueError("max_model_len and max_num_batched_tokens must be >= 1")
     kv_sharing = dict(kv_sharing or {})
+    _check_kv_sharing(layer_specs, kv_sharing)
     specs = {name: (spec if hybrid else to_full_attention(spec))
              for name, spec in layer_specs.items() if name not in kv_sharing}
     grouped = group_layers(specs)
@@ -213,11 +219,12 @@ def plan_kv_cache(
     large_page = choose_large_page_bytes(block_bytes, cap)
     groups = []
     for group_id, ((names, spec), nbytes) in enumerate(zip(grouped, block_bytes, strict=True)):
-        shared = tuple(layer for layer, target in kv_sharing.items() if target in names)
+        shared = tuple((layer, target) for layer, target in kv_sharing.items()
+                       if target in names)
         groups.append(KVCacheGroup(
             group_id=group_id, spec=spec, layer_names=tuple(names),
             layer_page_bytes=tuple(specs[n].page_size_bytes for n in names),
-            blocks_per_large_page=large_page // nbytes, shared_layer_names=shared))
+            blocks_per_large_page=large_page // nbytes, shared_layers=shared))
     config = KVCacheConfig(groups=tuple(groups), large_page_bytes=large_page,
                            num_large_pages=memory_bytes // large_page)
     problem = _one_request_problem(config, memory_bytes, max_model_len, max_num_batched_tokens)
@@ -227,6 +234,22 @@ def plan_kv_cache(
     if problem:
         plan = replace(plan, warnings=(problem, *plan.warnings))
     return plan
+
+
+def _check_kv_sharing(layer_specs: Mapping[str, KVCacheSpec],
+                      kv_sharing: Mapping[str, str]) -> None:
+    """A layer may read only the cache of a layer that has its own and behaves the same."""
+    for layer, target in kv_sharing.items():
+        if target in kv_sharing:
+            raise ValueError(f"KV sharing: {layer} reads {target}, which itself reads "
+                             f"{kv_sharing[target]}; point it at a layer with its own cache")
+        if target not in layer_specs:
+            raise ValueError(f"KV sharing: {layer} reads {target}, which has no KV cache")
+        mine, theirs = layer_specs.get(layer), layer_specs[target]
+        if mine is not None and (mine.group_key(), mine.page_size_bytes) != (
+                theirs.group_key(), theirs.page_size_bytes):
+            raise ValueError(f"KV sharing: {layer} ({mine.kind}) cannot read the cache of "
+                             f"{target} ({theirs.kind}): their KV cache specs differ")
 
 
 def _one_request_problem(config: KVCacheConfig, memory_bytes: int, max_model_len: int,

@@ -181,7 +181,7 @@ def kv_layout_from_config(config: Mapping[str, Any], *, block_size: int = 16,
         for kind in parts:
             name = f"model.layers.{i}." + ("mamba" if kind in (MAMBA, MAMBA1, LINEAR)
                                            else "self_attn")
-            specs[name] = _spec_for(kind, cfg, block_size, dtype)
+            specs[name] = _spec_for(kind, cfg, block_size, dtype, i)
     return ModelKVLayout(
         model_type=model_type, layer_specs=specs, kv_sharing=_kv_sharing(cfg, kinds),
         layer_kinds=tuple(kinds),
@@ -189,27 +189,97 @@ def kv_layout_from_config(config: Mapping[str, Any], *, block_size: int = 16,
 
 
 def _kv_sharing(cfg: Mapping[str, Any], kinds: list[tuple[str, ...]]) -> dict[str, str]:
-    """The last `num_kv_shared_layers` layers read the KV of the last earlier layer of the
-    same attention kind (Gemma 3n / Gemma 4)."""
+    return {f"model.layers.{i}.self_attn": f"model.layers.{t}.self_attn"
+            for i, t in kv_sharing_targets(cfg, kinds).items()}
+
+
+def kv_sharing_targets(config: Mapping[str, Any],
+                       kinds: list[tuple[str, ...]] | None = None) -> dict[int, int]:
+    """Layer index -> index of the layer whose KV cache it reads, from either
+    - `num_kv_shared_layers` (Gemma 3n / Gemma 4): the last N layers read the KV of the last
+      earlier layer of the same attention kind; or
+    - `kv_sharing_target_layers`, a map {layer: target layer} for any other architecture
+      (YOCO-style models: later layers reuse an earlier layer's KV)."""
+    cfg = _text_config(config)
+    kinds = layer_kinds(config) if kinds is None else kinds
     num_shared = int(cfg.get("num_kv_shared_layers") or 0)
+    explicit = cfg.get("kv_sharing_target_layers")
+    if num_shared and explicit:
+        raise ValueError("give either num_kv_shared_layers or kv_sharing_target_layers, "
+                         "not both")
+    if explicit:
+        return _explicit_kv_sharing(explicit, kinds)
+    if not 0 <= num_shared < len(kinds):
+        raise ValueError(f"num_kv_shared_layers={num_shared} must be in [0, {len(kinds)})")
     first_shared = len(kinds) - num_shared
-    sharing: dict[str, str] = {}
+    sharing: dict[int, int] = {}
     for i in range(first_shared, len(kinds)):
         for kind in kinds[i]:
             owners = [j for j in range(first_shared) if kind in kinds[j]]
             if not owners:
                 raise ValueError(f"layer {i} shares KV but no earlier layer is {kind}")
-            sharing[f"model.layers.{i}.self_attn"] = f"model.layers.{owners[-1]}.self_attn"
+            sharing[i] = owners[-1]
     return sharing
 
 
-def _spec_for(kind: str, cfg: Mapping[str, Any], block_size: int, dtype: str) -> KVCacheSpec:
+def _explicit_kv_sharing(explicit: object, kinds: list[tuple[str, ...]]) -> dict[int, int]:
+    if not isinstance(explicit, Mapping):
+        raise ValueError(f"kv_sharing_target_layers must map layer index -> target layer "
+                         f"index, e.g. {{\"3\": 1}}; got {explicit!r}")
+    sharing: dict[int, int] = {}
+    for key, value in explicit.items():
+        try:
+            layer, target = int(key), int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"kv_sharing_target_layers: {key!r}: {value!r} is not a pair of "
+                             f"layer indices") from None
+        if not 0 <= target < layer < len(kinds):
+            raise ValueError(f"kv_sharing_target_layers: layer {layer} -> {target}: a layer "
+                             f"may read only an earlier layer's KV (layers 0..{len(kinds) - 1})")
+        if kinds[layer] != kinds[target] or not kinds[layer] or \
+                any(k in (MAMBA, MAMBA1, LINEAR) for k in kinds[layer]):
+            raise ValueError(f"kv_sharing_target_layers: layer {layer} ({'/'.join(kinds[layer])}"
+                             f") cannot read layer {target} ({'/'.join(kinds[target])}): both "
+                             f"must be attention layers of the same kind")
+        sharing[layer] = target
+    return sharing
+
+
+def kv_shared_from(targets: Mapping[int, int], num_layers: int) -> int | None:
+    """The first layer of the trailing run of layers that only read shared KV: from there on
+    no layer writes KV (where KV-sharing fast prefill can start), or None."""
+    first = num_layers
+    while first > 0 and first - 1 in targets:
+        first -= 1
+    return first if first < num_layers else None
+
+
+def attention_shape(cfg: Mapping[str, Any], layer: int, kind: str) -> tuple[int, int]:
+    """(KV heads, head size) of an attention layer. Gemma 4 gives full-attention layers their
+    own (`per_layer_config`, or `global_head_dim` / `num_global_key_value_heads`)."""
+    heads = int(cfg["num_attention_heads"])
+    num_kv_heads = int(_first(cfg, "num_key_value_heads", default=heads))
+    head_size = int(_first(cfg, "head_dim", default=int(cfg["hidden_size"]) // heads))
+    per_layer = cfg.get("per_layer_config")
+    if isinstance(per_layer, Mapping):
+        override = per_layer.get(str(layer)) or per_layer.get(layer) or {}
+        return (int(override.get("num_key_value_heads", num_kv_heads)),
+                int(override.get("head_dim", head_size)))
+    if str(cfg.get("model_type", "")).startswith("gemma4") and kind == FULL:
+        # transformers' Gemma 4 defaults, applied when per_layer_config is not saved.
+        if cfg.get("attention_k_eq_v", False) and cfg.get("num_global_key_value_heads"):
+            num_kv_heads = int(cfg["num_global_key_value_heads"])
+        return num_kv_heads, int(cfg.get("global_head_dim") or 512)
+    return num_kv_heads, head_size
+
+
+def _spec_for(kind: str, cfg: Mapping[str, Any], block_size: int, dtype: str,
+              layer: int) -> KVCacheSpec:
     hidden = int(cfg["hidden_size"])
     if kind in (FULL, SLIDING, CHUNKED):
-        heads = int(cfg["num_attention_heads"])
-        attn = dict(block_size=block_size, dtype=dtype,
-                    num_kv_heads=int(_first(cfg, "num_key_value_heads", default=heads)),
-                    head_size=int(_first(cfg, "head_dim", default=hidden // heads)))
+        num_kv_heads, head_size = attention_shape(cfg, layer, kind)
+        attn = dict(block_size=block_size, dtype=dtype, num_kv_heads=num_kv_heads,
+                    head_size=head_size)
         if kind == SLIDING:
             return SlidingWindowSpec(sliding_window=int(cfg["sliding_window"]), **attn)
         if kind == CHUNKED:

@@ -24,6 +24,18 @@ class ForwardContext:
     layer_group: Mapping[str, int]  # layer name -> group id
     # RoPE cos/sin of this step's positions, per distinct RoPE parameters.
     rope_cache: dict[object, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # KV-sharing fast prefill (set by the runner when enabled): the layers from a model's
+    # `kv_shared_from` on write no KV, so only the tokens whose logits are sampled need them.
+    # `kv_shared_tokens` indexes those tokens; `kv_shared_ctx` is the context of that batch.
+    kv_shared_tokens: torch.Tensor | None = None
+    kv_shared_ctx: ForwardContext | None = None
+
+    def enter_kv_shared_layers(self) -> tuple[ForwardContext, torch.Tensor | None]:
+        """Called by a model before its first KV-sharing layer: (the context for the rest of
+        the layers, the token index to keep, or None to keep every token)."""
+        if self.kv_shared_ctx is None:
+            return self, None
+        return self.kv_shared_ctx, self.kv_shared_tokens
 
     def state(self, layer_name: str) -> tuple[Any, tuple[torch.Tensor, ...]]:
         """A state layer's group metadata (StateMetadata) and its state tensors."""
@@ -41,8 +53,10 @@ class ForwardContext:
             cached = self.rope_cache[key] = (cos, sin)
         return cached
 
-    def attention(self, layer_name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  params: AttentionParams) -> torch.Tensor:
+    def attention(self, layer_name: str, q: torch.Tensor, k: torch.Tensor | None,
+                  v: torch.Tensor | None, params: AttentionParams) -> torch.Tensor:
+        """Attend over the layer's KV cache after writing k/v; k = v = None for a layer that
+        reads another layer's cache (KV sharing), already written earlier in this step."""
         meta = self.metadata[self.layer_group[layer_name]]
         assert isinstance(meta, AttentionMetadata)
         return self.backend.forward(q, k, v, self.kv_caches[layer_name], meta, params)

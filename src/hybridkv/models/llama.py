@@ -16,7 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.models.layer_mix import CHUNKED, FULL, SLIDING, layer_kinds
+from hybridkv.models.layer_mix import (
+    CHUNKED,
+    FULL,
+    SLIDING,
+    kv_shared_from,
+    kv_sharing_targets,
+    layer_kinds,
+)
 from hybridkv.models.layers import (
     ForwardContext,
     RMSNorm,
@@ -65,6 +72,8 @@ class DecoderConfig:
     final_softcap: float | None
     sinks: bool = False
     moe: MoEConfig | None = None
+    # Per layer: the layer whose KV cache it reads (KV sharing), or None.
+    kv_targets: tuple[int | None, ...] = ()
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> DecoderConfig:
@@ -73,7 +82,9 @@ class DecoderConfig:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = int(cfg.get("head_dim") or hidden // heads)
-        kinds = tuple(parts[0] if parts else FULL for parts in layer_kinds(config))
+        all_kinds = layer_kinds(config)
+        kinds = tuple(parts[0] if parts else FULL for parts in all_kinds)
+        targets = kv_sharing_targets(config, all_kinds)
         if any(k not in (FULL, SLIDING) for k in kinds):
             raise NotImplementedError(f"{model_type}: layer kinds {set(kinds)} are not "
                                       f"supported by the Llama-family decoder")
@@ -101,7 +112,8 @@ class DecoderConfig:
                           top_k=int(cfg["num_experts_per_tok"]),
                           swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
                           swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
-            if model_type == "gpt_oss" else None)
+            if model_type == "gpt_oss" else None,
+            kv_targets=tuple(targets.get(i) for i in range(len(kinds))))
 
 
 def _rope_params(cfg: Mapping[str, Any], kind: str) -> Mapping[str, Any]:
@@ -125,13 +137,19 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         bias = cfg.attention_bias
+        # A layer reading another layer's KV cache computes only queries.
+        self.reads_shared_kv = bool(cfg.kv_targets) and cfg.kv_targets[layer] is not None
+        writes_kv = not self.reads_shared_kv
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim,
+                                bias=bias) if writes_kv else None
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim,
+                                bias=bias) if writes_kv else None
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
         offset = 1.0 if cfg.gemma else 0.0
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset) if (
+            cfg.qk_norm and writes_kv) else None
         inv_freq, self.rope_scaling = rope_inv_freq(cfg.head_dim, cfg.rope_params[layer])
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # Layers with equal RoPE parameters share one cos/sin per step.
@@ -145,12 +163,17 @@ class Attention(nn.Module):
                 ctx: ForwardContext) -> torch.Tensor:
         # h [T, hidden] -> q [T, Hq, D], k/v [T, Hk, D]
         q = self.q_proj(h).unflatten(-1, (self.num_heads, self.head_dim))
-        k = self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
         cos, sin = ctx.rope_cos_sin(positions, self.rope_key, self.inv_freq, self.rope_scaling)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = apply_rope(q, cos, sin)
+        k = v = None
+        if self.k_proj is not None and self.v_proj is not None:
+            k = self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
+            v = self.v_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
+            if self.k_norm is not None:
+                k = self.k_norm(k)
+            k = apply_rope(k, cos, sin)
         params = AttentionParams(scale=self.scale, softcap=self.softcap,
                                  sliding_window=self.sliding_window, sinks=self.sinks)
         out = ctx.attention(self.name, q, k, v, params)
@@ -258,13 +281,24 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        targets = {i: t for i, t in enumerate(cfg.kv_targets) if t is not None}
+        self.kv_shared_from = kv_shared_from(targets, cfg.num_layers)
+        # Checkpoints written by transformers keep k/v weights for layers that read another
+        # layer's KV (it has no notion of the map); nothing uses them here.
+        self.unused_weights = tuple(
+            f"model.layers.{i}.self_attn.{part}." for i in targets
+            for part in ("k_proj", "v_proj", "k_norm"))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
         if self.cfg.gemma:
             h = h * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype)
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
+            if i == self.kv_shared_from:
+                ctx, keep = ctx.enter_kv_shared_layers()
+                if keep is not None:
+                    h, positions = h[keep], positions[keep]
             h = layer(h, positions, ctx)
         return self.model.norm(h)
 
@@ -276,7 +310,7 @@ class DecoderForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named_weights(self, weights, model_type=self.cfg.model_type,
-                           tied=self.cfg.tie_word_embeddings)
+                           tied=self.cfg.tie_word_embeddings, unused=self.unused_weights)
 
 
 __all__ = ["CHUNKED", "DecoderConfig", "DecoderForCausalLM"]

@@ -12,8 +12,10 @@ _PREFIXES = (("model.language_model.", "model."), ("backbone.", "model."))
 
 
 def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], *,
-                       model_type: str, tied: bool) -> None:
-    """Names and shapes must match and nothing may be missing; each mistake is one line."""
+                       model_type: str, tied: bool, unused: tuple[str, ...] = ()) -> None:
+    """Names and shapes must match and nothing may be missing; each mistake is one line.
+    Tensors whose names start with one of `unused` are skipped (weights a checkpoint keeps
+    for parts this engine does not run, e.g. k/v projections of KV-sharing layers)."""
     params = dict(model.named_parameters())
     loaded = set()
     for name, tensor in weights:
@@ -21,7 +23,8 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
             if name.startswith(old):
                 name = new + name[len(old):]
         if name not in params:
-            if (name == "lm_head.weight" and tied) or name.endswith("rotary_emb.inv_freq"):
+            if (name == "lm_head.weight" and tied) or name.endswith("rotary_emb.inv_freq") \
+                    or name.startswith(unused):
                 continue
             raise ValueError(f"checkpoint tensor {name!r} has no place in {model_type}")
         param = params[name]

@@ -92,20 +92,22 @@ class AttentionParams:
 class AttentionBackend(Protocol):
     name: str
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
-                params: AttentionParams) -> torch.Tensor: ...
+                params: AttentionParams) -> torch.Tensor:
+        """Write k/v (None for a layer that reads another layer's cache), then attend."""
 
 
 class TorchReferenceBackend:
     name = "torch"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
                 params: AttentionParams) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hk, D]; kv_cache [pages, blocks_per_page, 2, block, Hk, D].
-        Returns [T, Hq, D]."""
-        self._write(k, v, kv_cache, meta)
+        """q [T, Hq, D], k/v [T, Hk, D] or None (KV sharing: the cache is already written);
+        kv_cache [pages, blocks_per_page, 2, block, Hk, D]. Returns [T, Hq, D]."""
+        if k is not None and v is not None:
+            self._write(k, v, kv_cache, meta)
         out = torch.empty_like(q)
         for r in range(len(meta.seq_lens)):
             start, end = meta.query_start_loc[r], meta.query_start_loc[r + 1]

@@ -38,7 +38,8 @@ def torch_dtype(name: str) -> torch.dtype:
 def allocate_kv_caches(config: KVCacheConfig, device: torch.device | str
                        ) -> tuple[torch.Tensor, dict[str, Any]]:
     """The arena and a view per layer: a KV tensor for attention layers, a tuple of state
-    tensors `[pages, blocks_per_page, *shape]` (e.g. conv and SSM state) for state layers."""
+    tensors `[pages, blocks_per_page, *shape]` (e.g. conv and SSM state) for state layers.
+    A layer that reuses another layer's KV gets that layer's view."""
     arena = torch.zeros(config.num_large_pages, config.large_page_bytes, dtype=torch.int8,
                         device=device)
     views: dict[str, Any] = {}
@@ -58,10 +59,8 @@ def allocate_kv_caches(config: KVCacheConfig, device: torch.device | str
                 raise NotImplementedError(
                     f"layer {name}: {spec.kind} KV caches have no tensor layout yet")
             offset += page_bytes
-        if group.shared_layer_names:
-            raise NotImplementedError(
-                f"layers {', '.join(group.shared_layer_names)}: KV sharing is not supported "
-                f"by the model runner yet")
+        for layer, target in group.shared_layers:
+            views[layer] = views[target]  # KV sharing: the same tensor, no pages of its own
     return arena, views
 
 

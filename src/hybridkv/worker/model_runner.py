@@ -30,13 +30,16 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_config: KVCacheConfig, *, max_num_reqs: int,
                  max_model_len: int, device: torch.device, attention_backend: str = "torch",
-                 kernel_block_size: int | None = None, keep_logits: bool = False) -> None:
+                 kernel_block_size: int | None = None, keep_logits: bool = False,
+                 kv_sharing_fast_prefill: bool = False) -> None:
         self.model = model
+        # Run the model's KV-sharing layers on the sampled tokens only (see ForwardContext).
+        self.kv_sharing_fast_prefill = kv_sharing_fast_prefill
         self.device = device
         self.keep_logits = keep_logits
         self.arena, self.kv_caches = allocate_kv_caches(kv_config, device)
         self.layer_group = {name: g.group_id for g in kv_config.groups
-                            for name in g.layer_names}
+                            for name in (*g.layer_names, *g.shared_layer_names)}
         self.block_tables = [
             BlockTable(max_num_reqs, cdiv(max_model_len, g.block_size) + 1, g.block_size,
                        kernel_block_size) for g in kv_config.groups]
@@ -112,6 +115,23 @@ class ModelRunner:
             has_initial_state=[self.num_computed[r] > 0 for r in scheduled],
             init_from=init_from, checkpoints=checkpoints)
 
+    @staticmethod
+    def _sampled_tokens_metadata(metadata: list[AttentionMetadata | StateMetadata],
+                                 scheduled: list[str], sampled: set[str],
+                                 sample_t: torch.Tensor) -> list[AttentionMetadata | None]:
+        """Attention metadata of the batch cut down to the sampled tokens: each request keeps
+        its last token (the one at position seq_len - 1) if it samples this step and nothing
+        otherwise; sequence lengths and block tables stay, so those tokens still see their
+        whole context. State groups get None: no state layer may run on this batch."""
+        loc = [0]
+        for rid in scheduled:
+            loc.append(loc[-1] + (rid in sampled))
+        return [AttentionMetadata(
+            query_start_loc=loc, seq_lens=meta.seq_lens, block_table=meta.block_table,
+            slot_mapping=meta.slot_mapping[sample_t], block_size=meta.block_size,
+            kernel_block_size=meta.kernel_block_size, blocks_per_page=meta.blocks_per_page)
+            if isinstance(meta, AttentionMetadata) else None for meta in metadata]
+
     # ---------------------------------------------------------------- one step
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> RunnerOutput:
@@ -156,11 +176,20 @@ class ModelRunner:
                 block_size=table.block_size, kernel_block_size=table.kernel_block_size,
                 blocks_per_page=blocks_per_page))
         ctx = ForwardContext(self.backend, self.kv_caches, metadata, self.layer_group)
+        sample_t = torch.tensor(sample_indices, dtype=torch.int64, device=self.device)
+        if self.kv_sharing_fast_prefill:
+            sampled = set(sample_ids)
+            ctx.kv_shared_tokens = sample_t
+            ctx.kv_shared_ctx = ForwardContext(
+                self.backend, self.kv_caches,
+                self._sampled_tokens_metadata(metadata, scheduled, sampled, sample_t),
+                self.layer_group)
         hidden = self.model(ids_t.to(self.device), pos_t.to(self.device), ctx)
         if not sample_ids:
             return RunnerOutput({}, {}, {})
+        # With fast prefill the model returns the sampled tokens' rows only, in order.
         logits = self.model.compute_logits(  # type: ignore[operator]
-            hidden[torch.tensor(sample_indices, device=self.device)])
+            hidden if self.kv_sharing_fast_prefill else hidden[sample_t])
         tokens, logprobs = self.sampler.sample(logits, sample_ids,
                                                [params[r] for r in sample_ids])
         return RunnerOutput(
