@@ -35,13 +35,14 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def build_tiny_model(name: str, out_dir: Path) -> Path:
-    """Save a tiny random model of architecture `name` (seeded) to `out_dir`."""
+def build_tiny_model(name: str, out_dir: Path, **extra: Any) -> Path:
+    """Save a tiny random model of architecture `name` (seeded) to `out_dir`; `extra`
+    overrides config fields."""
     import torch
     import transformers
 
     config_cls, model_cls, overrides = ARCHS[name]
-    config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides, **extra})
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
     model.generation_config.eos_token_id = None
