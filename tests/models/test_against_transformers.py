@@ -15,7 +15,9 @@ from tests.models.tiny import build_tiny_model  # noqa: E402
 
 ARCHS = ["llama", "qwen3", "qwen3_swa", "mistral", "gemma2", "gemma3", "gpt_oss",
          "llama4_text", "nemotron_h", "bamba", "granitemoehybrid",
-         "jamba", "falcon_h1", "qwen3_next"]
+         "jamba", "falcon_h1", "qwen3_next", "gemma3n"]
+# Architectures whose last layers read earlier layers' KV (fast prefill applies).
+KV_SHARING = {"gemma3n", "gemma4_text"}
 NUM_NEW = 16
 # Lengths cross the 16-token windows and the 16-token blocks.
 PROMPT_LENS = (40, 23, 7)
@@ -89,8 +91,12 @@ def test_chunked_prefill_with_a_small_budget(reference):
 
 
 def test_preemption_under_a_tiny_memory_budget(reference):
+    check_with_preemption(reference)
+
+
+def check_with_preemption(reference, **options):
     _, model_dir, prompts, tokens, logits = reference
-    probe, _ = run(model_dir, prompts[:1], max_model_len=64)
+    probe, _ = run(model_dir, prompts[:1], max_model_len=64, **options)
     large_page = probe.engine.plan.config.large_page_bytes
     preempted = 0
     # Budgets of a few large pages; prompts admitted in chunks of 16 tokens, so that more
@@ -99,7 +105,7 @@ def test_preemption_under_a_tiny_memory_budget(reference):
     for num_pages in range(4, 24):
         try:
             llm, outs = run(model_dir, prompts, max_model_len=64, max_num_batched_tokens=16,
-                            kv_cache_memory=num_pages * large_page)
+                            kv_cache_memory=num_pages * large_page, **options)
         except ValueError as e:
             assert "too small for one request" in str(e)
             continue
@@ -123,3 +129,21 @@ def test_kernel_block_size_below_the_manager_block_size(reference):
     _, model_dir, prompts, tokens, logits = reference
     _, outs = run(model_dir, prompts, block_size=16, kernel_block_size=4)
     check(outs, tokens, logits)
+
+
+def test_kv_sharing_fast_prefill(reference):
+    """Layers that only read shared KV run on the sampled tokens: same outputs in a mixed
+    batch, with chunks that do not finish their prompt, after a prefix hit, and with
+    preemption; the sharing layers allocate nothing."""
+    name, model_dir, prompts, tokens, logits = reference
+    if name not in KV_SHARING:
+        pytest.skip("no KV-sharing layers")
+    llm, outs = run(model_dir, prompts, kv_sharing_fast_prefill=True)
+    check(outs, tokens, logits)
+    assert all(g.shared_layer_names for g in llm.engine.plan.config.groups)
+    again = llm.generate(prompts[:1], SamplingParams(max_tokens=NUM_NEW))
+    check(again, tokens[:1], logits[:1])
+    assert llm.engine.kv_manager.stats.num_hit_tokens > 0
+    _, outs = run(model_dir, prompts, kv_sharing_fast_prefill=True, max_num_batched_tokens=9)
+    check(outs, tokens, logits)
+    check_with_preemption(reference, kv_sharing_fast_prefill=True)

@@ -88,3 +88,13 @@ ARCHS["qwen3_next"] = ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
     num_hidden_layers=4, full_attention_interval=4, moe_intermediate_size=32,
     shared_expert_intermediate_size=48, linear_num_key_heads=2, linear_num_value_heads=4,
     linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2))
+
+# Gemma 3n: 3 sliding + 1 full layers writing KV, then 4 layers reading layers 2 (sliding)
+# and 3 (full); AltUp over 4 copies, Laurel rank 8, per-layer inputs of 8 (a per-layer
+# vocabulary smaller than the main one), sparse MLP gates in the first two layers.
+ARCHS["gemma3n"] = ("Gemma3nTextConfig", "Gemma3nForCausalLM", dict(
+    num_hidden_layers=8, sliding_window=16, num_kv_shared_layers=4,
+    layer_types=["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3
+    + ["full_attention"], hidden_size_per_layer_input=8, vocab_size_per_layer_input=200,
+    laurel_rank=8, altup_num_inputs=4, activation_sparsity_pattern=[0.95, 0.95] + [0.0] * 6,
+    final_logit_softcapping=30.0))

@@ -9,6 +9,7 @@ from torch import nn
 
 from hybridkv.models.bamba import BambaForCausalLM
 from hybridkv.models.falcon_h1 import FalconH1ForCausalLM
+from hybridkv.models.gemma3n import Gemma3nForCausalLM
 from hybridkv.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from hybridkv.models.jamba import JambaForCausalLM
 from hybridkv.models.llama import DecoderConfig, DecoderForCausalLM
@@ -32,6 +33,7 @@ MODELS["granitemoehybrid"] = GraniteMoeHybridForCausalLM
 MODELS["jamba"] = JambaForCausalLM
 MODELS["falcon_h1"] = FalconH1ForCausalLM
 MODELS["qwen3_next"] = Qwen3NextForCausalLM
+MODELS["gemma3n_text"] = MODELS["gemma3n"] = Gemma3nForCausalLM
 
 
 def build_model(config: Mapping[str, Any]) -> nn.Module:
