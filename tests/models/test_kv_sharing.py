@@ -29,8 +29,10 @@ CASES = {
 
 
 def _reference_model(model_dir: Path, sharing: dict[int, int]):
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-    from transformers.models.llama.modeling_llama import eager_attention_forward
+    from transformers.models.llama.modeling_llama import (
+        apply_rotary_pos_emb,
+        eager_attention_forward,
+    )
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager").eval()

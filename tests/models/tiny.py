@@ -35,6 +35,9 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
+PERTURB_CONSTANTS = {"gemma3n", "gemma4_text"}
+
+
 def build_tiny_model(name: str, out_dir: Path, **extra: Any) -> Path:
     """Save a tiny random model of architecture `name` (seeded) to `out_dir`; `extra`
     overrides config fields."""
@@ -45,6 +48,15 @@ def build_tiny_model(name: str, out_dir: Path, **extra: Any) -> Path:
     config = getattr(transformers, config_cls)(**{**COMMON, **overrides, **extra})
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
+    if name in PERTURB_CONSTANTS:
+        # Weights that start constant (norm scales of 1, AltUp's output scale of 0 that
+        # would switch per-layer inputs off, layer scalars) get noise, so that a model that
+        # ignored them could not agree with transformers by luck.
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for tensor in model.state_dict().values():
+                if tensor.is_floating_point() and bool((tensor == tensor.flatten()[0]).all()):
+                    tensor.add_(0.1 * torch.randn(tensor.shape, generator=gen))
     model.generation_config.eos_token_id = None
     model.save_pretrained(out_dir)
     return out_dir
@@ -98,3 +110,14 @@ ARCHS["gemma3n"] = ("Gemma3nTextConfig", "Gemma3nForCausalLM", dict(
     + ["full_attention"], hidden_size_per_layer_input=8, vocab_size_per_layer_input=200,
     laurel_rank=8, altup_num_inputs=4, activation_sparsity_pattern=[0.95, 0.95] + [0.0] * 6,
     final_logit_softcapping=30.0))
+
+# Gemma 4: 3 sliding + 1 full layers writing KV (full layers: head size 32, one KV head,
+# values = keys, proportional RoPE on a quarter of the angles), then 4 layers reading them
+# with double-width MLPs; an MoE block (top-2 of 4) beside every MLP; per-layer inputs of 8.
+ARCHS["gemma4_text"] = ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+    num_hidden_layers=8, sliding_window=16, num_kv_shared_layers=4,
+    layer_types=["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3
+    + ["full_attention"], global_head_dim=32, num_global_key_value_heads=1,
+    attention_k_eq_v=True, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=256, enable_moe_block=True, num_experts=4, top_k_experts=2,
+    moe_intermediate_size=32, final_logit_softcapping=30.0))

@@ -49,6 +49,9 @@ class KVCacheGroup:
     # KV sharing: (layer, target) for layers that compute no KV and read the cache of
     # `target`, one of this group's layers. They get no pages of their own.
     shared_layers: tuple[tuple[str, str], ...] = ()
+    # Each layer's own spec, where layers of one group differ in page shape (e.g. Gemma 4's
+    # full layers with a larger head size joining sliding ones under --no-hybrid).
+    layer_specs: tuple[KVCacheSpec, ...] = ()
 
     @property
     def shared_layer_names(self) -> tuple[str, ...]:
@@ -224,7 +227,8 @@ def plan_kv_cache(
         groups.append(KVCacheGroup(
             group_id=group_id, spec=spec, layer_names=tuple(names),
             layer_page_bytes=tuple(specs[n].page_size_bytes for n in names),
-            blocks_per_large_page=large_page // nbytes, shared_layers=shared))
+            blocks_per_large_page=large_page // nbytes, shared_layers=shared,
+            layer_specs=tuple(specs[n] for n in names)))
     config = KVCacheConfig(groups=tuple(groups), large_page_bytes=large_page,
                            num_large_pages=memory_bytes // large_page)
     problem = _one_request_problem(config, memory_bytes, max_model_len, max_num_batched_tokens)

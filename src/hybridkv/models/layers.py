@@ -109,6 +109,13 @@ def rope_inv_freq(head_dim: int, params: Mapping[str, Any]) -> tuple[torch.Tenso
         return inv_freq.float(), 1.0
     if kind == "linear":
         return (inv_freq / float(params["factor"])).float(), 1.0
+    if kind == "proportional":
+        # Gemma 4 full layers: the first `partial_rotary_factor` of the angles rotate (with
+        # exponents over the whole head), the rest get frequency 0, i.e. pass unchanged.
+        rotated = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+        inv_freq = inv_freq / float(params.get("factor", 1.0))
+        inv_freq[rotated:] = 0.0
+        return inv_freq.float(), 1.0
     if kind == "yarn":
         return _yarn(head_dim, theta, params)
     if kind == "llama3":
@@ -122,7 +129,7 @@ def rope_inv_freq(head_dim: int, params: Mapping[str, Any]) -> tuple[torch.Tenso
         is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(is_mid, mid, scaled).float(), 1.0
     raise NotImplementedError(f"RoPE type {kind!r} is not supported yet "
-                              f"(supported: default, linear, llama3, yarn)")
+                              f"(supported: default, linear, llama3, yarn, proportional)")
 
 
 def _yarn(dim: int, base: float, params: Mapping[str, Any]) -> tuple[torch.Tensor, float]:

@@ -10,6 +10,7 @@ from torch import nn
 from hybridkv.models.bamba import BambaForCausalLM
 from hybridkv.models.falcon_h1 import FalconH1ForCausalLM
 from hybridkv.models.gemma3n import Gemma3nForCausalLM
+from hybridkv.models.gemma4 import Gemma4ForCausalLM
 from hybridkv.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from hybridkv.models.jamba import JambaForCausalLM
 from hybridkv.models.llama import DecoderConfig, DecoderForCausalLM
@@ -34,6 +35,7 @@ MODELS["jamba"] = JambaForCausalLM
 MODELS["falcon_h1"] = FalconH1ForCausalLM
 MODELS["qwen3_next"] = Qwen3NextForCausalLM
 MODELS["gemma3n_text"] = MODELS["gemma3n"] = Gemma3nForCausalLM
+MODELS["gemma4_text"] = MODELS["gemma4"] = Gemma4ForCausalLM
 
 
 def build_model(config: Mapping[str, Any]) -> nn.Module:

@@ -48,8 +48,9 @@ def allocate_kv_caches(config: KVCacheConfig, device: torch.device | str
         blocks = arena[:, :per_page * group.block_bytes].unflatten(
             1, (per_page, group.block_bytes))
         offset = 0
-        spec = group.spec
-        for name, page_bytes in zip(group.layer_names, group.layer_page_bytes, strict=True):
+        layer_specs = group.layer_specs or (group.spec,) * len(group.layer_names)
+        for name, page_bytes, spec in zip(group.layer_names, group.layer_page_bytes,
+                                          layer_specs, strict=True):
             if isinstance(spec, AttentionSpec):
                 layer = blocks[:, :, offset:offset + page_bytes].view(torch_dtype(spec.dtype))
                 views[name] = layer.unflatten(2, (2, spec.block_size, -1, spec.head_size))
