@@ -43,3 +43,18 @@ def test_plan_of_a_state_hybrid_shows_the_state_size(capsys):
     # 24 Mamba2 layers: conv [128*64 + 2*8*128, 3] + SSM [128, 64, 128], bf16.
     assert state["state_bytes_per_request"] == 24 * 2 * (10240 * 3 + 128 * 64 * 128)
     assert plan["block_size"] == 16 and plan["ideal_fraction"] >= 0.99
+
+
+def test_plan_of_a_kv_sharing_model_shows_the_saving(capsys):
+    assert main(["plan", "gemma-3n-E4B-it", "--memory", "8GiB", "--max-model-len", "32768",
+                 "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    # From first principles, bf16, 2 KV heads of 256 (2 KiB per token and layer): of 35
+    # layers, 20 own a cache (4 full, 16 sliding with a 512-token window); 15 read theirs.
+    per_layer = 2 * 2 * 256 * 2
+    assert plan["ideal_bytes_per_token"] == 4 * per_layer + 16 * per_layer * 512 / 32768
+    unshared = plan["without_kv_sharing"]
+    assert unshared["ideal_bytes_per_token"] == 7 * per_layer + 28 * per_layer * 512 / 32768
+    assert plan["max_concurrency"] > 1.7 * unshared["max_concurrency"]
+    assert main(["plan", "gemma-3n-E4B-it"]) == 0
+    assert "15 layers read another layer's KV" in capsys.readouterr().out

@@ -151,18 +151,27 @@ def cmd_plan(args: argparse.Namespace) -> str:
     other = plan_kv_cache(layout.layer_specs, args.memory, hybrid=args.no_hybrid, strict=False,
                           **common)
     hybrid, no_hybrid = (other, main) if args.no_hybrid else (main, other)
+    # What KV sharing saves: the same plan with every layer keeping its own cache.
+    unshared = plan_kv_cache(layout.layer_specs, args.memory, hybrid=not args.no_hybrid,
+                             strict=False, **{**common, "kv_sharing": {}}) \
+        if layout.kv_sharing else None
     if args.json:
         summary = main.summary()
         summary["model_type"] = layout.model_type
         summary["no_hybrid"] = {k: v for k, v in no_hybrid.summary().items() if k != "groups"}
         summary["hybrid_gain"] = (hybrid.max_concurrency / no_hybrid.max_concurrency
                                   if no_hybrid.max_concurrency else None)
+        if unshared is not None:
+            summary["without_kv_sharing"] = {
+                k: v for k, v in unshared.summary().items() if k != "groups"}
         return json.dumps(summary)
-    return _plan_table(args.model, layout.model_type, main, hybrid, no_hybrid)
+    return _plan_table(args.model, layout.model_type, main, hybrid, no_hybrid, unshared,
+                       len(layout.kv_sharing))
 
 
 def _plan_table(model: str, model_type: str, main: KVCachePlan, hybrid: KVCachePlan,
-                no_hybrid: KVCachePlan) -> str:
+                no_hybrid: KVCachePlan, unshared: KVCachePlan | None = None,
+                num_shared: int = 0) -> str:
     cfg = main.config
     lines = [
         f"{model} ({model_type}): {format_bytes(main.memory_bytes)} KV cache, max_model_len "
@@ -196,6 +205,12 @@ def _plan_table(model: str, model_type: str, main: KVCachePlan, hybrid: KVCacheP
         f"hybrid on vs off      {hybrid.max_concurrency:.2f} vs {no_hybrid.max_concurrency:.2f} "
         f"requests at max_model_len",
     ]
+    if unshared is not None:
+        lines.append(
+            f"kv sharing            {num_shared} layers read another layer's KV and own no "
+            f"pages: {main.max_concurrency:.2f} vs {unshared.max_concurrency:.2f} requests "
+            f"if every layer kept its own ({main.ideal_bytes_per_token:,.1f} vs "
+            f"{unshared.ideal_bytes_per_token:,.1f} ideal bytes / token)")
     lines += [f"warning: {w}" for w in (*main.warnings,
                                          *(f"without hybrid management: {w}"
                                            for w in no_hybrid.warnings if main.hybrid))]
