@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo-model", help="write a tiny random model with a tokenizer")
     demo.add_argument("out_dir")
     demo.add_argument("--arch", default="gemma3",
-                      help="llama, qwen3, mistral, gemma2 or gemma3 (default gemma3)")
+                      help="llama, qwen3, mistral, gemma2, gemma3, gemma3n or nemotron_h "
+                           "(default gemma3)")
     for flag, default in (("layers", 6), ("hidden", 128), ("heads", 4), ("kv-heads", 2),
                           ("head-dim", 32), ("intermediate", 256), ("vocab", 512),
                           ("window", 32)):

@@ -14,9 +14,10 @@ from hybridkv.cli import main  # noqa: E402
 from hybridkv.models.demo import DemoShape, write_demo_model  # noqa: E402
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gemma3n"])
 def test_demo_model_matches_transformers(tmp_path, arch):
-    path = write_demo_model(tmp_path / arch, arch, DemoShape(layers=6, window=16))
+    path = write_demo_model(tmp_path / arch, arch,
+                            DemoShape(layers=10 if arch == "gemma3n" else 6, window=16))
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompt = list(range(3, 43))
     ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,

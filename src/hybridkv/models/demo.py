@@ -29,6 +29,11 @@ ARCHS: dict[str, dict[str, Any]] = {
                "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh"},
     "gemma3": {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
                "sliding": "5:1", "hidden_activation": "gelu_pytorch_tanh"},
+    # Gemma 3n E4B's proportions: every 5th layer full, the last 3/7 of the layers read the
+    # KV of earlier ones, AltUp, Laurel, per-layer inputs, sparse MLP gates in the first 2/7.
+    "gemma3n": {"model_type": "gemma3n_text", "architectures": ["Gemma3nForCausalLM"],
+                "sliding": "4:1", "hidden_activation": "gelu_pytorch_tanh",
+                "final_logit_softcapping": 30.0},
     # Mamba2 / attention / MLP layers in Nemotron-H-8B's proportions ("M-M-M-M*-" repeated).
     "nemotron_h": {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"],
                    "sliding": "mamba"},
@@ -83,17 +88,29 @@ def demo_config(arch: str, shape: DemoShape, vocab_size: int) -> dict[str, Any]:
     if sliding == "alternate":
         config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
                                  for i in range(shape.layers)]
-    elif sliding == "5:1":
-        config["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                                 for i in range(shape.layers)]
+    elif sliding in ("5:1", "4:1"):
+        period = 6 if sliding == "5:1" else 5
+        config["layer_types"] = ["full_attention" if (i + 1) % period == 0
+                                 else "sliding_attention" for i in range(shape.layers)]
         if "full_attention" not in config["layer_types"]:
             config["layer_types"][-1] = "full_attention"
         config["rope_parameters"] = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
         del config["rope_theta"]
-    if arch.startswith("gemma"):
+    if arch in ("gemma2", "gemma3"):
         config["query_pre_attn_scalar"] = shape.head_dim
+    if arch == "gemma3n":
+        shared = shape.layers * 3 // 7
+        if shape.layers - shared < 5:
+            raise ValueError(f"a gemma3n demo model needs at least 5 layers that own their KV "
+                             f"(a sliding and a full one); --layers {shape.layers} gives "
+                             f"{shape.layers - shared}, use --layers 8 or more")
+        config.update(
+            num_kv_shared_layers=shared, hidden_size_per_layer_input=max(shape.hidden // 8, 8),
+            vocab_size_per_layer_input=vocab_size, laurel_rank=max(shape.hidden // 32, 4),
+            altup_num_inputs=4, activation_sparsity_pattern=[
+                0.95 if i < shape.layers * 2 // 7 else 0.0 for i in range(shape.layers)])
     if sliding == "mamba":
         del config["sliding_window"]
         unit = "M-M-M-M*-"
