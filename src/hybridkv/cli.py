@@ -126,6 +126,20 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--output-len", type=_positive_int, default=32)
     cap.add_argument("--json", action="store_true")
 
+    fp = suites.add_parser("fast-prefill", help="KV-sharing fast prefill on vs off: time of "
+                                                "the shared-KV layers and of the forward")
+    fp.add_argument("model_dir", nargs="?", default=None,
+                    help="default: a Gemma-3n-like demo model (hidden 512) built on the fly")
+    fp.add_argument("--prompt-len", type=_positive_int, default=8192)
+    fp.add_argument("--mixed-lens", type=_positive_int, nargs="+",
+                    default=[3072, 2048, 1536, 1024, 384, 128],
+                    help="prompt lengths of the mixed batch")
+    fp.add_argument("--layers", type=_positive_int, default=14)
+    fp.add_argument("--hidden", type=_positive_int, default=512)
+    fp.add_argument("--repeat", type=_positive_int, default=3)
+    fp.add_argument("--device", default="auto")
+    fp.add_argument("--json", action="store_true")
+
     pre = suites.add_parser("prefix", help="prefix caching on a multi-turn chat trace")
     pre.add_argument("model_dir", nargs="?", default=None,
                      help="default: a tiny NemotronH-like demo model built on the fly")
@@ -276,6 +290,13 @@ def cmd_bench(args: argparse.Namespace) -> str:
                             kv_cache_memory=args.kv_cache_memory,
                             compare_eviction=args.compare_eviction,
                             system_len=tuple(args.system_len), as_json=args.json)
+    if args.suite == "fast-prefill":
+        from hybridkv.bench.fast_prefill import bench_fast_prefill
+
+        return bench_fast_prefill(args.model_dir, prompt_len=args.prompt_len,
+                                  mixed_lens=tuple(args.mixed_lens), layers=args.layers,
+                                  hidden=args.hidden, repeat=args.repeat, device=args.device,
+                                  as_json=args.json)
     if args.suite == "capacity":
         from hybridkv.bench.engine import bench_capacity
 
