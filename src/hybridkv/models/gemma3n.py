@@ -261,25 +261,46 @@ def _match_magnitude(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return x * target / magnitude
 
 
-class Gemma3nForCausalLM(nn.Module):
+class KVSharingGemmaLM(nn.Module):
+    """What Gemma 3n and Gemma 4 share around their decoder stack: a tied LM head with
+    optional final soft-capping, the KV-sharing layers (`model.targets`) and where fast
+    prefill may start, and the checkpoint tensors that text generation leaves unused."""
+
+    def __init__(self, config: Mapping[str, Any], model: nn.Module) -> None:
+        super().__init__()
+        cfg = config.get("text_config") or config
+        self.model = model
+        self.lm_head = nn.Linear(int(cfg["hidden_size"]), int(cfg["vocab_size"]), bias=False)
+        self.tied = bool(config.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True)))
+        if self.tied:
+            self.lm_head.weight = model.embed_tokens.weight
+        self.final_softcap = cfg.get("final_logit_softcapping")
+        targets: dict[int, int] = model.targets
+        self.kv_shared_from = kv_shared_from(targets, len(model.layers))
+        self.model_type = str(cfg["model_type"])
+        # Older checkpoints keep k/v weights for KV-sharing layers; nothing reads them.
+        self.unused_weights = MULTIMODAL_PARTS + tuple(
+            f"model.layers.{i}.self_attn.{part}." for i in targets
+            for part in ("k_proj", "v_proj", "k_norm", "v_norm"))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits  # type: ignore[no-any-return]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_named_weights(self, weights, model_type=self.model_type, tied=self.tied,
+                           unused=self.unused_weights)
+
+
+class Gemma3nForCausalLM(KVSharingGemmaLM):
     """forward(token ids [T], positions [T], ctx) -> hidden [T, hidden] (or, with fast
     prefill, the sampled tokens' rows); compute_logits(hidden) -> [N, vocab]."""
 
     def __init__(self, config: Mapping[str, Any]) -> None:
-        super().__init__()
         cfg = config.get("text_config") or config
-        self.model = Gemma3nModel(cfg, config)
-        self.lm_head = nn.Linear(int(cfg["hidden_size"]), int(cfg["vocab_size"]), bias=False)
-        self.tied = bool(config.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True)))
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.final_softcap = cfg.get("final_logit_softcapping")
-        self.kv_shared_from = kv_shared_from(self.model.targets, len(self.model.layers))
-        self.model_type = str(cfg.get("model_type", "gemma3n_text"))
-        # Older checkpoints keep k/v weights for KV-sharing layers; nothing reads them.
-        self.unused_weights = MULTIMODAL_PARTS + tuple(
-            f"model.layers.{i}.self_attn.{part}." for i in self.model.targets
-            for part in ("k_proj", "v_proj", "k_norm", "v_norm"))
+        super().__init__(config, Gemma3nModel(cfg, config))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -300,13 +321,3 @@ class Gemma3nForCausalLM(nn.Module):
         outs = [hs[0], *(_match_magnitude(proj(hs[j + 1]), target)
                          for j, proj in enumerate(m.altup_unembed_projections))]
         return m.norm(torch.stack(outs).mean(dim=0))  # type: ignore[no-any-return]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        if self.final_softcap is not None:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits  # type: ignore[no-any-return]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_named_weights(self, weights, model_type=self.model_type, tied=self.tied,
-                           unused=self.unused_weights)

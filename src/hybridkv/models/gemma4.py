@@ -9,14 +9,14 @@ output is scaled by a stored `layer_scalar`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from hybridkv.models.gemma3n import (
-    MULTIMODAL_PARTS,
+    KVSharingGemmaLM,
     PerLayerInputsModel,
     SharedKVAttention,
     gemma_rope,
@@ -26,24 +26,10 @@ from hybridkv.models.layer_mix import (
     FULL,
     SLIDING,
     attention_shape,
-    kv_shared_from,
     kv_sharing_targets,
     layer_kinds,
 )
-from hybridkv.models.layers import ForwardContext, RMSNorm, activation
-from hybridkv.models.weights import load_named_weights
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.act = activation(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))  # type: ignore[no-any-return]
+from hybridkv.models.layers import ForwardContext, GatedMLP, RMSNorm, activation
 
 
 class Router(nn.Module):
@@ -96,7 +82,7 @@ class Gemma4DecoderLayer(nn.Module):
             reads_shared_kv=reads_shared_kv, rope=gemma_rope(cfg, kind == SLIDING),
             k_eq_v=bool(cfg.get("attention_k_eq_v", False)) and kind == FULL)
         wide = 2 if cfg.get("use_double_wide_mlp") and reads_shared_kv else 1
-        self.mlp = MLP(hidden, int(cfg["intermediate_size"]) * wide, act)
+        self.mlp = GatedMLP(hidden, int(cfg["intermediate_size"]) * wide, act)
         for norm in ("input_layernorm", "post_attention_layernorm",
                      "pre_feedforward_layernorm", "post_feedforward_layernorm"):
             setattr(self, norm, RMSNorm(hidden, eps))
@@ -149,24 +135,13 @@ class Gemma4Model(PerLayerInputsModel):
         self.norm = RMSNorm(self.hidden, float(cfg.get("rms_norm_eps", 1e-6)))
 
 
-class Gemma4ForCausalLM(nn.Module):
+class Gemma4ForCausalLM(KVSharingGemmaLM):
     def __init__(self, config: Mapping[str, Any]) -> None:
-        super().__init__()
         cfg = config.get("text_config") or config
         if cfg.get("use_bidirectional_attention") == "all":
             raise NotImplementedError("Gemma 4 with use_bidirectional_attention='all' (an "
                                       "encoder) is not supported; causal models only")
-        self.model = Gemma4Model(cfg, config)
-        self.lm_head = nn.Linear(int(cfg["hidden_size"]), int(cfg["vocab_size"]), bias=False)
-        self.tied = bool(config.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True)))
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.final_softcap = cfg.get("final_logit_softcapping")
-        self.kv_shared_from = kv_shared_from(self.model.targets, len(self.model.layers))
-        self.model_type = str(cfg.get("model_type", "gemma4_text"))
-        self.unused_weights = MULTIMODAL_PARTS + tuple(
-            f"model.layers.{i}.self_attn.{part}." for i in self.model.targets
-            for part in ("k_proj", "v_proj", "k_norm", "v_norm"))
+        super().__init__(config, Gemma4Model(cfg, config))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -182,13 +157,3 @@ class Gemma4ForCausalLM(nn.Module):
                     per_layer = per_layer[keep] if per_layer is not None else None
             h = layer(h, per_layer[:, i] if per_layer is not None else None, positions, ctx)
         return m.norm(h)  # type: ignore[no-any-return]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        if self.final_softcap is not None:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits  # type: ignore[no-any-return]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_named_weights(self, weights, model_type=self.model_type, tied=self.tied,
-                           unused=self.unused_weights)

@@ -88,6 +88,20 @@ ACTIVATIONS = {
 }
 
 
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), the MLP of most decoders here."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))  # type: ignore[no-any-return]
+
+
 def activation(name: str) -> Any:
     try:
         return ACTIVATIONS[name]

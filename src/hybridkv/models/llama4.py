@@ -16,7 +16,13 @@ from torch import nn
 
 from hybridkv.models.base import CausalLM
 from hybridkv.models.layer_mix import CHUNKED, layer_kinds
-from hybridkv.models.layers import ForwardContext, RMSNorm, activation, rope_inv_freq
+from hybridkv.models.layers import (
+    ForwardContext,
+    GatedMLP,
+    RMSNorm,
+    activation,
+    rope_inv_freq,
+)
 from hybridkv.worker.attention import AttentionParams
 
 
@@ -78,18 +84,6 @@ class Llama4Attention(nn.Module):
         return self.o_proj(ctx.attention(self.name, q, k, v, self.params).flatten(1))
 
 
-class Llama4MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.act = activation(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Llama4Experts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
@@ -105,7 +99,7 @@ class Llama4MoE(nn.Module):
         num_experts = int(cfg["num_local_experts"])
         self.router = nn.Linear(hidden, num_experts, bias=False)
         self.experts = Llama4Experts(num_experts, hidden, inter)
-        self.shared_expert = Llama4MLP(hidden, inter, str(cfg.get("hidden_act", "silu")))
+        self.shared_expert = GatedMLP(hidden, inter, str(cfg.get("hidden_act", "silu")))
         self.act = activation(str(cfg.get("hidden_act", "silu")))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,7 +121,7 @@ class Llama4DecoderLayer(nn.Module):
         super().__init__()
         hidden, eps = int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-5))
         self.self_attn = Llama4Attention(cfg, layer, chunked)
-        self.feed_forward: nn.Module = Llama4MoE(cfg) if moe else Llama4MLP(
+        self.feed_forward: nn.Module = Llama4MoE(cfg) if moe else GatedMLP(
             hidden, int(cfg.get("intermediate_size_mlp") or cfg["intermediate_size"]),
             str(cfg.get("hidden_act", "silu")))
         self.input_layernorm = RMSNorm(hidden, eps)
