@@ -56,11 +56,12 @@ def test_paged_attention_equals_dense(layout, kernel_block, feature):
         chunk_size=8 if feature == "chunk" else None,
         softcap=3.0 if feature == "softcap" else None,
         sinks=torch.randn(H_Q) if feature == "sinks" else None)
-    # Two requests: one decoding (context 19 -> 20), one prompt chunk of 6 at 7..12.
-    lens, new = [20, 13], [1, 6]
-    tables = [[5, 9, 14], [30, 4]]  # manager block ids (page = id // per_page)
+    # Three requests: one decoding (context 19 -> 20), a prompt chunk of 6 at 7..12, and a
+    # chunk of 19 at 3..21 (longer than the window and crossing chunks: queries in blocks).
+    lens, new = [20, 13, 22], [1, 6, 19]
+    tables = [[5, 9, 14], [30, 4], [7, 20, 33]]  # manager block ids (page = id // per_page)
     if layout == "flat":
-        tables = [[5, 9, 11], [10, 4]]
+        tables = [[5, 9, 11], [10, 4], [1, 2, 3]]
     keys_all = [torch.randn(n, H_KV, D) for n in lens]
     values_all = [torch.randn(n, H_KV, D) for n in lens]
     k_per = BS // kernel_block
@@ -73,17 +74,18 @@ def test_paged_attention_equals_dense(layout, kernel_block, feature):
                                  + [0] * (8 - len(t) * k_per) for t in tables])
     slots = [table[p // BS] * BS + p % BS for table, n, m in zip(tables, lens, new, strict=True)
              for p in range(n - m, n)]
-    meta = AttentionMetadata(query_start_loc=[0, 1, 7], seq_lens=lens,
+    meta = AttentionMetadata(query_start_loc=[0, 1, 7, 26], seq_lens=lens,
                              block_table=kernel_table,
                              slot_mapping=torch.tensor(slots), block_size=BS,
                              kernel_block_size=kernel_block, blocks_per_page=per_page)
-    q = torch.randn(7, H_Q, D)
-    k_new = torch.cat([keys_all[0][-1:], keys_all[1][-6:]])
-    v_new = torch.cat([values_all[0][-1:], values_all[1][-6:]])
+    q = torch.randn(26, H_Q, D)
+    k_new = torch.cat([k[-m:] for k, m in zip(keys_all, new, strict=True)])
+    v_new = torch.cat([v[-m:] for v, m in zip(values_all, new, strict=True)])
     out = get_backend("torch").forward(q, k_new, v_new, kv, meta, params)
     expect = torch.cat([
         dense(q[:1], keys_all[0], values_all[0], torch.tensor([19]), params),
-        dense(q[1:], keys_all[1], values_all[1], torch.arange(7, 13), params)])
+        dense(q[1:7], keys_all[1], values_all[1], torch.arange(7, 13), params),
+        dense(q[7:], keys_all[2], values_all[2], torch.arange(3, 22), params)])
     torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
 
 

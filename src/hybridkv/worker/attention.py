@@ -210,11 +210,38 @@ def _flat_blocks(kv_cache: torch.Tensor) -> torch.Tensor | None:
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_len: int,
             params: AttentionParams) -> torch.Tensor:
     """q [nq, Hq, D] are the last nq positions of a sequence of seq_len; keys/values
-    [seq_len, Hk, D]."""
+    [seq_len, Hk, D]. With a window or chunk, queries go in blocks of that size, each over
+    only the keys it can see: a long prompt costs O(nq * window), not O(nq * seq_len)."""
+    num_q = q.shape[0]
+    first = seq_len - num_q
+    local = params.sliding_window or params.chunk_size
+    if local is None or num_q <= local:
+        return _attend_block(q, keys, values, first, 0, params)
+    out = torch.empty_like(q)
+    start = first
+    while start < seq_len:
+        end = min(start + local, seq_len)
+        k_start = 0
+        if params.sliding_window is not None:
+            k_start = max(k_start, start - params.sliding_window + 1)
+        if params.chunk_size is not None:
+            end = min(end, (start // params.chunk_size + 1) * params.chunk_size)
+            k_start = max(k_start, start // params.chunk_size * params.chunk_size)
+        out[start - first:end - first] = _attend_block(
+            q[start - first:end - first], keys[k_start:end], values[k_start:end], start,
+            k_start, params)
+        start = end
+    return out
+
+
+def _attend_block(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_start: int,
+                  k_start: int, params: AttentionParams) -> torch.Tensor:
+    """Queries at positions q_start.. over keys at positions k_start.. (the keys end where
+    the queries end)."""
     num_q, num_heads = q.shape[0], q.shape[1]
     group = num_heads // keys.shape[1]
-    q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device).unsqueeze(1)
-    k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+    q_pos = torch.arange(q_start, q_start + num_q, device=q.device).unsqueeze(1)
+    k_pos = torch.arange(k_start, k_start + keys.shape[0], device=q.device).unsqueeze(0)
     allowed = k_pos <= q_pos
     if params.sliding_window is not None:
         allowed &= q_pos - k_pos < params.sliding_window
