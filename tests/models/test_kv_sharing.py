@@ -136,3 +136,12 @@ def test_fast_prefill_needs_a_model_with_kv_sharing_layers(tmp_path):
     with pytest.raises(ValueError, match="kv_sharing_fast_prefill needs a model"):
         LLM(str(model_dir), kv_sharing_fast_prefill=True, kv_cache_memory="4MiB",
             max_model_len=64)
+
+
+def test_families_without_kv_sharing_refuse_a_sharing_map(tmp_path):
+    model_dir = build_tiny_model("bamba", tmp_path)  # attention layers 1 and 3
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "kv_sharing_target_layers": {"3": 1}}))
+    with pytest.raises(NotImplementedError, match="bamba: layers reading another layer"):
+        LLM(str(model_dir), kv_cache_memory="4MiB", max_model_len=64)

@@ -13,6 +13,7 @@ from hybridkv.models.gemma3n import Gemma3nForCausalLM
 from hybridkv.models.gemma4 import Gemma4ForCausalLM
 from hybridkv.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from hybridkv.models.jamba import JambaForCausalLM
+from hybridkv.models.layer_mix import kv_sharing_targets
 from hybridkv.models.llama import DecoderConfig, DecoderForCausalLM
 from hybridkv.models.llama4 import Llama4ForCausalLM
 from hybridkv.models.nemotron_h import NemotronHForCausalLM
@@ -38,6 +39,11 @@ MODELS["gemma3n_text"] = MODELS["gemma3n"] = Gemma3nForCausalLM
 MODELS["gemma4_text"] = MODELS["gemma4"] = Gemma4ForCausalLM
 
 
+# Families whose attention reads a target layer's cache when the config says so.
+KV_SHARING_MODELS = {"llama", "mistral", "qwen3", "gemma2", "gemma3_text", "gpt_oss",
+                     "gemma3n", "gemma3n_text", "gemma4", "gemma4_text"}
+
+
 def build_model(config: Mapping[str, Any]) -> nn.Module:
     cfg = config.get("text_config") or config
     model_type = str(cfg.get("model_type") or config.get("model_type"))
@@ -47,4 +53,10 @@ def build_model(config: Mapping[str, Any]) -> nn.Module:
         raise ValueError(f"unsupported architecture model_type={model_type!r} (architectures "
                          f"{config.get('architectures')}); supported: "
                          f"{', '.join(sorted(MODELS))}") from None
+    if kv_sharing_targets(config) and model_type not in KV_SHARING_MODELS:
+        # Other families would compute and write their own K/V into the target's cache.
+        raise NotImplementedError(
+            f"{model_type}: layers reading another layer's KV cache (num_kv_shared_layers / "
+            f"kv_sharing_target_layers) are not supported for this architecture; supported: "
+            f"{', '.join(sorted(KV_SHARING_MODELS))}")
     return factory(config)

@@ -177,7 +177,9 @@ class ModelRunner:
                 blocks_per_page=blocks_per_page))
         ctx = ForwardContext(self.backend, self.kv_caches, metadata, self.layer_group)
         sample_t = torch.tensor(sample_indices, dtype=torch.int64, device=self.device)
-        if self.kv_sharing_fast_prefill:
+        # Only when some tokens are not sampled (prefill): a pure decode step has none to cut.
+        reduced = self.kv_sharing_fast_prefill and len(sample_indices) < len(input_ids)
+        if reduced:
             sampled = set(sample_ids)
             ctx.kv_shared_tokens = sample_t
             ctx.kv_shared_ctx = ForwardContext(
@@ -187,9 +189,9 @@ class ModelRunner:
         hidden = self.model(ids_t.to(self.device), pos_t.to(self.device), ctx)
         if not sample_ids:
             return RunnerOutput({}, {}, {})
-        # With fast prefill the model returns the sampled tokens' rows only, in order.
+        # Cut down to the sampled tokens, the model returns only their rows, in order.
         logits = self.model.compute_logits(  # type: ignore[operator]
-            hidden if self.kv_sharing_fast_prefill else hidden[sample_t])
+            hidden if reduced else hidden[sample_t])
         tokens, logprobs = self.sampler.sample(logits, sample_ids,
                                                [params[r] for r in sample_ids])
         return RunnerOutput(
