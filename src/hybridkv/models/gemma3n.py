@@ -26,6 +26,7 @@ from torch import nn
 from hybridkv.models.layer_mix import SLIDING, kv_shared_from, kv_sharing_targets, layer_kinds
 from hybridkv.models.layers import (
     ForwardContext,
+    GatedMLP,
     RMSNorm,
     activation,
     apply_rope,
@@ -158,13 +159,11 @@ class Laurel(nn.Module):
         return x + self.post_laurel_norm(self.linear_right(self.linear_left(x)))  # type: ignore[no-any-return]
 
 
-class SparseMLP(nn.Module):
+class SparseMLP(GatedMLP):
+    """GatedMLP whose gate may keep only its largest values (activation sparsity)."""
+
     def __init__(self, hidden: int, intermediate: int, act: str, sparsity: float) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.act = activation(act)
+        super().__init__(hidden, intermediate, act)
         # Φ⁻¹(sparsity): the gate keeps values above mean + std * this, per token.
         self.std_multiplier = float(torch.distributions.Normal(0.0, 1.0).icdf(
             torch.tensor(sparsity, dtype=torch.float32))) if sparsity > 0 else None
