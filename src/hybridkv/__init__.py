@@ -7,7 +7,7 @@ def __getattr__(name: str) -> object:
     # Lazy, so that `import hybridkv.kv` never pulls in torch.
     if name in ("LLM", "SamplingParams"):
         from hybridkv.engine.llm import LLM
-        from hybridkv.engine.sampling import SamplingParams
+        from hybridkv.sched.sampling import SamplingParams
 
         return {"LLM": LLM, "SamplingParams": SamplingParams}[name]
     raise AttributeError(f"module 'hybridkv' has no attribute {name!r}")

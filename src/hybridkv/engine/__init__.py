@@ -1,1 +1,1 @@
-"""Requests, sampling parameters, the scheduler and the engine loop."""
+"""The engine loop, the offline `LLM` API, detokenizer and outputs."""

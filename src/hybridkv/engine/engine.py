@@ -16,13 +16,13 @@ import torch
 from hybridkv.config import EngineConfig
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
 from hybridkv.engine.outputs import RequestOutput
-from hybridkv.engine.request import Request, RequestStatus
-from hybridkv.engine.sampling import SamplingParams
-from hybridkv.engine.scheduler import Scheduler, SchedulerConfig
 from hybridkv.kv.manager import KVCacheManager
 from hybridkv.kv.plan import plan_kv_cache
 from hybridkv.models.layer_mix import kv_layout_from_config
 from hybridkv.models.loader import load_model, read_config
+from hybridkv.sched.request import Request, RequestStatus
+from hybridkv.sched.sampling import SamplingParams
+from hybridkv.sched.scheduler import Scheduler, SchedulerConfig
 from hybridkv.worker.kv_cache import torch_dtype
 from hybridkv.worker.model_runner import ModelRunner
 

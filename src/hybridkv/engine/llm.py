@@ -9,7 +9,7 @@ from typing import Any
 from hybridkv.config import EngineConfig
 from hybridkv.engine.engine import LLMEngine
 from hybridkv.engine.outputs import RequestOutput
-from hybridkv.engine.sampling import SamplingParams
+from hybridkv.sched.sampling import SamplingParams
 
 Prompt = str | Sequence[int]
 

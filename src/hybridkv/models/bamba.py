@@ -11,16 +11,10 @@ from torch import nn
 
 from hybridkv.models.base import CausalLM
 from hybridkv.models.layer_mix import FULL, MAMBA, layer_kinds
-from hybridkv.models.layers import (
-    ForwardContext,
-    RMSNorm,
-    activation,
-    apply_rope,
-    rope_inv_freq,
-    rope_key,
-)
+from hybridkv.models.layers import RMSNorm, activation, apply_rope, rope_inv_freq, rope_key
 from hybridkv.models.mamba2 import Mamba2Mixer
 from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.forward_context import ForwardContext
 
 
 class PartialRopeAttention(nn.Module):

@@ -8,8 +8,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from hybridkv.models.layers import ForwardContext
 from hybridkv.models.weights import load_named_weights
+from hybridkv.worker.forward_context import ForwardContext
 
 
 class CausalLM(nn.Module):

@@ -12,8 +12,9 @@ from torch import nn
 
 from hybridkv.models.bamba import PartialRopeAttention
 from hybridkv.models.base import CausalLM
-from hybridkv.models.layers import ForwardContext, RMSNorm, activation
+from hybridkv.models.layers import RMSNorm, activation
 from hybridkv.models.mamba2 import Mamba2Mixer
+from hybridkv.worker.forward_context import ForwardContext
 
 
 class FalconMLP(nn.Module):

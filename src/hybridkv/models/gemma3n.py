@@ -25,7 +25,6 @@ from torch import nn
 
 from hybridkv.models.layer_mix import SLIDING, kv_shared_from, kv_sharing_targets, layer_kinds
 from hybridkv.models.layers import (
-    ForwardContext,
     GatedMLP,
     RMSNorm,
     activation,
@@ -36,6 +35,7 @@ from hybridkv.models.layers import (
 from hybridkv.models.llama import _rope_params
 from hybridkv.models.weights import load_named_weights
 from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.forward_context import ForwardContext
 
 # Parts of multimodal checkpoints that text generation does not use.
 MULTIMODAL_PARTS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",

@@ -29,7 +29,8 @@ from hybridkv.models.layer_mix import (
     kv_sharing_targets,
     layer_kinds,
 )
-from hybridkv.models.layers import ForwardContext, GatedMLP, RMSNorm, activation
+from hybridkv.models.layers import GatedMLP, RMSNorm, activation
+from hybridkv.worker.forward_context import ForwardContext
 
 
 class Router(nn.Module):

@@ -18,8 +18,9 @@ from torch import nn
 from hybridkv.models.bamba import PartialRopeAttention, SwiGLU
 from hybridkv.models.base import CausalLM
 from hybridkv.models.layer_mix import MAMBA1, layer_kinds
-from hybridkv.models.layers import ForwardContext, RMSNorm, activation
+from hybridkv.models.layers import RMSNorm, activation
 from hybridkv.models.mamba2 import Saves, causal_conv, request_states
+from hybridkv.worker.forward_context import ForwardContext
 
 
 class Mamba1Mixer(nn.Module):

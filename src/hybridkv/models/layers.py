@@ -4,62 +4,11 @@ context that carries attention metadata and KV views through one forward pass.""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
-
-from hybridkv.worker.attention import AttentionBackend, AttentionMetadata, AttentionParams
-
-
-@dataclass
-class ForwardContext:
-    """Everything attention layers need for one step, passed explicitly (no globals)."""
-
-    backend: AttentionBackend
-    kv_caches: Mapping[str, Any]  # layer name -> its KV view (or state tensors)
-    metadata: Sequence[Any]  # per group: AttentionMetadata, or StateMetadata for states
-    layer_group: Mapping[str, int]  # layer name -> group id
-    # RoPE cos/sin of this step's positions, per distinct RoPE parameters.
-    rope_cache: dict[object, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    # KV-sharing fast prefill (set by the runner when enabled): the layers from a model's
-    # `kv_shared_from` on write no KV, so only the tokens whose logits are sampled need them.
-    # `kv_shared_tokens` indexes those tokens; `kv_shared_ctx` is the context of that batch.
-    kv_shared_tokens: torch.Tensor | None = None
-    kv_shared_ctx: ForwardContext | None = None
-
-    def enter_kv_shared_layers(self) -> tuple[ForwardContext, torch.Tensor | None]:
-        """Called by a model before its first KV-sharing layer: (the context for the rest of
-        the layers, the token index to keep, or None to keep every token)."""
-        if self.kv_shared_ctx is None:
-            return self, None
-        return self.kv_shared_ctx, self.kv_shared_tokens
-
-    def state(self, layer_name: str) -> tuple[Any, tuple[torch.Tensor, ...]]:
-        """A state layer's group metadata (StateMetadata) and its state tensors."""
-        return self.metadata[self.layer_group[layer_name]], self.kv_caches[layer_name]
-
-    def rope_cos_sin(self, positions: torch.Tensor, key: object, inv_freq: torch.Tensor,
-                     scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, 1, D] cos and sin, computed once per step for layers whose RoPE parameters
-        (`key`, see `rope_key`) are equal."""
-        cached = self.rope_cache.get(key)
-        if cached is None:
-            freqs = positions.float().unsqueeze(-1) * inv_freq
-            cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).unsqueeze(1) * scaling
-            sin = torch.cat([freqs.sin(), freqs.sin()], dim=-1).unsqueeze(1) * scaling
-            cached = self.rope_cache[key] = (cos, sin)
-        return cached
-
-    def attention(self, layer_name: str, q: torch.Tensor, k: torch.Tensor | None,
-                  v: torch.Tensor | None, params: AttentionParams) -> torch.Tensor:
-        """Attend over the layer's KV cache after writing k/v; k = v = None for a layer that
-        reads another layer's cache (KV sharing), already written earlier in this step."""
-        meta = self.metadata[self.layer_group[layer_name]]
-        assert isinstance(meta, AttentionMetadata)
-        return self.backend.forward(q, k, v, self.kv_caches[layer_name], meta, params)
 
 
 class RMSNorm(nn.Module):

@@ -24,16 +24,10 @@ from hybridkv.models.layer_mix import (
     kv_sharing_targets,
     layer_kinds,
 )
-from hybridkv.models.layers import (
-    ForwardContext,
-    RMSNorm,
-    activation,
-    apply_rope,
-    rope_inv_freq,
-    rope_key,
-)
+from hybridkv.models.layers import RMSNorm, activation, apply_rope, rope_inv_freq, rope_key
 from hybridkv.models.weights import load_named_weights
 from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.forward_context import ForwardContext
 
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")
 

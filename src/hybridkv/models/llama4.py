@@ -16,14 +16,9 @@ from torch import nn
 
 from hybridkv.models.base import CausalLM
 from hybridkv.models.layer_mix import CHUNKED, layer_kinds
-from hybridkv.models.layers import (
-    ForwardContext,
-    GatedMLP,
-    RMSNorm,
-    activation,
-    rope_inv_freq,
-)
+from hybridkv.models.layers import GatedMLP, RMSNorm, activation, rope_inv_freq
 from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.forward_context import ForwardContext
 
 
 def apply_rope_pairs(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.models.layers import ForwardContext
 from hybridkv.models.ssd import ssd_scan
+from hybridkv.worker.forward_context import ForwardContext
 from hybridkv.worker.state import StateMetadata
 
 Saves = list[tuple[int, torch.Tensor, torch.Tensor]]

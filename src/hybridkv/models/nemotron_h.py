@@ -12,8 +12,9 @@ from torch import nn
 from hybridkv.models.bamba import PartialRopeAttention
 from hybridkv.models.base import CausalLM
 from hybridkv.models.layer_mix import FULL, MAMBA, layer_kinds
-from hybridkv.models.layers import ForwardContext, RMSNorm
+from hybridkv.models.layers import RMSNorm
 from hybridkv.models.mamba2 import Mamba2Mixer
+from hybridkv.worker.forward_context import ForwardContext
 
 
 class ReluSquaredMLP(nn.Module):

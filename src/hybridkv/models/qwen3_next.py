@@ -17,8 +17,9 @@ from torch import nn
 from hybridkv.models.bamba import PartialRopeAttention, SwiGLU
 from hybridkv.models.base import CausalLM
 from hybridkv.models.layer_mix import LINEAR, layer_kinds
-from hybridkv.models.layers import ForwardContext, RMSNorm, activation, apply_rope
+from hybridkv.models.layers import RMSNorm, activation, apply_rope
 from hybridkv.models.mamba2 import Saves, causal_conv, request_states
+from hybridkv.worker.forward_context import ForwardContext
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

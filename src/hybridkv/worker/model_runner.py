@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hybridkv.engine.sampling import SamplingParams
-from hybridkv.engine.scheduler import SchedulerOutput
 from hybridkv.kv.plan import KVCacheConfig
 from hybridkv.kv.spec import MambaSpec, cdiv
-from hybridkv.models.layers import ForwardContext
+from hybridkv.sched.sampling import SamplingParams
+from hybridkv.sched.scheduler import SchedulerOutput
 from hybridkv.worker.attention import AttentionMetadata, get_backend
 from hybridkv.worker.block_table import BlockTable
+from hybridkv.worker.forward_context import ForwardContext
 from hybridkv.worker.kv_cache import allocate_kv_caches
 from hybridkv.worker.sampler import Sampler
 from hybridkv.worker.state import StateMetadata

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridkv.engine.sampling import SamplingParams
+from hybridkv.sched.sampling import SamplingParams
 
 
 class Sampler:

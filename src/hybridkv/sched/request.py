@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
-from hybridkv.engine.sampling import SamplingParams
 from hybridkv.kv.request import KVRequest
+from hybridkv.sched.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):

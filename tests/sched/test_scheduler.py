@@ -1,9 +1,9 @@
 """The scheduler against a real KVCacheManager and a fake model (no torch)."""
 
-from hybridkv.engine.request import Request
-from hybridkv.engine.sampling import SamplingParams
-from hybridkv.engine.scheduler import Scheduler, SchedulerConfig
 from hybridkv.kv.manager import KVCacheManager
+from hybridkv.sched.request import Request
+from hybridkv.sched.sampling import SamplingParams
+from hybridkv.sched.scheduler import Scheduler, SchedulerConfig
 from tests.kv.toy import full, sliding, toy_config
 
 

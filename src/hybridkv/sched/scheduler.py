@@ -14,8 +14,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from hybridkv.engine.request import Request, RequestStatus
 from hybridkv.kv.manager import KVCacheManager
+from hybridkv.sched.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)
