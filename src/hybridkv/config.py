@@ -1,4 +1,9 @@
-"""Engine options, with the names users of inference engines expect."""
+"""Engine options, with the names users of inference engines expect.
+
+Users set one flat `EngineConfig`; each part of the engine gets its own frozen config derived
+from it (`scheduler_config`, `runner_config`, `cache_options`), so a part never reads options
+that are not its own and a new option is added in one place plus the part that uses it.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from hybridkv.kv.plan import parse_bytes
+from hybridkv.sched.scheduler import SchedulerConfig
+from hybridkv.worker.config import RunnerConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,7 +38,6 @@ class EngineConfig:
     # Run layers that only read other layers' KV (Gemma 3n/4, YOCO) on the sampled tokens
     # only: during prefill their other tokens' outputs are never used.
     kv_sharing_fast_prefill: bool = False
-    keep_logits: bool = False  # keep sampled rows' logits in outputs (for tests)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -49,3 +55,24 @@ class EngineConfig:
             raise ValueError(f"unknown engine option(s) {', '.join(unknown)}; accepted: "
                              f"{', '.join(sorted(known))}")
         return cls(**kwargs)
+
+    # ------------------------------------------------------------ the parts' configs
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                               max_num_batched_tokens=self.max_num_batched_tokens,
+                               max_model_len=max_model_len,
+                               enable_chunked_prefill=self.enable_chunked_prefill,
+                               policy=self.scheduling_policy)
+
+    def runner_config(self, max_model_len: int, device: str) -> RunnerConfig:
+        return RunnerConfig(max_num_seqs=self.max_num_seqs, max_model_len=max_model_len,
+                            device=device, attention_backend=self.attention_backend,
+                            kernel_block_size=self.kernel_block_size,
+                            kv_sharing_fast_prefill=self.kv_sharing_fast_prefill)
+
+    def cache_options(self) -> dict[str, Any]:
+        """KVCacheManager's keyword options (besides the plan and max_model_len)."""
+        return {"enable_caching": self.enable_prefix_caching,
+                "checkpoint_interval": self.mamba_checkpoint_interval,
+                "checkpoint_branch_points": self.mamba_checkpoint_branch_points,
+                "eviction": self.kv_eviction}

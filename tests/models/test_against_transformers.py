@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from hybridkv import LLM, SamplingParams  # noqa: E402
+from tests.hooks import record_logits  # noqa: E402
 from tests.models.tiny import build_tiny_model  # noqa: E402
 
 ARCHS = ["llama", "qwen3", "qwen3_swa", "mistral", "gemma2", "gemma3", "gpt_oss",
@@ -43,17 +44,17 @@ def reference(request, tmp_path_factory):
 
 
 def run(model_dir: Path, prompts, **options):
-    options = {"dtype": "float32", "max_model_len": 128, "kv_cache_memory": "4MiB",
-               "keep_logits": True, **options}
+    options = {"dtype": "float32", "max_model_len": 128, "kv_cache_memory": "4MiB", **options}
     llm = LLM(str(model_dir), **options)
+    llm.logits = record_logits(llm)
     outs = llm.generate(prompts, SamplingParams(max_tokens=NUM_NEW))
     return llm, outs
 
 
-def check(outs, tokens, logits, *, atol=2e-4):
+def check(llm, outs, tokens, logits, *, atol=2e-4):
     for out, ref_tokens, ref_logits in zip(outs, tokens, logits, strict=True):
         assert out.token_ids == ref_tokens
-        ours = torch.stack(out.logits)
+        ours = torch.stack(llm.logits.pop(out.request_id))
         assert ours.shape == ref_logits.shape
         torch.testing.assert_close(ours, ref_logits, atol=atol, rtol=1e-4)
 
@@ -61,18 +62,18 @@ def check(outs, tokens, logits, *, atol=2e-4):
 def test_batch_matches_transformers(reference):
     _, model_dir, prompts, tokens, logits = reference
     llm, outs = run(model_dir, prompts)
-    check(outs, tokens, logits)
+    check(llm, outs, tokens, logits)
     assert all(o.finish_reason == "length" for o in outs)
 
 
 def test_prefix_cache_hit_gives_the_same_outputs(reference):
     _, model_dir, prompts, tokens, logits = reference
     llm, first = run(model_dir, prompts[:1])
-    check(first, tokens[:1], logits[:1])
+    check(llm, first, tokens[:1], logits[:1])
     # The same prompt again: every full block but the last token's is reused (for state
     # layers: the state checkpoint saved at the end of the first prompt's last full block).
     again = llm.generate(prompts[:1], SamplingParams(max_tokens=NUM_NEW))
-    check(again, tokens[:1], logits[:1])
+    check(llm, again, tokens[:1], logits[:1])
     stats = llm.engine.kv_manager.stats
     assert stats.num_hit_tokens == (len(prompts[0]) - 1) // 16 * 16 > 0
 
@@ -80,14 +81,14 @@ def test_prefix_cache_hit_gives_the_same_outputs(reference):
 def test_prefix_caching_off(reference):
     _, model_dir, prompts, tokens, logits = reference
     llm, outs = run(model_dir, prompts, enable_prefix_caching=False)
-    check(outs, tokens, logits)
+    check(llm, outs, tokens, logits)
     assert llm.engine.kv_manager.stats.num_hit_tokens == 0
 
 
 def test_chunked_prefill_with_a_small_budget(reference):
     _, model_dir, prompts, tokens, logits = reference
-    _, outs = run(model_dir, prompts, max_num_batched_tokens=9)
-    check(outs, tokens, logits)
+    llm, outs = run(model_dir, prompts, max_num_batched_tokens=9)
+    check(llm, outs, tokens, logits)
 
 
 def test_preemption_under_a_tiny_memory_budget(reference):
@@ -109,7 +110,7 @@ def check_with_preemption(reference, **options):
         except ValueError as e:
             assert "too small for one request" in str(e)
             continue
-        check(outs, tokens, logits)
+        check(llm, outs, tokens, logits)
         preempted += llm.engine.scheduler.num_preemptions
         if preempted:
             break
@@ -119,7 +120,7 @@ def check_with_preemption(reference, **options):
 def test_hybrid_management_off(reference):
     _, model_dir, prompts, tokens, logits = reference
     llm, outs = run(model_dir, prompts, disable_hybrid_kv_cache=True)
-    check(outs, tokens, logits)
+    check(llm, outs, tokens, logits)
     # Windows and chunks become full attention; state layers stay state layers.
     kinds = {g.spec.kind for g in llm.engine.plan.config.groups}
     assert not kinds & {"sliding_window", "chunked_local"} and "full" in kinds
@@ -127,8 +128,8 @@ def test_hybrid_management_off(reference):
 
 def test_kernel_block_size_below_the_manager_block_size(reference):
     _, model_dir, prompts, tokens, logits = reference
-    _, outs = run(model_dir, prompts, block_size=16, kernel_block_size=4)
-    check(outs, tokens, logits)
+    llm, outs = run(model_dir, prompts, block_size=16, kernel_block_size=4)
+    check(llm, outs, tokens, logits)
 
 
 def test_kv_sharing_fast_prefill(reference):
@@ -139,11 +140,11 @@ def test_kv_sharing_fast_prefill(reference):
     if name not in KV_SHARING:
         pytest.skip("no KV-sharing layers")
     llm, outs = run(model_dir, prompts, kv_sharing_fast_prefill=True)
-    check(outs, tokens, logits)
+    check(llm, outs, tokens, logits)
     assert all(g.shared_layer_names for g in llm.engine.plan.config.groups)
     again = llm.generate(prompts[:1], SamplingParams(max_tokens=NUM_NEW))
-    check(again, tokens[:1], logits[:1])
+    check(llm, again, tokens[:1], logits[:1])
     assert llm.engine.kv_manager.stats.num_hit_tokens > 0
-    _, outs = run(model_dir, prompts, kv_sharing_fast_prefill=True, max_num_batched_tokens=9)
-    check(outs, tokens, logits)
+    llm, outs = run(model_dir, prompts, kv_sharing_fast_prefill=True, max_num_batched_tokens=9)
+    check(llm, outs, tokens, logits)
     check_with_preemption(reference, kv_sharing_fast_prefill=True)

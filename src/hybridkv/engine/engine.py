@@ -8,84 +8,35 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-import torch
-
 from hybridkv.config import EngineConfig
+from hybridkv.engine.build import EngineParts, build_engine
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
 from hybridkv.engine.outputs import RequestOutput
-from hybridkv.kv.manager import KVCacheManager
-from hybridkv.kv.plan import plan_kv_cache
-from hybridkv.models.layer_mix import kv_layout_from_config
-from hybridkv.models.loader import load_model, read_config
 from hybridkv.sched.request import Request, RequestStatus
 from hybridkv.sched.sampling import SamplingParams
-from hybridkv.sched.scheduler import Scheduler, SchedulerConfig
-from hybridkv.worker.kv_cache import torch_dtype
-from hybridkv.worker.model_runner import ModelRunner
 
 
 class LLMEngine:
-    def __init__(self, model_dir: str, config: EngineConfig) -> None:
-        self.config = config
-        device = torch.device(config.device if config.device != "auto" else
-                              ("cuda" if torch.cuda.is_available() else "cpu"))
-        hf_config = read_config(Path(model_dir))
-        text_cfg = hf_config.get("text_config") or hf_config
-        dtype_name = config.dtype if config.dtype != "auto" else str(
-            text_cfg.get("torch_dtype") or hf_config.get("torch_dtype")
-            or hf_config.get("dtype") or "float32")
-        dtype = torch_dtype(dtype_name)
-        loaded = load_model(model_dir, dtype=dtype, device=device, config=hf_config)
-        self.tokenizer = loaded.tokenizer
-        self.eos_token_ids = loaded.eos_token_ids
-        self.vocab_size = int(text_cfg["vocab_size"])
-        max_pos = text_cfg.get("max_position_embeddings") or 8192
-        self.max_model_len = config.max_model_len or min(int(max_pos), 8192)
-        layout = kv_layout_from_config(hf_config, block_size=config.block_size,
-                                       kv_dtype=dtype_name)
-        plan = plan_kv_cache(layout.layer_specs, int(config.kv_cache_memory),
-                             max_model_len=self.max_model_len,
-                             max_num_batched_tokens=config.max_num_batched_tokens,
-                             hybrid=not config.disable_hybrid_kv_cache,
-                             kv_sharing=layout.kv_sharing)
-        self.plan = plan
-        self.kv_manager = KVCacheManager(plan.config, max_model_len=self.max_model_len,
-                                         enable_caching=config.enable_prefix_caching,
-                                         checkpoint_interval=config.mamba_checkpoint_interval,
-                                         checkpoint_branch_points=(
-                                             config.mamba_checkpoint_branch_points),
-                                         eviction=config.kv_eviction)
-        self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=config.max_num_seqs,
-                            max_num_batched_tokens=config.max_num_batched_tokens,
-                            max_model_len=self.max_model_len,
-                            enable_chunked_prefill=config.enable_chunked_prefill,
-                            policy=config.scheduling_policy),
-            self.kv_manager)
-        if not config.enable_chunked_prefill and \
-                config.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"without chunked prefill, max_num_batched_tokens "
-                             f"({config.max_num_batched_tokens}) must be >= max_model_len "
-                             f"({self.max_model_len})")
-        if config.kv_sharing_fast_prefill and getattr(loaded.model, "kv_shared_from",
-                                                      None) is None:
-            raise ValueError(
-                f"kv_sharing_fast_prefill needs a model whose last layers only read other "
-                f"layers' KV (num_kv_shared_layers or kv_sharing_target_layers in config.json"
-                f"); {layout.model_type} at {model_dir} has none")
-        self.runner = ModelRunner(
-            loaded.model, plan.config, max_num_reqs=config.max_num_seqs,
-            max_model_len=self.max_model_len, device=device,
-            attention_backend=config.attention_backend,
-            kernel_block_size=config.kernel_block_size, keep_logits=config.keep_logits,
-            kv_sharing_fast_prefill=config.kv_sharing_fast_prefill)
+    def __init__(self, parts: EngineParts, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.parts = parts
+        self.scheduler = parts.scheduler
+        self.kv_manager = parts.scheduler.kv
+        self.runner = parts.runner
+        self.plan = parts.plan
+        self.tokenizer = parts.tokenizer
+        self.eos_token_ids = parts.eos_token_ids
+        self.vocab_size = parts.vocab_size
+        self.max_model_len = parts.max_model_len
         self._params: dict[str, SamplingParams] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._logits: dict[str, list[torch.Tensor]] = {}
         self._next_index = 0
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str, config: EngineConfig) -> LLMEngine:
+        return cls(build_engine(model_dir, config), config)
 
     # ---------------------------------------------------------------- requests
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -146,7 +97,7 @@ class LLMEngine:
                 raise RuntimeError(f"request {request.request_id} does not fit in the KV "
                                    f"cache even alone; raise kv_cache_memory")
             return []
-        result = self.runner.execute(out, self._params)
+        result = self.runner.execute(out)
         updated = self.scheduler.update_from_output(out, result.sampled)
         outputs = []
         finished: dict[RequestStatus, list[Request]] = {}
@@ -154,8 +105,6 @@ class LLMEngine:
             rid = request.request_id
             if rid in result.logprobs:
                 request.output_logprobs.append(result.logprobs[rid])
-            if rid in result.logits:
-                self._logits.setdefault(rid, []).append(result.logits[rid])
             status = self._check_stop(request)
             new_text, stopped = self._detokenize(request, final=status is not None)
             if stopped and status is None:
@@ -204,10 +153,8 @@ class LLMEngine:
             finished=status is not None, finish_reason=status.value if status else None,
             logprobs=list(request.output_logprobs) if request.sampling_params.logprobs
             is not None else None,
-            new_token_ids=[request.token_ids[-1]], new_text=new_text,
-            logits=self._logits.get(rid))
+            new_token_ids=[request.token_ids[-1]], new_text=new_text)
 
     def _forget(self, request_id: str) -> None:
         self._params.pop(request_id, None)
         self._detokenizers.pop(request_id, None)
-        self._logits.pop(request_id, None)

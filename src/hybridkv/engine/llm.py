@@ -16,7 +16,7 @@ Prompt = str | Sequence[int]
 
 class LLM:
     def __init__(self, model_dir: str, **engine_options: Any) -> None:
-        self.engine = LLMEngine(model_dir, EngineConfig.from_kwargs(engine_options))
+        self.engine = LLMEngine.from_model_dir(model_dir, EngineConfig.from_kwargs(engine_options))
         self._counter = 0
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 
 @dataclass
 class RequestOutput:
@@ -18,4 +16,3 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     new_token_ids: list[int] = field(default_factory=list)  # this step's (streaming)
     new_text: str = ""
-    logits: list[torch.Tensor] | None = None  # when the engine keeps logits (tests)

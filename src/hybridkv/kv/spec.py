@@ -44,6 +44,9 @@ class KVCacheSpec:
 
     block_size: int
     kind = "base"
+    # A fixed-size state per request (one block, checkpoints at hit points) rather than pages
+    # of tokens; managers, planner and worker branch on this, not on `kind` strings.
+    is_state = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -212,6 +215,7 @@ class MambaSpec(KVCacheSpec):
     dtypes: tuple[str, ...]
     num_speculative_blocks: int = 0
     kind = "mamba"
+    is_state = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

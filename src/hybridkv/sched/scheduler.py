@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from hybridkv.kv.manager import KVCacheManager
 from hybridkv.sched.request import Request, RequestStatus
+from hybridkv.sched.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class NewRequestData:
     token_ids: list[int]  # every known token (prompt, plus outputs after a preemption)
     block_ids: list[list[int]]  # per group
     num_computed_tokens: int
+    sampling_params: SamplingParams
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,7 @@ class Scheduler:
             budget -= num_new
             out.new_requests.append(NewRequestData(
                 req.request_id, list(req.token_ids), self.kv.get_block_ids(req.request_id),
-                req.num_computed_tokens))
+                req.num_computed_tokens, req.sampling_params))
             self._num_sent_tokens[req.request_id] = req.num_tokens
             out.num_scheduled_tokens[req.request_id] = num_new
         return out

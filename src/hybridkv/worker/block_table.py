@@ -11,7 +11,7 @@ import torch
 
 
 class BlockTable:
-    def __init__(self, max_num_reqs: int, max_num_blocks: int, block_size: int,
+    def __init__(self, max_num_seqs: int, max_num_blocks: int, block_size: int,
                  kernel_block_size: int | None = None) -> None:
         kernel_block_size = kernel_block_size or block_size
         if block_size % kernel_block_size:
@@ -20,9 +20,19 @@ class BlockTable:
         self.block_size = block_size
         self.kernel_block_size = kernel_block_size
         self.blocks_per_kernel = block_size // kernel_block_size
-        # Manager block ids, CPU mirror: [max_num_reqs, max_num_blocks]
-        self.table = torch.zeros(max_num_reqs, max_num_blocks, dtype=torch.int64)
-        self.num_blocks = [0] * max_num_reqs
+        # Manager block ids, CPU mirror: [max_num_seqs, max_num_blocks]. Read through the
+        # accessors below: the layout is this class's business.
+        self.table = torch.zeros(max_num_seqs, max_num_blocks, dtype=torch.int64)
+        self.num_blocks = [0] * max_num_seqs
+
+    def row(self, row: int) -> list[int]:
+        """The manager block ids of one row, in order."""
+        return list(self.table[row, :self.num_blocks[row]].tolist())
+
+    def block_from_end(self, row: int, k: int) -> int | None:
+        """The k-th last block id of a row (k = 1: the last), or None if it is shorter."""
+        n = self.num_blocks[row]
+        return int(self.table[row, n - k]) if n >= k else None
 
     def set_row(self, row: int, block_ids: list[int]) -> None:
         self.table[row, :len(block_ids)] = torch.tensor(block_ids, dtype=torch.int64)

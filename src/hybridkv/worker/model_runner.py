@@ -1,57 +1,79 @@
 """The model runner: a persistent batch updated from the scheduler's diff, one block table
-per group, attention metadata per group, one forward, sampling."""
+per group, attention metadata per group, one forward, sampling.
+
+    runner = ModelRunner(model, kv_config, RunnerConfig(...))
+    result = runner.execute(scheduler_output)     # one step: inputs, metadata, forward, sample
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from hybridkv.kv.plan import KVCacheConfig
-from hybridkv.kv.spec import MambaSpec, cdiv
+from hybridkv.kv.spec import cdiv
 from hybridkv.sched.sampling import SamplingParams
 from hybridkv.sched.scheduler import SchedulerOutput
 from hybridkv.worker.attention import AttentionMetadata, get_backend
 from hybridkv.worker.block_table import BlockTable
+from hybridkv.worker.config import RunnerConfig
 from hybridkv.worker.forward_context import ForwardContext
 from hybridkv.worker.kv_cache import allocate_kv_caches
 from hybridkv.worker.sampler import Sampler
 from hybridkv.worker.state import StateMetadata
+
+# Called with (request ids, their logits [R, V]) every step that samples; tests compare the
+# logits against a reference model through it.
+LogitsHook = Callable[[Sequence[str], torch.Tensor], None]
 
 
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int]  # one token per request whose known tokens are all computed
     logprobs: dict[str, dict[int, float]]
-    logits: dict[str, torch.Tensor]  # the sampled rows' logits, kept when asked (tests)
+
+
+@dataclass
+class StepInputs:
+    """The flattened batch of one step, in persistent-batch row order."""
+
+    scheduled: list[str]  # request ids
+    input_ids: list[int]
+    positions: list[int]
+    token_rows: list[int]  # each token's row in the block tables
+    query_start_loc: list[int]  # per request, its first token in the flat batch (+ the end)
+    seq_lens: list[int]  # per request, its tokens once this step is computed
+    sample_ids: list[str]  # requests whose last known token is in this step: they sample
+    sample_indices: list[int]  # and where that token is in the flat batch
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_config: KVCacheConfig, *, max_num_reqs: int,
-                 max_model_len: int, device: torch.device, attention_backend: str = "torch",
-                 kernel_block_size: int | None = None, keep_logits: bool = False,
-                 kv_sharing_fast_prefill: bool = False) -> None:
+    def __init__(self, model: nn.Module, kv_config: KVCacheConfig,
+                 config: RunnerConfig) -> None:
         self.model = model
-        # Run the model's KV-sharing layers on the sampled tokens only (see ForwardContext).
-        self.kv_sharing_fast_prefill = kv_sharing_fast_prefill
-        self.device = device
-        self.keep_logits = keep_logits
-        self.arena, self.kv_caches = allocate_kv_caches(kv_config, device)
+        self.config = config
+        self.device = torch.device(config.device)
+        self.arena, self.kv_caches = allocate_kv_caches(kv_config, self.device)
         self.layer_group = {name: g.group_id for g in kv_config.groups
                             for name in (*g.layer_names, *g.shared_layer_names)}
         self.block_tables = [
-            BlockTable(max_num_reqs, cdiv(max_model_len, g.block_size) + 1, g.block_size,
-                       kernel_block_size) for g in kv_config.groups]
+            BlockTable(config.max_num_seqs, cdiv(config.max_model_len, g.block_size) + 1,
+                       g.block_size, config.kernel_block_size)
+            for g in kv_config.groups]
         self.blocks_per_page = [g.blocks_per_large_page for g in kv_config.groups]
-        self.is_state_group = [isinstance(g.spec, MambaSpec) for g in kv_config.groups]
-        self.backend = get_backend(attention_backend)
+        self.is_state_group = [g.spec.is_state for g in kv_config.groups]
+        self.backend = get_backend(config.attention_backend)
         self.sampler = Sampler()
+        self.logits_hook: LogitsHook | None = None
         # The persistent batch: row -> request, in one order shared by every group.
         self.rows: list[str] = []
         self.row_of: dict[str, int] = {}
         self.tokens: dict[str, list[int]] = {}
         self.num_computed: dict[str, int] = {}
+        self.params: dict[str, SamplingParams] = {}
         self._new_this_step: set[str] = set()
 
     # ---------------------------------------------------------------- the diff
@@ -65,7 +87,7 @@ class ModelRunner:
             for table in self.block_tables:
                 table.move_row(last, row)
         self.rows.pop()
-        del self.tokens[rid], self.num_computed[rid]
+        del self.tokens[rid], self.num_computed[rid], self.params[rid]
         self.sampler.forget(rid)
 
     def _apply(self, out: SchedulerOutput) -> None:
@@ -79,6 +101,7 @@ class ModelRunner:
             self.row_of[new.request_id] = row
             self.tokens[new.request_id] = list(new.token_ids)
             self.num_computed[new.request_id] = new.num_computed_tokens
+            self.params[new.request_id] = new.sampling_params
             for table, block_ids in zip(self.block_tables, new.block_ids, strict=True):
                 table.set_row(row, block_ids)
         for cached in out.cached_requests:
@@ -98,11 +121,12 @@ class ModelRunner:
         live, init_from, checkpoints = [], [], []
         for rid in scheduled:
             row = self.row_of[rid]
-            n = table.num_blocks[row]
-            live.append(place(int(table.table[row, n - 1])))  # the last block of the row
+            last = table.block_from_end(row, 1)
+            assert last is not None, f"request {rid} has no state block"
+            live.append(place(last))
             # A request new to the worker that starts past 0 starts from a prefix hit: its
             # row is [null..., checkpoint, live].
-            source = int(table.table[row, n - 2]) if n >= 2 else 0
+            source = table.block_from_end(row, 2) or 0
             starts_from_hit = rid in self._new_this_step and self.num_computed[rid] > 0
             init_from.append(place(source) if starts_from_hit and source else None)
             checkpoints.append([
@@ -133,69 +157,78 @@ class ModelRunner:
             if isinstance(meta, AttentionMetadata) else None for meta in metadata]
 
     # ---------------------------------------------------------------- one step
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, params: dict[str, SamplingParams]) -> RunnerOutput:
-        self._apply(out)
+    def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         scheduled = sorted(out.num_scheduled_tokens, key=self.row_of.__getitem__)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        token_rows: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        sample_ids: list[str] = []
-        sample_indices: list[int] = []
+        inputs = StepInputs(scheduled, [], [], [], [0], [], [], [])
         for rid in scheduled:
             start, num = self.num_computed[rid], out.num_scheduled_tokens[rid]
             tokens = self.tokens[rid]
-            input_ids += tokens[start:start + num]
-            positions += range(start, start + num)
-            token_rows += [self.row_of[rid]] * num
-            query_start_loc.append(len(input_ids))
-            seq_lens.append(start + num)
+            inputs.input_ids += tokens[start:start + num]
+            inputs.positions += range(start, start + num)
+            inputs.token_rows += [self.row_of[rid]] * num
+            inputs.query_start_loc.append(len(inputs.input_ids))
+            inputs.seq_lens.append(start + num)
             if start + num == len(tokens):  # its last known token: sample the next one
-                sample_ids.append(rid)
-                sample_indices.append(len(input_ids) - 1)
-        if not input_ids:
-            return RunnerOutput({}, {}, {})
-        ids_t = torch.tensor(input_ids, dtype=torch.int64)
-        pos_t = torch.tensor(positions, dtype=torch.int64)
-        rows_t = torch.tensor(token_rows, dtype=torch.int64)
-        batch_rows = torch.tensor([self.row_of[r] for r in scheduled], dtype=torch.int64)
+                inputs.sample_ids.append(rid)
+                inputs.sample_indices.append(len(inputs.input_ids) - 1)
+        return inputs
+
+    def _metadata(self, inputs: StepInputs, out: SchedulerOutput
+                  ) -> list[AttentionMetadata | StateMetadata]:
+        """Per group: attention metadata (block table rows, slot mapping) or state metadata."""
+        pos_t = torch.tensor(inputs.positions, dtype=torch.int64)
+        rows_t = torch.tensor(inputs.token_rows, dtype=torch.int64)
+        batch_rows = torch.tensor([self.row_of[r] for r in inputs.scheduled],
+                                  dtype=torch.int64)
         metadata: list[AttentionMetadata | StateMetadata] = []
         for table, blocks_per_page, is_state in zip(self.block_tables, self.blocks_per_page,
                                                     self.is_state_group, strict=True):
             if is_state:
                 metadata.append(self._state_metadata(
-                    len(metadata), table, blocks_per_page, scheduled, query_start_loc, out))
+                    len(metadata), table, blocks_per_page, inputs.scheduled,
+                    inputs.query_start_loc, out))
                 continue
             kernel = table.kernel_table(len(self.rows))
             metadata.append(AttentionMetadata(
-                query_start_loc=query_start_loc, seq_lens=seq_lens,
+                query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
                 block_table=kernel[batch_rows].to(self.device),
                 slot_mapping=table.slot_mapping(rows_t, pos_t).to(self.device),
                 block_size=table.block_size, kernel_block_size=table.kernel_block_size,
                 blocks_per_page=blocks_per_page))
+        return metadata
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self._apply(out)
+        inputs = self._prepare_inputs(out)
+        if not inputs.input_ids:
+            return RunnerOutput({}, {})
+        metadata = self._metadata(inputs, out)
         ctx = ForwardContext(self.backend, self.kv_caches, metadata, self.layer_group)
-        sample_t = torch.tensor(sample_indices, dtype=torch.int64, device=self.device)
+        sample_t = torch.tensor(inputs.sample_indices, dtype=torch.int64, device=self.device)
         # Only when some tokens are not sampled (prefill): a pure decode step has none to cut.
-        reduced = self.kv_sharing_fast_prefill and len(sample_indices) < len(input_ids)
+        reduced = (self.config.kv_sharing_fast_prefill
+                   and len(inputs.sample_indices) < len(inputs.input_ids))
         if reduced:
-            sampled = set(sample_ids)
             ctx.kv_shared_tokens = sample_t
             ctx.kv_shared_ctx = ForwardContext(
                 self.backend, self.kv_caches,
-                self._sampled_tokens_metadata(metadata, scheduled, sampled, sample_t),
+                self._sampled_tokens_metadata(metadata, inputs.scheduled,
+                                              set(inputs.sample_ids), sample_t),
                 self.layer_group)
-        hidden = self.model(ids_t.to(self.device), pos_t.to(self.device), ctx)
-        if not sample_ids:
-            return RunnerOutput({}, {}, {})
+        ids_t = torch.tensor(inputs.input_ids, dtype=torch.int64, device=self.device)
+        pos_t = torch.tensor(inputs.positions, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids_t, pos_t, ctx)
+        if not inputs.sample_ids:
+            return RunnerOutput({}, {})
         # Cut down to the sampled tokens, the model returns only their rows, in order.
         logits = self.model.compute_logits(  # type: ignore[operator]
             hidden if reduced else hidden[sample_t])
+        if self.logits_hook is not None:
+            self.logits_hook(inputs.sample_ids, logits)
+        sample_ids = inputs.sample_ids
         tokens, logprobs = self.sampler.sample(logits, sample_ids,
-                                               [params[r] for r in sample_ids])
+                                               [self.params[r] for r in sample_ids])
         return RunnerOutput(
             sampled=dict(zip(sample_ids, tokens, strict=True)),
-            logprobs={r: lp for r, lp in zip(sample_ids, logprobs, strict=True) if lp},
-            logits=({r: logits[i].float().cpu() for i, r in enumerate(sample_ids)}
-                    if self.keep_logits else {}))
+            logprobs={r: lp for r, lp in zip(sample_ids, logprobs, strict=True) if lp})
