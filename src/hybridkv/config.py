@@ -7,12 +7,39 @@ that are not its own and a new option is added in one place plus the part that u
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 from hybridkv.kv.plan import parse_bytes
+from hybridkv.sched.checks import check_bool, check_int
 from hybridkv.sched.scheduler import SchedulerConfig
 from hybridkv.worker.config import RunnerConfig
+
+# The KV cache / weights dtypes the engine runs ("auto": the checkpoint's own).
+DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "half", "fp32", "float32", "float")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def _choice(name: str, value: object, accepted: Sequence[object]) -> None:
+    if value not in accepted:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, accepted))}, got "
+                         f"{value!r}")
+
+
+def _memory(value: object) -> int:
+    """kv_cache_memory: bytes (an int, or a whole float such as 1.5e8) or a size string."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"kv_cache_memory must be bytes (an integer) or a size such as "
+                         f"'8GiB', got {value!r} ({type(value).__name__})")
+    nbytes = parse_bytes(value)
+    if nbytes <= 0:
+        raise ValueError(f"kv_cache_memory must be positive, got {value!r}")
+    return nbytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,16 +66,39 @@ class EngineConfig:
     # only: during prefill their other tokens' outputs are never used.
     kv_sharing_fast_prefill: bool = False
 
+    # Serve a max_model_len above the model's max_position_embeddings (positions the model
+    # was never trained on); refused unless set, as vLLM does.
+    allow_long_max_model_len: bool = False
+
     def __post_init__(self) -> None:
+        # Every option is checked here, with one line naming it and what is accepted: a wrong
+        # type found later would surface as an internal error far from its cause.
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+            check_int(name, getattr(self, name), low=1)
+        for name in ("max_model_len", "kernel_block_size"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), low=1, what="an integer >= 1 or None")
+        check_int("mamba_checkpoint_interval", self.mamba_checkpoint_interval, low=0,
+                  what="an integer >= 0 (0 = no interval checkpoints)")
+        for f in fields(self):
+            if f.type == "bool":
+                check_bool(f.name, getattr(self, f.name))
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} cannot run here; accepted: "
+                             f"{', '.join(DTYPES)}")
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be one of auto, cpu, cuda, cuda:N, got "
+                             f"{self.device!r}")
+        _choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
+        _choice("kv_eviction", self.kv_eviction, (None, "lru", "value"))
+        if not isinstance(self.attention_backend, str):
+            raise ValueError(f"attention_backend must be a name such as 'torch', got "
+                             f"{self.attention_backend!r}")
+        object.__setattr__(self, "kv_cache_memory", _memory(self.kv_cache_memory))
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineConfig:
+        """From user options: unknown names are an error naming the accepted ones."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

@@ -12,7 +12,7 @@ import torch
 
 from hybridkv.config import EngineConfig
 from hybridkv.kv.manager import KVCacheManager
-from hybridkv.kv.plan import KVCachePlan, plan_kv_cache
+from hybridkv.kv.plan import KVCachePlan, format_bytes, plan_kv_cache
 from hybridkv.models.layer_mix import kv_layout_from_config
 from hybridkv.models.loader import load_model, read_config
 from hybridkv.sched.scheduler import Scheduler, SchedulerOutput
@@ -40,11 +40,45 @@ class EngineParts:
 def resolve_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} asked for, but this torch build sees no CUDA "
+                             f"device; use device='cpu' or 'auto'")
+        index = int(name.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA "
+                             f"device(s) here")
     return name
+
+
+def available_memory(device: str) -> int | None:
+    """Bytes the KV cache could still get on `device` (None: unknown). On the CPU, what the
+    kernel reports as available (free + reclaimable), not the machine's total."""
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_memory_budget(kv_cache_memory: int, device: str) -> None:
+    """Refuse at once a KV budget the device cannot hold, before anything is allocated."""
+    available = available_memory(device)
+    if available is not None and kv_cache_memory > available:
+        raise ValueError(f"kv_cache_memory {format_bytes(kv_cache_memory)} is more than "
+                         f"{device} has available ({format_bytes(available)}); lower "
+                         f"kv_cache_memory")
 
 
 def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
     device = resolve_device(config.device)
+    check_memory_budget(int(config.kv_cache_memory), device)
     hf_config = read_config(Path(model_dir))
     text_cfg = hf_config.get("text_config") or hf_config
     dtype_name = config.dtype if config.dtype != "auto" else str(
@@ -52,8 +86,13 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
         or hf_config.get("dtype") or "float32")
     dtype = torch_dtype(dtype_name)
     loaded = load_model(model_dir, dtype=dtype, device=device, config=hf_config)
-    max_pos = text_cfg.get("max_position_embeddings") or 8192
-    max_model_len = config.max_model_len or min(int(max_pos), 8192)
+    max_pos = int(text_cfg.get("max_position_embeddings") or 8192)
+    max_model_len = config.max_model_len or min(max_pos, 8192)
+    if max_model_len > max_pos and not config.allow_long_max_model_len:
+        raise ValueError(f"max_model_len {max_model_len} is above the model's "
+                         f"max_position_embeddings ({max_pos}); lower it, or set "
+                         f"allow_long_max_model_len=True to run positions the model was "
+                         f"not trained on")
     if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
         raise ValueError(f"without chunked prefill, max_num_batched_tokens "
                          f"({config.max_num_batched_tokens}) must be >= max_model_len "

@@ -7,15 +7,44 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hybridkv.config import EngineConfig
 from hybridkv.engine.build import EngineParts, build_engine
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
 from hybridkv.engine.outputs import RequestOutput
+from hybridkv.sched.checks import check_int
 from hybridkv.sched.request import Request, RequestStatus
 from hybridkv.sched.sampling import SamplingParams
+
+ACCEPTED_PROMPTS = "a string or a list of token ids (ints)"
+
+
+def check_token_ids(prompt: object) -> list[int]:
+    if isinstance(prompt, (list, tuple)):
+        for i, token in enumerate(prompt):
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise ValueError(f"token {i} of the prompt is {token!r} "
+                                 f"({type(token).__name__}); token ids must be ints")
+        return list(prompt)
+    hint = " (convert it with .tolist())" if hasattr(prompt, "tolist") else ""
+    raise ValueError(f"a prompt must be {ACCEPTED_PROMPTS}, got {type(prompt).__name__}"
+                     f"{hint}")
+
+
+def as_sampling_params(params: object) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    if isinstance(params, Mapping):
+        return SamplingParams.from_dict(params)
+    raise ValueError(f"sampling params must be a SamplingParams, a dict of its fields or "
+                     f"None, got {type(params).__name__}")
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -40,19 +69,22 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- requests
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """A prompt as token ids. Anything but a string or a list of int token ids is refused
+        with what was given and what is accepted."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer.json: pass token ids")
             return list(self.tokenizer.encode(prompt).ids)
-        return [int(t) for t in prompt]
+        return check_token_ids(prompt)
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
-                    params: SamplingParams | dict[str, Any] | None = None, *,
+                    params: SamplingParams | Mapping[str, Any] | None = None, *,
                     priority: int = 0) -> None:
         """Validate and queue a request; a bad one raises ValueError and changes nothing."""
-        if isinstance(params, dict):
-            params = SamplingParams.from_dict(params)
-        params = params or SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        params = as_sampling_params(params)
+        check_int("priority", priority, low=-(2**63), high=2**63 - 1, what="an integer")
         if request_id in self._params:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.encode(prompt)
@@ -89,24 +121,37 @@ class LLMEngine:
     # ---------------------------------------------------------------- one step
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        outputs = [self._fail(request, "it does not fit in the KV cache even alone (raise "
+                              "kv_cache_memory or lower max_model_len)")
+                   for request in self.scheduler.take_never_fitting()]
         if not out.num_scheduled_tokens:
-            if self.scheduler.waiting and not self.scheduler.running:
-                request = self.scheduler.waiting[0]
-                self.scheduler.finish([request], RequestStatus.FINISHED_ABORTED)
-                self._forget(request.request_id)
-                raise RuntimeError(f"request {request.request_id} does not fit in the KV "
-                                   f"cache even alone; raise kv_cache_memory")
-            return []
-        result = self.runner.execute(out)
+            return outputs
+        try:
+            result = self.runner.execute(out)
+        except Exception as e:
+            # The forward itself failed: no request can be blamed, so the step's requests
+            # end with the error and the engine stays usable for the next ones.
+            logger.exception("a step of %d requests failed", len(out.num_scheduled_tokens))
+            message = f"the step failed: {type(e).__name__}: {e}"
+            return outputs + [self._fail(self.scheduler.requests[rid], message, computed=False)
+                              for rid in out.num_scheduled_tokens
+                              if rid in self.scheduler.requests]
+        for rid, message in result.errors.items():
+            logger.warning("request %s failed: %s", rid, message)
+            outputs.append(self._fail(self.scheduler.requests[rid], message))
         updated = self.scheduler.update_from_output(out, result.sampled)
-        outputs = []
         finished: dict[RequestStatus, list[Request]] = {}
         for request in updated:
             rid = request.request_id
-            if rid in result.logprobs:
-                request.output_logprobs.append(result.logprobs[rid])
-            status = self._check_stop(request)
-            new_text, stopped = self._detokenize(request, final=status is not None)
+            try:
+                if rid in result.logprobs:
+                    request.output_logprobs.append(result.logprobs[rid])
+                status = self._check_stop(request)
+                new_text, stopped = self._detokenize(request, final=status is not None)
+            except Exception as e:
+                logger.exception("request %s failed after its step", rid)
+                outputs.append(self._fail(request, f"{type(e).__name__}: {e}"))
+                continue
             if stopped and status is None:
                 status = RequestStatus.FINISHED_STOPPED
             if status is not None:
@@ -117,6 +162,16 @@ class LLMEngine:
             for request in requests:
                 self._forget(request.request_id)
         return outputs
+
+    def _fail(self, request: Request, message: str, *, computed: bool = True) -> RequestOutput:
+        """Finish one request with an error, free its blocks, report it. `computed=False`:
+        this step's KV of the request was never written, so its blocks must not stay
+        hit-able."""
+        self.scheduler.finish([request], RequestStatus.FINISHED_ERROR, computed=computed)
+        self._forget(request.request_id)
+        output = self._output(request, RequestStatus.FINISHED_ERROR, "", new_token=False)
+        output.error = f"request {request.request_id}: {message}"
+        return output
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
@@ -143,7 +198,7 @@ class LLMEngine:
         return new_text, stop is not None
 
     def _output(self, request: Request, status: RequestStatus | None,
-                new_text: str) -> RequestOutput:
+                new_text: str, *, new_token: bool = True) -> RequestOutput:
         rid = request.request_id
         detokenizer = self._detokenizers.get(rid)
         return RequestOutput(
@@ -153,7 +208,7 @@ class LLMEngine:
             finished=status is not None, finish_reason=status.value if status else None,
             logprobs=list(request.output_logprobs) if request.sampling_params.logprobs
             is not None else None,
-            new_token_ids=[request.token_ids[-1]], new_text=new_text)
+            new_token_ids=[request.token_ids[-1]] if new_token else [], new_text=new_text)
 
     def _forget(self, request_id: str) -> None:
         self._params.pop(request_id, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +17,9 @@ Prompt = str | Sequence[int]
 
 class LLM:
     def __init__(self, model_dir: str, **engine_options: Any) -> None:
+        if not isinstance(model_dir, (str, os.PathLike)):
+            raise ValueError(f"model_dir must be a path, got {type(model_dir).__name__}")
+        model_dir = os.fspath(model_dir)
         self.engine = LLMEngine.from_model_dir(model_dir, EngineConfig.from_kwargs(engine_options))
         self._counter = 0
 
@@ -24,29 +28,32 @@ class LLM:
                  *, use_tqdm: bool | None = None,
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (a string or a list of token ids); outputs in prompt
-        order. All prompts are checked before any is queued."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        priorities = list(priority) if priority is not None else [0] * len(prompts)
-        if len(priorities) != len(prompts):
-            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
+        order. Every argument is checked before any request is queued: a rejected call
+        leaves nothing behind. A request that fails while running comes back with
+        finish_reason "error" and its `error`; the others are unaffected."""
+        prompt_list = _prompt_list(prompts)
+        params = _params_list(sampling_params, len(prompt_list))
+        if priority is not None and (isinstance(priority, (str, bytes))
+                                     or not isinstance(priority, Sequence)):
+            raise ValueError(f"priority must be a list of ints (one per prompt), got "
+                             f"{type(priority).__name__}")
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompt_list)} prompts")
+        if use_tqdm is not None and not isinstance(use_tqdm, bool):
+            raise ValueError(f"use_tqdm must be True, False or None, got {use_tqdm!r}")
         ids = []
-        for prompt, p, prio in zip(prompts, params, priorities, strict=True):
+        for index, (prompt, p, prio) in enumerate(zip(prompt_list, params, priorities,
+                                                      strict=True)):
             rid = str(self._counter)
             self._counter += 1
             try:
                 self.engine.add_request(rid, prompt, p, priority=prio)
-            except ValueError:
+            except ValueError as e:
                 for queued in ids:
                     self.engine.abort_request(queued)
-                raise
+                message = str(e).removeprefix(f"request {rid}: ")
+                raise ValueError(f"prompt {index}: {message}") from None
             ids.append(rid)
         results: dict[str, RequestOutput] = {}
         show = use_tqdm if use_tqdm is not None else (len(ids) >= 8 and sys.stderr.isatty())
@@ -68,3 +75,27 @@ def _progress(total: int) -> Any:
     except ImportError:
         return None
     return tqdm(total=total, desc="generate", unit="req")
+
+
+def _prompt_list(prompts: object) -> list[object]:
+    """One prompt or a list of them -> a list of prompts (each checked by the engine)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]  # one prompt of token ids
+        return list(prompts)
+    hint = " (convert it with .tolist())" if hasattr(prompts, "tolist") else ""
+    raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; "
+                     f"got {type(prompts).__name__}{hint}")
+
+
+def _params_list(sampling_params: object, n: int) -> list[Any]:
+    if sampling_params is None or isinstance(sampling_params, (SamplingParams, dict)):
+        return [sampling_params] * n
+    if isinstance(sampling_params, (list, tuple)):
+        if len(sampling_params) != n:
+            raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts")
+        return list(sampling_params)
+    raise ValueError(f"sampling_params must be a SamplingParams, a dict of its fields, or a "
+                     f"list of those (one per prompt); got {type(sampling_params).__name__}")

@@ -12,7 +12,8 @@ class RequestOutput:
     token_ids: list[int]  # generated so far
     text: str
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     logprobs: list[dict[int, float]] | None = None
     new_token_ids: list[int] = field(default_factory=list)  # this step's (streaming)
     new_text: str = ""
+    error: str | None = None  # what went wrong, when finish_reason is "error"

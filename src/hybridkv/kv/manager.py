@@ -169,12 +169,18 @@ class KVCacheManager:
         max_cache = min(lim[1] for lim in limits) if self.enable_caching else NEVER
         return max_tokens, max_cache, min(lim[2] for lim in limits)
 
-    def free(self, request: KVRequest) -> None:
+    def free(self, request: KVRequest, *, num_valid_tokens: int | None = None) -> None:
         """Release every block of a finished or preempted request (cached ones stay
-        hit-able until evicted)."""
+        hit-able until evicted). `num_valid_tokens`: only that many of its tokens had their
+        KV written (a step failed); blocks past them were hashed for content that never
+        arrived, so they leave the prefix cache unless another request holds them."""
         self._quiet.pop(request.request_id, None)
         for m in self.managers:
+            stale = [] if num_valid_tokens is None else m.blocks_past(
+                request.request_id, num_valid_tokens)
             m.free(request)
+            if stale:
+                self.pool.evict_blocks(m.group_id, stale)
 
     def get_block_ids(self, request_id: str) -> list[list[int]]:
         return [m.block_ids(request_id) for m in self.managers]

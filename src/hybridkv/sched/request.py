@@ -16,11 +16,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # failed inside a step; the other requests went on
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 class Request(KVRequest):
@@ -36,6 +37,7 @@ class Request(KVRequest):
         self.priority = priority
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
+        self.num_tokens_at_preemption = 0  # computed tokens when last preempted
         self.output_logprobs: list[dict[int, float]] = []
         self.stop_reason: int | str | None = None
 

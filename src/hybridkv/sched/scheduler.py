@@ -86,6 +86,11 @@ class Scheduler:
         # Tokens of each running request the worker has seen (to send only new ones).
         self._num_sent_tokens: dict[str, int] = {}
         self.num_preemptions = 0
+        # Requests shown to need more KV cache than exists even with nothing else running;
+        # the engine finishes them with an error (`take_never_fitting`).
+        self._never_fitting: list[Request] = []
+        # Per request preempted while running alone: the tokens it was trying to hold.
+        self._alone_target: dict[str, int] = {}
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -130,9 +135,12 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while (new := self.kv.allocate_slots(req, num_new)) is None:
                 position, victim = self._victim()
+                alone = victim is req and not self.running
                 budget += self._preempt(victim, out)  # gives back what it was scheduled
                 if position < index:
                     index -= 1
+                if alone:
+                    self._preempted_alone(req, req.num_tokens_at_preemption + num_new)
                 if victim is req:
                     break
             if new is None:
@@ -160,6 +168,11 @@ class Scheduler:
                 num_new = budget
             new = self.kv.allocate_slots(req, num_new, hit.num_computed_tokens, hit.blocks)
             if new is None:
+                if not self.running and not out.preempted_request_ids:
+                    # Nothing holds memory and still no room: it can never be admitted.
+                    # (After a preemption in this step, memory is freed: retry next step.)
+                    self._never_fit(req)
+                    continue
                 break  # head of line waits for memory
             if new.checkpoints:
                 out.state_checkpoints[req.request_id] = new.checkpoints
@@ -175,9 +188,28 @@ class Scheduler:
             out.num_scheduled_tokens[req.request_id] = num_new
         return out
 
+    def _preempted_alone(self, req: Request, target: int) -> None:
+        """A request that cannot grow to `target` tokens with nothing else running cannot do
+        so after a recompute either; the second time it happens it is given up on."""
+        if self._alone_target.get(req.request_id, -1) >= target:
+            self._never_fit(req)
+        self._alone_target[req.request_id] = target
+
+    def _never_fit(self, req: Request) -> None:
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._never_fitting.append(req)
+
+    def take_never_fitting(self) -> list[Request]:
+        """Requests found this step to need more KV cache than exists; the caller finishes
+        them (`finish`)."""
+        found, self._never_fitting = self._never_fitting, []
+        return found
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> int:
         """Free a running request for recompute; returns the tokens it had been scheduled
         in this step (now unscheduled)."""
+        req.num_tokens_at_preemption = req.num_computed_tokens
         self.kv.free(req)
         num_scheduled = out.num_scheduled_tokens.pop(req.request_id, 0)
         out.state_checkpoints.pop(req.request_id, None)
@@ -201,7 +233,9 @@ class Scheduler:
         complete), stop what is done. Returns the requests that got a new token."""
         updated = []
         for rid, num in out.num_scheduled_tokens.items():
-            req = self.requests[rid]
+            req = self.requests.get(rid)
+            if req is None:
+                continue  # finished during the step (its sampling failed)
             req.num_computed_tokens += num
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prompt chunk that does not finish the prompt samples nothing
@@ -209,15 +243,19 @@ class Scheduler:
             updated.append(req)
         return updated
 
-    def finish(self, requests: Iterable[Request], status: RequestStatus) -> None:
-        """Free finished requests' blocks and tell the worker next step."""
+    def finish(self, requests: Iterable[Request], status: RequestStatus, *,
+               computed: bool = True) -> None:
+        """Free finished requests' blocks and tell the worker next step. `computed=False`:
+        the step that was to compute their scheduled tokens failed, so the blocks of those
+        tokens hold no valid KV and must not stay in the prefix cache."""
         for req in requests:
             req.status = status
             if req in self.running:
                 self.running.remove(req)
             elif req in self.waiting:
                 self.waiting.remove(req)
-            self.kv.free(req)
+            self.kv.free(req, num_valid_tokens=None if computed else req.num_computed_tokens)
             self._num_sent_tokens.pop(req.request_id, None)
+            self._alone_target.pop(req.request_id, None)
             self._finished_ids.add(req.request_id)
             del self.requests[req.request_id]

@@ -8,7 +8,7 @@ per group, attention metadata per group, one forward, sampling.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ LogitsHook = Callable[[Sequence[str], torch.Tensor], None]
 class RunnerOutput:
     sampled: dict[str, int]  # one token per request whose known tokens are all computed
     logprobs: dict[str, dict[int, float]]
+    # Requests that failed this step (their sampling raised): they get no token and are
+    # finished with an error; everything else in the batch is unaffected.
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -226,9 +229,6 @@ class ModelRunner:
             hidden if reduced else hidden[sample_t])
         if self.logits_hook is not None:
             self.logits_hook(inputs.sample_ids, logits)
-        sample_ids = inputs.sample_ids
-        tokens, logprobs = self.sampler.sample(logits, sample_ids,
-                                               [self.params[r] for r in sample_ids])
-        return RunnerOutput(
-            sampled=dict(zip(sample_ids, tokens, strict=True)),
-            logprobs={r: lp for r, lp in zip(sample_ids, logprobs, strict=True) if lp})
+        sampled = self.sampler.sample(logits, inputs.sample_ids,
+                                      [self.params[r] for r in inputs.sample_ids])
+        return RunnerOutput(sampled.tokens, sampled.logprobs, sampled.errors)

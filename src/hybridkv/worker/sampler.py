@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hybridkv.sched.sampling import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    tokens: dict[str, int]  # per request that sampled
+    logprobs: dict[str, dict[int, float]]  # per request that asked for them
+    errors: dict[str, str]  # per request whose sampling failed: what went wrong
 
 
 class Sampler:
@@ -17,25 +26,34 @@ class Sampler:
         self.generators.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, request_ids: list[str],
-               params: list[SamplingParams]) -> tuple[list[int], list[dict[int, float] | None]]:
-        """logits [R, V] -> one token per row, plus top logprobs where asked."""
+               params: list[SamplingParams]) -> SamplerOutput:
+        """logits [R, V] -> one token per row, plus top logprobs where asked. A row that
+        fails is reported in `errors` and gets no token: one request's failure must not take
+        its batch-mates down."""
         logits = logits.float()
+        out = SamplerOutput({}, {}, {})
         if all(p.greedy for p in params):  # the common case: one argmax for the batch
-            tokens = torch.argmax(logits, dim=-1).tolist()
-        else:
-            tokens = [self._sample_row(logits[row], rid, p)
-                      for row, (rid, p) in enumerate(zip(request_ids, params, strict=True))]
-        logprobs: list[dict[int, float] | None] = []
-        for row, p in enumerate(params):
-            if p.logprobs is None:
-                logprobs.append(None)
-                continue
-            lp = torch.log_softmax(logits[row], dim=-1)
-            top = torch.topk(lp, min(p.logprobs, lp.shape[-1]))
-            entry = {int(i): float(v) for v, i in zip(top.values, top.indices, strict=True)}
-            entry[tokens[row]] = float(lp[tokens[row]])
-            logprobs.append(entry)
-        return tokens, logprobs
+            out.tokens.update(zip(request_ids, torch.argmax(logits, dim=-1).tolist(),
+                                  strict=True))
+        for row, (rid, p) in enumerate(zip(request_ids, params, strict=True)):
+            try:
+                if rid not in out.tokens:
+                    out.tokens[rid] = self._sample_row(logits[row], rid, p)
+                if p.logprobs is not None:
+                    out.logprobs[rid] = self._logprobs(logits[row], out.tokens[rid],
+                                                       p.logprobs)
+            except Exception as e:  # reported per request below, never swallowed
+                out.tokens.pop(rid, None)
+                out.errors[rid] = f"sampling failed: {type(e).__name__}: {e}"
+        return out
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, token: int, k: int) -> dict[int, float]:
+        lp = torch.log_softmax(logits, dim=-1)
+        top = torch.topk(lp, min(k, lp.shape[-1]))
+        entry = {int(i): float(v) for v, i in zip(top.values, top.indices, strict=True)}
+        entry[token] = float(lp[token])
+        return entry
 
     def _sample_row(self, logits: torch.Tensor, rid: str, p: SamplingParams) -> int:
         if p.greedy:

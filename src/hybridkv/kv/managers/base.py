@@ -145,6 +145,10 @@ class SingleTypeManager:
             # Last block first: the tail of a prefix is evicted before its head.
             self.pool.free(self.group_id, reversed(blocks[num_dropped:]))
 
+    def blocks_past(self, request_id: str, num_tokens: int) -> list[Block]:
+        """The request's blocks holding any token at or after `num_tokens`."""
+        return list(self.req_blocks.get(request_id, ())[num_tokens // self.block_size:])
+
     def quiet_limits(self, request: KVRequest, num_computed_tokens: int) -> tuple[int, int, int]:
         """Bounds under which a later call has nothing to do for this group:
         (most tokens the blocks cover, most tokens to cache without a new full block,

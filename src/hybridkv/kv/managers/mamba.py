@@ -131,6 +131,11 @@ class MambaManager(SingleTypeManager):
     def holdings(self) -> Iterable[list[Block]]:
         return chain(self.req_blocks.values(), self._pending.values())
 
+    def blocks_past(self, request_id: str, num_tokens: int) -> list[Block]:
+        # Which checkpoints were written before a failed step is not tracked: all of the
+        # request's state blocks go (a lost hit at worst, never a wrong state).
+        return [*self.req_blocks.get(request_id, ()), *self._pending.get(request_id, ())]
+
     def free(self, request: KVRequest) -> None:
         rid = request.request_id
         self.has_live_state.discard(rid)
