@@ -7,8 +7,7 @@ from tests.kv.toy import full, sliding, toy_config
 
 
 def take_ids(pool, group, n):
-    assert pool.can_take([n if g == group else 0 for g in range(len(pool.groups))],
-                         [0] * len(pool.groups))
+    assert pool.can_take([n if g == group else 0 for g in range(len(pool.groups))])
     return pool.take(group, n)
 
 
@@ -34,7 +33,7 @@ def test_freed_cached_blocks_are_evicted_oldest_first_and_stay_hitable_until_the
     assert [x.block_id for x in c] == [2]  # the tail of the freed prefix goes first
     assert pool.get_cached_block(b"h1", 0) is None
     assert pool.get_cached_block(b"h0", 0) is a[0]
-    assert not pool.can_take([2], [0])  # only block 1 is left
+    assert not pool.can_take([2])  # only block 1 is left
     events = pool.take_events()
     assert events[-1] == BlockRemoved(0, (b"h1",))
     assert isinstance(events[0], BlockStored) and events[0].block_ids == (1,)
@@ -94,8 +93,8 @@ def test_partly_used_pages_fill_before_new_pages_open():
 
 def test_can_take_is_all_or_nothing_across_groups_and_has_no_side_effects():
     pool = BlockPool(toy_config(full(), sliding(8), num_pages=4))
-    assert pool.can_take([2, 1], [0, 0])
-    assert not pool.can_take([2, 2], [0, 0])
+    assert pool.can_take([2, 1])
+    assert not pool.can_take([2, 2])
     assert pool.free_pages == [3, 2, 1]
     pool.check_integrity()
 

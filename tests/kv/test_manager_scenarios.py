@@ -278,3 +278,29 @@ def test_groups_of_identical_specs_share_one_lookup():
     assert m.pool.evict_blocks(1, [m.pool.groups[1].blocks[8]]) == 1  # group 1's 3rd block
     assert admit(m, request("b", PROMPT)) == 8
     m.check_integrity()
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_mamba_takes_checkpoint_blocks_only_with_prefix_caching(caching):
+    m = toy_manager(full(), mamba(), num_pages=40, enable_caching=caching)
+    for manager in m.managers:
+        assert getattr(manager, "save_checkpoints", caching) == caching
+    a = request("a", PROMPT)  # prompt end at 18: a checkpoint at 16 if caching is on
+    new = m.allocate_slots(a, 10)  # chunked prefill: 10, then 8 tokens crossing 16
+    a.num_computed_tokens = 10
+    assert new.checkpoints == ()
+    new = m.allocate_slots(a, 8)
+    a.num_computed_tokens = 18
+    if caching:
+        assert new.checkpoints == ((1, 16, 7),)
+        assert m.pool.num_used_blocks(1) == 2  # live state + the checkpoint being written
+    else:
+        assert new.checkpoints == ()  # nothing could ever hit it: no block, nothing to save
+        assert m.pool.num_used_blocks(1) == 1  # the live state only
+    for token in range(8):
+        decode(m, a, token)
+    assert m.pool.num_used_blocks(1) == 1
+    m.free(a)
+    assert m.pool.num_used_blocks(1) == 0
+    assert len(m.pool.groups[1].cached) == (1 if caching else 0)
+    m.check_integrity()

@@ -1,4 +1,4 @@
-"""Blocks over the large-page arena: ref counts, prefix-cache index, LRU eviction, page moves.
+"""Blocks over the large-page arena: ref counts, prefix-cache index, page moves.
 
 Every large page is free (in the arena) or owned by one group. A block of an owned page is
 
@@ -11,27 +11,26 @@ Every large page is free (in the arena) or owned by one group. A block of an own
                                      └─ group short of pages evicts its cached blocks and takes it
 
 Allocation for a group takes, in order: empty blocks of its own pages (fill partly used pages
-first), whole free pages from the arena, its own least recently used cached blocks, and last
-an unused page of another group (evicting that page's cached blocks). With `eviction="lru"`
-the own cached blocks go first, then the first other group in order gives a page. With
-`eviction="value"` the last two steps weigh what goes: each other group offers its least
-recently used unused page, the group itself its least recently used cached block, and the one
-whose cached blocks spare the fewest tokens of compute per byte goes. A block's value is the
-prefix a hit through it reuses (its end position: a state checkpoint and the attention blocks
-of the same prefix are worth the same tokens, so per byte a big state goes first unless its
-prefix is much longer). Measured with `hybridkv bench prefix --compare-eviction`: equal or
-slightly better than lru at workable budgets, worse when the budget thrashes. KVCacheManager
-uses it for models with state layers and lru for attention-only ones. `can_take`
-answers whether a set of per-group demands fits, with no side effect; `take` then cannot fail.
+first), whole free pages from the arena, then what the eviction policy (eviction.py) picks:
+its own least recently used cached blocks or an unused page of another group. The pool is the
+books that loop reads and changes. `can_take` answers, exactly and with no side effect,
+whether a set of per-group demands fits (the policy runs the same loop on a trial view);
+`take` is all or nothing.
+
+Block and LargePage objects are made when a page is first handed out (to a group), so building
+a pool costs O(large pages) whatever the block count.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import overload
 
+from hybridkv.kv.eviction import EvictionPolicy, make_eviction_policy
 from hybridkv.kv.hashing import BlockHash
+from hybridkv.kv.integrity import check_pool
 from hybridkv.kv.plan import KVCacheConfig
 from hybridkv.kv.spec import cdiv
 
@@ -55,7 +54,7 @@ class Block:
 
 
 class LargePage:
-    __slots__ = ("index", "group_id", "num_used", "num_hashed", "empty")
+    __slots__ = ("index", "group_id", "num_used", "num_hashed", "empty", "blocks")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -64,6 +63,9 @@ class LargePage:
         self.num_hashed = 0  # blocks with a hash (used or cached)
         # Empty blocks of the owner group, popped from the end (lowest slot last pushed).
         self.empty: list[Block] = []
+        # The owner's blocks, slot order; kept while the page is free, and relabelled for
+        # the next owner when it has as many blocks per page (block ids are the same).
+        self.blocks: list[Block] = []
 
 
 @dataclass(frozen=True)
@@ -79,17 +81,21 @@ class BlockRemoved:
     block_hashes: tuple[BlockHash, ...]
 
 
-class _GroupState:
+class GroupBooks:
     """The pool's books for one group."""
 
     def __init__(self, group_id: int, blocks_per_page: int, num_pages: int,
-                 pages: list[LargePage]) -> None:
+                 page_at: Callable[[int], LargePage]) -> None:
         self.group_id = group_id
         self.blocks_per_page = blocks_per_page
+        self.num_arena_pages = num_pages
         # Block id = page index * blocks_per_page + slot, so a block id is an index into the
-        # group's view of the arena.
-        self.blocks = [Block(i, group_id, pages[i // blocks_per_page])
-                       for i in range(num_pages * blocks_per_page)]
+        # group's view of the arena. Block objects live in their page (`LargePage.blocks`),
+        # made when a page is first handed to a group: construction costs O(1) per page.
+        self._page_at = page_at
+        # Large page 0 is never owned: every group keeps its own blocks there (the null block).
+        self.null_page_blocks = [Block(slot, group_id, page_at(0))
+                                 for slot in range(blocks_per_page)]
         self.open_pages: OrderedDict[int, LargePage] = OrderedDict()  # pages with empty blocks
         # Owned pages with num_used == 0, oldest first. With one block per page these are
         # exactly the pages of the LRU blocks, so only multi-block pages are tracked here.
@@ -104,37 +110,106 @@ class _GroupState:
     def num_unused_pages(self) -> int:
         return len(self.unused_pages) if self.track_unused else len(self.lru)
 
+    def block(self, block_id: int) -> Block:
+        """A block by id; it must lie in a page the group owns (or be in the null page)."""
+        page_index, slot = divmod(block_id, self.blocks_per_page)
+        if page_index == 0:
+            return self.null_page_blocks[slot]
+        page = self._page_at(page_index)
+        if page.group_id != self.group_id:
+            raise KeyError(f"block {block_id} of group {self.group_id}: the group does not "
+                           f"own large page {page_index}")
+        return page.blocks[slot]
+
+    @property
+    def blocks(self) -> _BlockIndex:
+        """`blocks[block_id]` (or a slice of ids): the group's block objects by id."""
+        return _BlockIndex(self)
+
+
+class _BlockIndex:
+    __slots__ = ("books",)
+
+    def __init__(self, books: GroupBooks) -> None:
+        self.books = books
+
+    @overload
+    def __getitem__(self, key: int) -> Block: ...
+
+    @overload
+    def __getitem__(self, key: slice) -> list[Block]: ...
+
+    def __getitem__(self, key: int | slice) -> Block | list[Block]:
+        if isinstance(key, slice):
+            size = self.books.num_arena_pages * self.books.blocks_per_page
+            return [self.books.block(i) for i in range(*key.indices(size))]
+        return self.books.block(key)
+
 
 class BlockPool:
     def __init__(self, config: KVCacheConfig, *, enable_caching: bool = True,
-                 enable_events: bool = False, eviction: str = "lru") -> None:
-        if eviction not in ("value", "lru"):
-            raise ValueError(f"unknown eviction policy {eviction!r}; accepted: value, lru")
-        self.eviction = eviction
+                 enable_events: bool = False,
+                 eviction: str | EvictionPolicy = "lru") -> None:
         if config.num_large_pages < 2:
             raise ValueError("the arena needs at least 2 large pages (one for null blocks)")
+        self.policy = (eviction if isinstance(eviction, EvictionPolicy)
+                       else make_eviction_policy(eviction, config))
         self.config = config
         self.enable_caching = enable_caching
         self.enable_events = enable_events
         self.events: list[BlockStored | BlockRemoved] = []
-        self.pages = [LargePage(i) for i in range(config.num_large_pages)]
+        # LargePage objects are made when first handed out (see `page`).
+        self.pages: list[LargePage | None] = [None] * config.num_large_pages
         # Pop from the end: page 1 is handed out first.
         self.free_pages: list[int] = list(range(config.num_large_pages - 1, 0, -1))
-        self.groups = [_GroupState(g.group_id, g.blocks_per_large_page,
-                                   config.num_large_pages, self.pages)
+        # Page index -> its block while the page is laid out as one block (every group with
+        # one block per page shares it, relabelled): the hot path of equal block bytes.
+        self.single_blocks: list[Block | None] = [None] * config.num_large_pages
+        self.groups = [GroupBooks(g.group_id, g.blocks_per_large_page, config.num_large_pages,
+                                  self.page)
                        for g in config.groups]
         # Block 0 of every group lies in large page 0, which no group ever owns.
-        self.null_blocks = tuple(gs.blocks[0] for gs in self.groups)
+        self.null_blocks = tuple(gs.null_page_blocks[0] for gs in self.groups)
         for block in self.null_blocks:
             block.ref_cnt = 1  # never freed, never cached
+
+    @property
+    def eviction(self) -> str:
+        return self.policy.name
+
+    def page(self, index: int) -> LargePage:
+        page = self.pages[index]
+        if page is None:
+            page = self.pages[index] = LargePage(index)
+        return page
+
+    def _lay_out(self, gs: GroupBooks, page: LargePage) -> list[Block]:
+        """The group's blocks in a free page it is being handed (all empty), slot order.
+        A page keeps its Block objects while free; the next owner with as many blocks per
+        page relabels them (same ids), others make their own."""
+        blocks = page.blocks
+        if len(blocks) != gs.blocks_per_page:
+            first = page.index * gs.blocks_per_page
+            blocks = page.blocks = [Block(first + slot, gs.group_id, page)
+                                    for slot in range(gs.blocks_per_page)]
+            self.single_blocks[page.index] = blocks[0] if len(blocks) == 1 else None
+        elif blocks[0].group_id != gs.group_id:
+            for block in blocks:
+                block.group_id = gs.group_id
+        return blocks
 
     # ---------------------------------------------------------------- questions
     @property
     def num_usable_pages(self) -> int:
         return self.config.num_large_pages - 1
 
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
     def num_free_blocks(self, group_id: int) -> int:
-        """Blocks the group could get if it were the only one asking."""
+        """Blocks the group could get if it were the only one asking: exactly what one
+        `take` for it can get, whatever the policy picks."""
         gs = self.groups[group_id]
         reclaimable = len(self.free_pages) + sum(
             h.num_unused_pages() for h in self.groups if h is not gs)
@@ -143,100 +218,72 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash, group_id: int) -> Block | None:
         return self.groups[group_id].cached.get(block_hash)
 
-    def can_take(self, num_blocks: Sequence[int], num_touched_cached: Sequence[int]) -> bool:
-        """Whether `take(g, num_blocks[g])` for every group, after touching
-        `num_touched_cached[g]` cached blocks, can succeed. No side effects.
-
-        Replays `take`'s order on counts, pessimistically where `take`'s choice of block
-        matters (an evicted or touched block is assumed to make an unused page used)."""
+    def can_take(self, num_blocks: Sequence[int],
+                 hit_blocks: Sequence[Sequence[Block]] = ()) -> bool:
+        """Whether touching `hit_blocks` (per group) and then `take(g, num_blocks[g])` for
+        every group in order succeed. Exact, and no side effects."""
         free_pages = len(self.free_pages)
-        fast = True
         for gs, need in zip(self.groups, num_blocks, strict=True):
             if need > gs.num_empty:
-                fast = False
                 free_pages -= cdiv(need - gs.num_empty, gs.blocks_per_page)
-        if fast or free_pages >= 0:
-            return True
-        return self._can_take_slow(num_blocks, num_touched_cached)
-
-    def _can_take_slow(self, num_blocks: Sequence[int],
-                       num_touched_cached: Sequence[int]) -> bool:
-        free_pages = len(self.free_pages)
-        empty = [gs.num_empty for gs in self.groups]
-        cached = [len(gs.lru) - t for gs, t in zip(self.groups, num_touched_cached, strict=True)]
-        unused = [max(0, gs.num_unused_pages() - t)
-                  for gs, t in zip(self.groups, num_touched_cached, strict=True)]
-        for g, need in enumerate(num_blocks):
-            if need <= 0:
-                continue
-            per_page = self.groups[g].blocks_per_page
-            n = min(need, empty[g])
-            need -= n
-            empty[g] -= n
-            unused[g] = max(0, unused[g] - n)
-            pages = min(free_pages, cdiv(need, per_page))
-            free_pages -= pages
-            need = max(0, need - pages * per_page)
-            if self.eviction == "value":
-                # Own cached blocks and other groups' pages may go in any mix: enough of
-                # both together, and every other group may lose as many pages as could go.
-                if need > cached[g] + per_page * sum(
-                        unused[h] for h in range(len(self.groups)) if h != g):
-                    return False
-                n = min(need, cached[g])
-                cached[g] -= n
-                unused[g] = max(0, unused[g] - n)
-                pages = cdiv(need, per_page)
-                for h, gs in enumerate(self.groups):
-                    if h != g:
-                        n = min(pages, unused[h])
-                        unused[h] -= n
-                        cached[h] = max(0, cached[h] - n * gs.blocks_per_page)
-                        empty[h] = max(0, empty[h] - n * gs.blocks_per_page)
-                continue
-            n = min(need, cached[g])
-            need -= n
-            cached[g] -= n
-            unused[g] = max(0, unused[g] - n)
-            pages = cdiv(need, per_page)
-            if not pages:
-                continue
-            if sum(unused[h] for h in range(len(self.groups)) if h != g) < pages:
-                return False
-            for h, gs in enumerate(self.groups):
-                if h == g:
-                    continue
-                n = min(pages, unused[h])  # `take` reclaims in this very order
-                unused[h] -= n
-                cached[h] = max(0, cached[h] - n * gs.blocks_per_page)
-                empty[h] = max(0, empty[h] - n * gs.blocks_per_page)
-                pages -= n
-        return True
+        if free_pages >= 0:
+            return True  # empty blocks and free pages suffice: nothing is evicted
+        return self.policy.fits(self, num_blocks, hit_blocks)
 
     # ---------------------------------------------------------------- allocation
     def take(self, group_id: int, num_blocks: int) -> list[Block]:
-        """`num_blocks` blocks for a group, each with ref_cnt 1. Check `can_take` first."""
-        gs = self.groups[group_id]
+        """`num_blocks` blocks for a group, each with ref_cnt 1. All or nothing: raises
+        RuntimeError, with nothing changed, when they are not there."""
+        if num_blocks > self.num_free_blocks(group_id):
+            raise RuntimeError(f"no block left to take: group {group_id} needs {num_blocks}, "
+                               f"{self.num_free_blocks(group_id)} can be had")
         out: list[Block] = []
-        while len(out) < num_blocks:
-            need = num_blocks - len(out)
-            if gs.open_pages:
-                self._take_empty(gs, need, out)
-            elif self.free_pages:
-                self._take_free_pages(gs, need, out)
-            elif self.eviction == "lru" and gs.lru:
-                self._take_evicted(gs, need, out)
-            elif self.eviction == "value" and gs.lru and not self._page_cheaper_than_own(gs):
-                self._take_evicted(gs, 1, out)  # weigh again before the next one
-            else:
-                self._reclaim_page(gs)  # to the arena; the next turn takes it
-        gs.num_used += num_blocks
+        taken = self.policy.take(self, group_id, num_blocks, out)
+        assert taken, "num_free_blocks promised these blocks"
+        self.groups[group_id].num_used += num_blocks
         return out
 
-    def _take_empty(self, gs: _GroupState, need: int, out: list[Block]) -> None:
+    def take_all(self, num_blocks: Sequence[int]) -> list[list[Block]]:
+        """`take` for every group in order, all or nothing: if one group's take fails, the
+        blocks the groups before it took go back (evicted content stays evicted)."""
+        out: list[list[Block]] = []
+        try:
+            for group_id, n in enumerate(num_blocks):
+                out.append(self.take(group_id, n) if n > 0 else [])
+        except RuntimeError:
+            for group_id, blocks in enumerate(out):
+                self.free(group_id, reversed(blocks))
+            raise
+        return out
+
+    # The books a policy's take loop works on (see eviction.Books).
+    def num_empty(self, group_id: int) -> int:
+        return self.groups[group_id].num_empty
+
+    def num_free_pages(self) -> int:
+        return len(self.free_pages)
+
+    def oldest_cached(self, group_id: int) -> Block | None:
+        lru = self.groups[group_id].lru
+        return next(iter(lru.values())) if lru else None
+
+    def oldest_unused_page(self, group_id: int) -> LargePage | None:
+        gs = self.groups[group_id]
+        if gs.track_unused:
+            return next(iter(gs.unused_pages.values())) if gs.unused_pages else None
+        return next(iter(gs.lru.values())).page if gs.lru else None
+
+    def page_value(self, group_id: int, page: LargePage) -> int:
+        """Tokens of compute the cached blocks of a group's page spare."""
+        assert page.group_id == group_id
+        return sum(b.value for b in page.blocks if b.block_hash is not None)
+
+    def take_empty(self, group_id: int, num_blocks: int, out: list[Block]) -> int:
+        """Empty blocks of the group's last opened page that is still open."""
+        gs = self.groups[group_id]
         index, page = next(reversed(gs.open_pages.items()))
         empty = page.empty
-        n = min(need, len(empty))
+        n = min(num_blocks, len(empty))
         taken = empty[-n:]
         del empty[-n:]
         for block in taken:
@@ -248,46 +295,53 @@ class BlockPool:
         page.num_used += n
         if not empty:
             del gs.open_pages[index]
+        return n
 
-    def _take_free_pages(self, gs: _GroupState, need: int, out: list[Block]) -> None:
+    def take_free_pages(self, group_id: int, num_blocks: int, out: list[Block]) -> int:
+        gs = self.groups[group_id]
         per_page = gs.blocks_per_page
-        num_pages = min(len(self.free_pages), cdiv(need, per_page))
+        num_pages = min(len(self.free_pages), cdiv(num_blocks, per_page))
         indices = self.free_pages[-num_pages:]
         del self.free_pages[-num_pages:]
         gs.num_pages += num_pages
-        blocks = gs.blocks
-        group_id = gs.group_id
-        pages = self.pages
         if per_page == 1:  # the common case of equal block bytes: a page is a block
+            single = self.single_blocks
             for index in reversed(indices):
-                page = pages[index]
+                block = single[index]
+                if block is None:
+                    [block] = self._lay_out(gs, self.page(index))
+                block.group_id = group_id  # relabel: the last owner may have been another
+                block.ref_cnt = 1
+                page = block.page
                 page.group_id = group_id
                 page.num_used = 1
-                block = blocks[index]
-                block.ref_cnt = 1
                 out.append(block)
-            return
+            return num_pages
+        need = num_blocks
         for index in reversed(indices):
-            page = pages[index]
+            page = self.page(index)
             page.group_id = group_id
+            blocks = self._lay_out(gs, page)
             n = min(per_page, need)
             need -= n
-            first = index * per_page
-            for block in blocks[first:first + n]:
+            for block in blocks[:n]:
                 block.ref_cnt = 1
                 out.append(block)
             page.num_used = n
             if n < per_page:
-                page.empty = blocks[first + per_page - 1:first + n - 1:-1]
+                page.empty = blocks[:n - 1:-1] if n else blocks[::-1]
                 gs.num_empty += per_page - n
                 gs.open_pages[index] = page
+        return min(num_blocks, num_pages * per_page)
 
-    def _take_evicted(self, gs: _GroupState, need: int, out: list[Block]) -> None:
+    def take_cached(self, group_id: int, num_blocks: int, out: list[Block]) -> int:
         """Evict the group's least recently used cached blocks and take them."""
+        gs = self.groups[group_id]
         lru, cached, unused = gs.lru, gs.cached, gs.unused_pages
         track_unused = gs.track_unused
         removed: list[BlockHash] | None = [] if self.enable_events else None
-        for _ in range(min(need, len(lru))):
+        n = min(num_blocks, len(lru))
+        for _ in range(n):
             _, block = lru.popitem(last=False)
             block_hash: BlockHash = block.block_hash  # type: ignore[assignment]  # cached
             if removed is not None:
@@ -303,8 +357,23 @@ class BlockPool:
             out.append(block)
         if removed:
             self.events.append(BlockRemoved(gs.group_id, tuple(removed)))
+        return n
 
-    def _use(self, gs: _GroupState, block: Block) -> None:
+    def reclaim_page(self, group_id: int) -> None:
+        """Evict the cached blocks of the group's least recently used unused page and give
+        the page back to the arena."""
+        gs = self.groups[group_id]
+        page = self.oldest_unused_page(group_id)
+        if page is None:
+            raise RuntimeError(f"group {group_id} has no unused page to give")
+        if gs.track_unused:
+            del gs.unused_pages[page.index]
+        for block in page.blocks:
+            if block.block_hash is not None:
+                self._evict(gs, block)
+        self._release_page(gs, page)
+
+    def _use(self, gs: GroupBooks, block: Block) -> None:
         """An empty block of an owned page (just evicted) becomes used."""
         block.ref_cnt = 1
         page = block.page
@@ -312,51 +381,7 @@ class BlockPool:
             del gs.unused_pages[page.index]
         page.num_used += 1
 
-    def _candidate_page(self, gs: _GroupState) -> tuple[float, _GroupState, LargePage] | None:
-        """(value, group, page) of the unused page of another group to reclaim: the first
-        group's least recently used one (lru), or the least valuable of those (value)."""
-        best: tuple[float, _GroupState, LargePage] | None = None
-        for other in self.groups:
-            if other is gs or not other.num_unused_pages():
-                continue
-            if other.track_unused:
-                page = next(iter(other.unused_pages.values()))
-            else:
-                page = next(iter(other.lru.values())).page
-            if self.eviction == "lru":
-                return 0.0, other, page
-            first = page.index * other.blocks_per_page
-            value = sum(b.value for b in other.blocks[first:first + other.blocks_per_page]
-                        if b.block_hash is not None)
-            if best is None or value < best[0]:  # pages have equal bytes: compare values
-                best = (value, other, page)
-        return best
-
-    def _page_cheaper_than_own(self, gs: _GroupState) -> bool:
-        """Whether another group's page spares fewer tokens per byte than the group's own
-        least recently used cached block."""
-        candidate = self._candidate_page(gs)
-        if candidate is None:
-            return False
-        own = next(iter(gs.lru.values()))
-        own_density = own.value / self.config.groups[gs.group_id].block_bytes
-        return candidate[0] / self.config.large_page_bytes < own_density
-
-    def _reclaim_page(self, gs: _GroupState) -> None:
-        """Evict the cached blocks of another group's unused page and free it."""
-        best = self._candidate_page(gs)
-        if best is None:
-            raise RuntimeError("no block left to take: call can_take() before take()")
-        _, other, page = best
-        if other.track_unused:
-            del other.unused_pages[page.index]
-        first = page.index * other.blocks_per_page
-        for block in other.blocks[first:first + other.blocks_per_page]:
-            if block.block_hash is not None:
-                self._evict(other, block)
-        self._release_page(other, page)
-
-    def _release_page(self, gs: _GroupState, page: LargePage) -> None:
+    def _release_page(self, gs: GroupBooks, page: LargePage) -> None:
         """An owned page with no used and no cached block goes back to the arena."""
         gs.num_empty -= len(page.empty)
         gs.num_pages -= 1
@@ -446,7 +471,7 @@ class BlockPool:
             hashes, ids = zip(*stored, strict=True)
             self.events.append(BlockStored(group_id, hashes, ids))
 
-    def _evict(self, gs: _GroupState, block: Block) -> Block:
+    def _evict(self, gs: GroupBooks, block: Block) -> Block:
         """Forget a cached block with ref 0; it becomes empty (not yet in `page.empty`)."""
         del gs.lru[block.block_id]
         block_hash = block.block_hash
@@ -486,7 +511,7 @@ class BlockPool:
                 self._evict(gs, block)
                 block.page.empty.append(block)
                 gs.num_empty += 1
-            for page in [p for p in self.pages if p.group_id == gs.group_id]:
+            for page in [p for p in self.pages if p is not None and p.group_id == gs.group_id]:
                 self._release_page(gs, page)
         return True
 
@@ -511,47 +536,4 @@ class BlockPool:
 
     def check_integrity(self) -> None:
         """Recount everything from the blocks themselves; raise AssertionError on a mismatch."""
-        free = set(self.free_pages)
-        assert len(free) == len(self.free_pages), "a page is twice in the free list"
-        assert 0 not in free, "the null page is in the free list"
-        for block in self.null_blocks:
-            assert block.ref_cnt >= 1 and block.block_hash is None, "null block changed"
-        for page in self.pages[1:]:
-            if page.index in free:
-                assert page.group_id is None and not page.empty, f"free page {page.index} owned"
-                continue
-            assert page.group_id is not None, f"page {page.index} neither free nor owned"
-            self._check_page(page)
-        for gs in self.groups:
-            owned = [p for p in self.pages[1:] if p.group_id == gs.group_id]
-            assert gs.num_pages == len(owned), f"group {gs.group_id} page count"
-            assert gs.num_empty == sum(len(p.empty) for p in owned), "empty count"
-            assert set(gs.open_pages) == {p.index for p in owned if p.empty}, "open pages"
-            unused = {p.index for p in owned if p.num_used == 0}
-            if gs.track_unused:
-                assert set(gs.unused_pages) == unused, "unused pages"
-            else:
-                assert not gs.unused_pages, "untracked unused pages"
-                assert unused == {b.page.index for b in gs.lru.values()}, "unused pages"
-            per_page = gs.blocks_per_page
-            blocks = [b for p in owned for b in gs.blocks[p.index * per_page:
-                                                           (p.index + 1) * per_page]]
-            assert gs.num_used == sum(b.ref_cnt > 0 for b in blocks), "used count"
-            lru = {b.block_id for b in blocks if b.ref_cnt == 0 and b.block_hash is not None}
-            assert set(gs.lru) == lru, f"group {gs.group_id} LRU holds the wrong blocks"
-            hashed = {b.block_hash: b for b in blocks if b.block_hash is not None}
-            assert len(hashed) == sum(b.block_hash is not None for b in blocks), "dup hash"
-            assert gs.cached == hashed, f"group {gs.group_id} hash index mismatch"
-
-    def _check_page(self, page: LargePage) -> None:
-        assert page.group_id is not None
-        gs = self.groups[page.group_id]
-        per_page = gs.blocks_per_page
-        blocks = gs.blocks[page.index * per_page:(page.index + 1) * per_page]
-        assert all(b.ref_cnt >= 0 for b in blocks), "negative ref count"
-        assert page.num_used == sum(b.ref_cnt > 0 for b in blocks), f"page {page.index} used"
-        assert page.num_hashed == sum(b.block_hash is not None for b in blocks), "hashed"
-        empty = [b for b in blocks if b.ref_cnt == 0 and b.block_hash is None]
-        assert sorted(b.block_id for b in page.empty) == sorted(b.block_id for b in empty), \
-            f"page {page.index} empty list"
-        assert page.num_used or page.num_hashed, f"page {page.index} all empty but owned"
+        check_pool(self)

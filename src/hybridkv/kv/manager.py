@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from hybridkv.kv.block_pool import Block, BlockPool, BlockRemoved, BlockStored
 from hybridkv.kv.coordinator import make_coordinator
+from hybridkv.kv.hashing import make_block_hasher
 from hybridkv.kv.managers.base import NEVER
 from hybridkv.kv.plan import KVCacheConfig
 from hybridkv.kv.request import KVRequest
@@ -62,15 +63,19 @@ class KVCacheManager:
     def __init__(self, config: KVCacheConfig, *, max_model_len: int,
                  enable_caching: bool = True, enable_events: bool = False,
                  checkpoint_interval: int = 0, checkpoint_branch_points: bool = True,
-                 eviction: str | None = None) -> None:
+                 eviction: str | None = None, hash_seed: str | bytes | None = None,
+                 hash_algo: str = "xxh3") -> None:
         self.config = config
+        # Requests must hash with this hasher (KVRequest(..., block_hasher=...)). No seed:
+        # this process's random one; processes sharing cached blocks set one secret seed.
+        self.block_hasher = make_block_hasher(hash_seed, hash_algo)
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         if eviction is None:
             # Cost-aware eviction where blocks differ in what they spare per byte (state
             # checkpoints vs attention blocks); between attention groups plain LRU, whose
             # admission check is exact.
-            has_state = any(g.spec.kind == "mamba" for g in config.groups)
+            has_state = any(g.spec.is_state for g in config.groups)
             eviction = "value" if has_state else "lru"
         self.pool = BlockPool(config, enable_caching=enable_caching,
                               enable_events=enable_events, eviction=eviction)
@@ -94,6 +99,7 @@ class KVCacheManager:
         recomputed (its logits are needed), so a hit stops before it."""
         if not self.enable_caching:
             return ComputedBlocks(self._no_blocks, 0)
+        self._check_hasher(request)
         blocks, num_tokens, own = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1)
         stats = self.stats
@@ -105,6 +111,19 @@ class KVCacheManager:
         for m in self.managers:
             m.note_lookup(request, max(own))
         return ComputedBlocks(KVCacheBlocks(blocks), num_tokens)
+
+    @property
+    def hash_fingerprint(self) -> str:
+        """Names the block hash algorithm and seed (for tiers' layout fingerprints)."""
+        return self.block_hasher.fingerprint
+
+    def _check_hasher(self, request: KVRequest) -> None:
+        if request.block_hasher is not self.block_hasher and \
+                request.block_hasher != self.block_hasher:
+            raise ValueError(
+                f"request {request.request_id} was hashed with {request.block_hasher}, this "
+                f"KV cache with {self.block_hasher}: pass KVRequest(..., block_hasher="
+                f"manager.block_hasher)")
 
     def allocate_slots(self, request: KVRequest, num_new_tokens: int,
                        num_new_computed_tokens: int = 0,
@@ -134,22 +153,31 @@ class KVCacheManager:
             m.drop_skipped_blocks(request, num_computed)
         if hit is None:
             needs = [m.num_blocks_to_allocate(request, num_tokens, 0) for m in managers]
-            if any(needs) and not self.pool.can_take(needs, [0] * len(needs)):
+            if any(needs) and not self.pool.can_take(needs):
                 return None
         else:
+            if self.enable_caching:
+                self._check_hasher(request)
             needs = [m.num_blocks_to_allocate(request, num_tokens, len(blocks))
                      for m, blocks in zip(managers, hit, strict=True)]
             # Cached hit blocks nobody holds stop being evictable once touched.
-            touched = [sum(1 for b in blocks if b.ref_cnt == 0 and b.block_id)
-                       for blocks in hit]
-            if not self.pool.can_take(needs, touched):
+            if not self.pool.can_take(needs, hit):
                 return None
-            for m, blocks in zip(managers, hit, strict=True):
+            for blocks in hit:
                 self.pool.touch(blocks)
+        try:
+            taken = self.pool.take_all(needs) if any(needs) else None
+        except RuntimeError:
+            # can_take said yes, so this is a bug; leave the books as they were.
+            for m, blocks in zip(managers, hit or (), strict=False):
+                self.pool.free(m.group_id, reversed(blocks))
+            raise
+        if hit is not None:
+            for m, blocks in zip(managers, hit, strict=True):
                 m.save_computed_blocks(request, blocks)
-        if any(needs):
-            new = KVCacheBlocks(tuple(m.allocate(request, n) if n else []
-                                      for m, n in zip(managers, needs, strict=True)))
+        if taken is not None:
+            new = KVCacheBlocks(tuple(m.allocate(request, blocks)
+                                      for m, blocks in zip(managers, taken, strict=True)))
         else:
             new = self._no_blocks
         if self.enable_caching:

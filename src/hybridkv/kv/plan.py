@@ -196,13 +196,17 @@ def plan_kv_cache(
     kv_sharing: Mapping[str, str] | None = None,
     max_large_page_bytes: int | None = None,
     strict: bool = True,
+    enable_caching: bool = True,
+    checkpoint_interval: int = 0,
 ) -> KVCachePlan:
     """Plan the KV cache of a model whose layers need `layer_specs` within `memory_bytes`.
 
     `kv_sharing` maps layers that compute no KV to the layer whose cache they read; they get
     no pages. Raises ValueError with a one-line reason when the budget cannot work (with
     `strict=False` a budget too small for one request is a warning instead: the `--no-hybrid`
-    comparison of a model that only fits with hybrid management).
+    comparison of a model that only fits with hybrid management). With `enable_caching`,
+    state layers also take checkpoint blocks (every `checkpoint_interval` blocks, 0: only at
+    prompt ends and branch points), and one request of `max_model_len` must fit with them.
     """
     if memory_bytes <= 0:
         raise ValueError(f"KV cache memory must be positive, got {memory_bytes} bytes")
@@ -231,7 +235,8 @@ def plan_kv_cache(
             layer_specs=tuple(specs[n] for n in names)))
     config = KVCacheConfig(groups=tuple(groups), large_page_bytes=large_page,
                            num_large_pages=memory_bytes // large_page)
-    problem = _one_request_problem(config, memory_bytes, max_model_len, max_num_batched_tokens)
+    problem = _one_request_problem(config, memory_bytes, max_model_len, max_num_batched_tokens,
+                                   checkpoint_interval if enable_caching else None)
     if problem and strict:
         raise ValueError(problem)
     plan = _figures(config, specs, memory_bytes, max_model_len, max_num_batched_tokens, hybrid)
@@ -256,10 +261,25 @@ def _check_kv_sharing(layer_specs: Mapping[str, KVCacheSpec],
                              f"{target} ({theirs.kind}): their KV cache specs differ")
 
 
+def one_request_pages(config: KVCacheConfig, max_model_len: int, max_num_batched_tokens: int,
+                      checkpoint_interval: int | None) -> int:
+    """Large pages one request of `max_model_len` needs at its peak, the null page included
+    (`checkpoint_interval` None: no prefix caching, so no state checkpoints)."""
+    pages = 1
+    for g in config.groups:
+        blocks = g.spec.peak_blocks(max_model_len, max_num_batched_tokens)
+        if checkpoint_interval is not None:
+            blocks += g.spec.checkpoint_blocks(max_model_len, max_num_batched_tokens,
+                                               checkpoint_interval)
+        pages += cdiv(blocks, g.blocks_per_large_page)
+    return pages
+
+
 def _one_request_problem(config: KVCacheConfig, memory_bytes: int, max_model_len: int,
-                         max_num_batched_tokens: int) -> str | None:
-    pages = 1 + sum(cdiv(g.spec.peak_blocks(max_model_len, max_num_batched_tokens),
-                         g.blocks_per_large_page) for g in config.groups)
+                         max_num_batched_tokens: int,
+                         checkpoint_interval: int | None) -> str | None:
+    pages = one_request_pages(config, max_model_len, max_num_batched_tokens,
+                              checkpoint_interval)
     if pages > config.num_large_pages:
         need = pages * config.large_page_bytes
         return (

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from hybridkv.kv.hashing import BlockHash, encode_extra_keys, extend_block_hashes
+from hybridkv.kv.hashing import BlockHash, BlockHasher, encode_extra_keys, make_block_hasher
 
 
 class KVRequest:
@@ -16,7 +16,7 @@ class KVRequest:
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], *,
                  hash_block_size: int, cache_salt: str | None = None,
-                 num_encoder_tokens: int = 0) -> None:
+                 num_encoder_tokens: int = 0, block_hasher: BlockHasher | None = None) -> None:
         if hash_block_size < 1:
             raise ValueError(f"hash_block_size must be >= 1, got {hash_block_size}")
         self.request_id = request_id
@@ -26,8 +26,12 @@ class KVRequest:
         self.num_encoder_tokens = num_encoder_tokens
         self.hash_block_size = hash_block_size
         self._salt = encode_extra_keys([cache_salt]) if cache_salt else b""
+        # Must be the KV cache manager's (`KVCacheManager.block_hasher`); None: this
+        # process's default, which a manager built without a hash seed uses too.
+        self.block_hasher = block_hasher or make_block_hasher()
         self.block_hashes: list[BlockHash] = []
-        extend_block_hashes(self.block_hashes, self.token_ids, hash_block_size, self._salt)
+        self.block_hasher.extend_block_hashes(self.block_hashes, self.token_ids,
+                                              hash_block_size, self._salt)
 
     @property
     def num_tokens(self) -> int:
@@ -36,8 +40,8 @@ class KVRequest:
     def append_token_ids(self, token_ids: Iterable[int]) -> None:
         self.token_ids.extend(token_ids)
         if len(self.token_ids) >= (len(self.block_hashes) + 1) * self.hash_block_size:
-            extend_block_hashes(self.block_hashes, self.token_ids, self.hash_block_size,
-                                self._salt)
+            self.block_hasher.extend_block_hashes(self.block_hashes, self.token_ids,
+                                                  self.hash_block_size, self._salt)
 
     def __repr__(self) -> str:
         return (f"KVRequest({self.request_id!r}, num_tokens={self.num_tokens}, "

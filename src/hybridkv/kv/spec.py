@@ -66,6 +66,12 @@ class KVCacheSpec:
     def steady_blocks(self, num_tokens: int) -> int:
         raise NotImplementedError
 
+    def checkpoint_blocks(self, max_model_len: int, max_num_batched_tokens: int,
+                          checkpoint_interval: int) -> int:
+        """Blocks one request holds at most on top of `peak_blocks` when the prefix cache
+        saves state checkpoints (`checkpoint_interval` in blocks, 0: none). State kinds only."""
+        return 0
+
     def transient_blocks(self, max_num_batched_tokens: int) -> int:
         """Extra blocks one step's prefill chunk can need on top of `steady_blocks`."""
         return 0
@@ -234,6 +240,18 @@ class MambaSpec(KVCacheSpec):
 
     def steady_blocks(self, num_tokens: int) -> int:
         return 1 + self.num_speculative_blocks
+
+    def checkpoint_blocks(self, max_model_len: int, max_num_batched_tokens: int,
+                          checkpoint_interval: int) -> int:
+        # In the step that resumes from a hit, a request holds the checkpoint it resumes
+        # from and takes one for each position its tokens cross: the prompt end, the branch
+        # point and every interval position. All are block-aligned and within the request.
+        # E.g. block 16, interval 4 (64 tokens), 512-token steps: 1 + 2 + 9 = 12 blocks.
+        num_tokens = min(max_num_batched_tokens, max_model_len)
+        crossed = 2
+        if checkpoint_interval:
+            crossed += num_tokens // (checkpoint_interval * self.block_size) + 1
+        return 1 + min(crossed, max_model_len // self.block_size)
 
     def ideal_bytes(self, num_tokens: int) -> int:
         return self.page_size_bytes

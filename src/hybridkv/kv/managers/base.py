@@ -117,8 +117,11 @@ class SingleTypeManager:
         self.req_blocks[rid] = list(blocks)
         self.num_cached[rid] = len(blocks)
 
-    def allocate(self, request: KVRequest, num_blocks: int) -> list[Block]:
-        new = self.pool.take(self.group_id, num_blocks)
+    def allocate(self, request: KVRequest, new: list[Block]) -> list[Block]:
+        """Add blocks just taken from the pool (as `num_blocks_to_allocate` asked) to the
+        request; returns those the model runner writes into. Cannot fail."""
+        if not new:
+            return new
         blocks = self.req_blocks.get(request.request_id)
         if blocks is None:
             self.req_blocks[request.request_id] = list(new)
@@ -170,8 +173,8 @@ class SingleTypeManager:
         (its branch point). State kinds save a checkpoint there."""
 
     def set_checkpoint_policy(self, *, interval: int, branch_points: bool) -> None:
-        """Save state checkpoints every `interval` blocks too (0: never), and at branch
-        points or not (state kinds only)."""
+        """Turn state checkpoints on (the prefix cache is on): at prompt ends, every
+        `interval` blocks too (0: never), and at branch points or not (state kinds only)."""
 
     def take_checkpoints(self, request_id: str) -> list[tuple[int, Block]]:
         """State checkpoints (position, block) the last allocation asked the runner to

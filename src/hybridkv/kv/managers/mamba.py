@@ -31,6 +31,9 @@ class MambaManager(SingleTypeManager):
     def __init__(self, group: KVCacheGroup, pool: BlockPool, hash_block_size: int) -> None:
         super().__init__(group, pool, hash_block_size)
         self.has_live_state: set[str] = set()
+        # No checkpoints until the prefix cache asks for them: without it nothing could hit
+        # a checkpoint, so its block would be taken for nothing.
+        self.save_checkpoints = False
         self.checkpoint_interval = 0  # in blocks; 0 = only prompt ends and branch points
         self.checkpoint_branch_points = True
         self.branch_points: dict[str, int] = {}  # tokens matched before diverging
@@ -78,12 +81,15 @@ class MambaManager(SingleTypeManager):
             self.branch_points[request.request_id] = matched_tokens
 
     def set_checkpoint_policy(self, *, interval: int, branch_points: bool) -> None:
+        self.save_checkpoints = True
         self.checkpoint_interval = interval
         self.checkpoint_branch_points = branch_points
 
     def checkpoint_positions(self, request: KVRequest, start: int, end: int) -> list[int]:
         """Block-aligned positions in (start, end] whose state this request should save
         (skipping prefixes already checkpointed)."""
+        if not self.save_checkpoints:
+            return []
         bs = self.block_size
         wanted = {request.num_prompt_tokens // bs * bs,
                   self.branch_points.get(request.request_id, 0) // bs * bs}
@@ -106,13 +112,13 @@ class MambaManager(SingleTypeManager):
         live = 0 if rid in self.has_live_state else self.num_live_blocks
         return live + len(self._planned[rid])
 
-    def allocate(self, request: KVRequest, num_blocks: int) -> list[Block]:
+    def allocate(self, request: KVRequest, new: list[Block]) -> list[Block]:
         rid = request.request_id
         positions = self._planned.pop(rid, [])
-        if not num_blocks:
+        if not new:
             return []
-        new = self.pool.take(self.group_id, num_blocks)
-        live, checkpoints = new[:num_blocks - len(positions)], new[num_blocks - len(positions):]
+        num_live = len(new) - len(positions)
+        live, checkpoints = new[:num_live], new[num_live:]
         for position, block in zip(positions, checkpoints, strict=True):
             # A checkpoint spares recomputing its whole prefix.
             self.pool.cache(block, request.block_hashes[position // self.block_size
@@ -161,6 +167,8 @@ class MambaManager(SingleTypeManager):
 
     def _next_checkpoint(self, request: KVRequest, after: int) -> int:
         """The first candidate position beyond `after` (NEVER if none)."""
+        if not self.save_checkpoints:
+            return NEVER
         bs = self.block_size
         candidates = [request.num_prompt_tokens // bs * bs,
                       self.branch_points.get(request.request_id, 0) // bs * bs]
