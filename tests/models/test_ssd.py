@@ -4,7 +4,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.models.ssd import ssd_scan  # noqa: E402
+from hybridkv.models.layers.ssd import ssd_scan  # noqa: E402
 
 
 @pytest.mark.parametrize("num_tokens, chunk_size", [(1, 16), (37, 16), (64, 16), (50, 7)])

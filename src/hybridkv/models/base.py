@@ -2,50 +2,120 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar
+from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
 
+from hybridkv.models.layer_mix import kv_shared_from
+from hybridkv.models.layers.norms import RMSNorm
+from hybridkv.models.text_config import TextConfig
 from hybridkv.models.weights import load_named_weights
 from hybridkv.worker.forward_context import ForwardContext
 
 
 class CausalLM(nn.Module):
-    """embed (x embedding_multiplier) -> layers -> final norm; logits = lm_head (x
-    lm_head_multiplier / logits_scaling, the µP factors of Falcon-H1 and Granite).
-    Subclasses set `self.model` with `layers` and the embedding and norm named as in their
-    checkpoints (`embed_name`, `norm_name`)."""
+    """forward(token ids [T], positions [T], ctx) -> hidden [T, hidden] (with KV-sharing fast
+    prefill, only the sampled tokens' rows); compute_logits(hidden [N, hidden]) -> [N, vocab].
 
-    model_type: ClassVar[str]
+        embed (x sqrt(hidden) for Gemma, x embedding_multiplier for µP)
+          -> layers; at `kv_shared_from` (the trailing run of layers that only read other
+             layers' KV) the context may narrow the batch to the sampled tokens
+          -> final norm
+        logits = lm_head (tied to the embedding if the config says so)
+                 x logits multiplier (µP), soft-capped (Gemma 2, 3n, 4)
+
+    Subclasses build the layers and name the embedding and final norm as their checkpoints
+    do (`embed_name`, `norm_name`). Families with more state between layers (per-layer
+    inputs, AltUp copies) override the hooks `per_layer_inputs`, `enter_layers`,
+    `leave_layers`; the loop, and so the KV-sharing cut, stays here."""
+
     embed_name: ClassVar[str] = "embed_tokens"
     norm_name: ClassVar[str] = "norm"
+    # Whether the attention reads a target layer's cache when the config maps layers to
+    # others (`num_kv_shared_layers` / `kv_sharing_target_layers`); the registry refuses
+    # such configs for other families, which would write their own K/V into the target's.
+    supports_kv_sharing: ClassVar[bool] = False
+    # Checkpoint tensors of parts text generation does not run (vision/audio towers).
+    unused_prefixes: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, config: Mapping[str, Any], model: nn.Module) -> None:
+    def __init__(self, cfg: TextConfig, layers: Iterable[nn.Module], *,
+                 norm_offset: float = 0.0, embed_scale: float | None = None,
+                 model: nn.Module | None = None) -> None:
+        """`model`: the container the checkpoint calls `model` when it holds more than the
+        embedding, layers and norm (Gemma 3n's per-layer inputs); a plain one otherwise."""
         super().__init__()
-        self.model = model
-        self.lm_head = nn.Linear(int(config["hidden_size"]), int(config["vocab_size"]),
-                                 bias=False)
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        if self.tied:
-            self.lm_head.weight = getattr(self.model, self.embed_name).weight
-        self.embedding_multiplier = float(config.get("embedding_multiplier", 1.0))
-        self.logits_multiplier = float(config.get("lm_head_multiplier", 1.0)) / float(
-            config.get("logits_scaling", 1.0))
+        self.cfg = cfg
+        self.model = model if model is not None else nn.Module()
+        self.model.add_module(self.embed_name, nn.Embedding(cfg.vocab_size, cfg.hidden_size))
+        self.model.layers = nn.ModuleList(layers)
+        self.model.add_module(self.norm_name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                      norm_offset))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.embed_scale = embed_scale
+        self.kv_shared_from = kv_shared_from(cfg.kv_targets, cfg.num_layers)
+        # Checkpoints written by transformers keep k/v weights for layers that read another
+        # layer's KV (it has no notion of the map); nothing uses them here.
+        self.unused_weights = self.unused_prefixes + tuple(
+            f"model.layers.{i}.self_attn.{part}." for i in cfg.kv_targets
+            for part in ("k_proj", "v_proj", "k_norm", "v_norm"))
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return getattr(self.model, self.embed_name)  # type: ignore[no-any-return]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            # Rounded to the embedding's dtype first, as the reference does.
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        if self.cfg.embedding_multiplier != 1.0:
+            h = h * self.cfg.embedding_multiplier
+        return h
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, h: torch.Tensor
+                         ) -> torch.Tensor | None:
+        """[T, layers, dim]: a small input per token and layer, or None."""
+        return None
+
+    def enter_layers(self, h: torch.Tensor) -> torch.Tensor:
+        """The embedding [T, hidden] -> what the layers pass on ([..., T, hidden])."""
+        return h
+
+    def leave_layers(self, h: torch.Tensor) -> torch.Tensor:
+        return h
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
-        h = getattr(self.model, self.embed_name)(input_ids)
-        if self.embedding_multiplier != 1.0:
-            h = h * self.embedding_multiplier
-        for layer in self.model.layers:  # type: ignore[union-attr]
-            h = layer(h, positions, ctx)
-        return getattr(self.model, self.norm_name)(h)  # type: ignore[no-any-return]
+        h = self.embed(input_ids)
+        per_layer = self.per_layer_inputs(input_ids, h)
+        h = self.enter_layers(h)
+        for i, layer in enumerate(self.model.layers):  # type: ignore[arg-type]
+            if i == self.kv_shared_from:
+                # No layer from here on writes KV: with fast prefill only the tokens whose
+                # logits are sampled need to go on.
+                ctx, keep = ctx.enter_kv_shared_layers()
+                if keep is not None:
+                    h, positions = h[..., keep, :], positions[keep]
+                    per_layer = per_layer[keep] if per_layer is not None else None
+            if per_layer is None:
+                h = layer(h, positions, ctx)
+            else:
+                h = layer(h, positions, ctx, per_layer[:, i])
+        return getattr(self.model, self.norm_name)(self.leave_layers(h))  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
-        return logits * self.logits_multiplier if self.logits_multiplier != 1.0 else logits
+        if self.cfg.logits_multiplier != 1.0:
+            logits = logits * self.cfg.logits_multiplier
+        cap = self.cfg.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits  # type: ignore[no-any-return]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_named_weights(self, weights, model_type=self.model_type, tied=self.tied)
+        load_named_weights(self, weights, model_type=self.cfg.model_type,
+                           tied=self.cfg.tie_word_embeddings, unused=self.unused_weights)

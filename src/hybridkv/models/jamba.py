@@ -1,142 +1,49 @@
 """Jamba: Mamba1 layers with attention layers (no positional encoding) every
 `attn_layer_period`, a top-k MoE every `expert_layer_period` layers and a SwiGLU MLP
-elsewhere.
-
-Mamba1 keeps one SSM state per channel, `[inner, state]`, with input-dependent dt, B and C
-(each RMS-normalised in Jamba):
-    h_t = exp(dt_t A) * h_{t-1} + dt_t * B_t * x_t,   y_t = (h_t . C_t + D * x_t) * silu(z_t)
-"""
+elsewhere. The MoE takes a softmax over all experts, then the top-k weights as they are (no
+renormalising)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import nn
 
-from hybridkv.models.bamba import PartialRopeAttention, SwiGLU
 from hybridkv.models.base import CausalLM
-from hybridkv.models.layer_mix import MAMBA1, layer_kinds
-from hybridkv.models.layers import RMSNorm, activation
-from hybridkv.models.mamba2 import Saves, causal_conv, request_states
-from hybridkv.worker.forward_context import ForwardContext
+from hybridkv.models.layer_mix import MAMBA1
+from hybridkv.models.layers.attention import Attention, AttentionShape
+from hybridkv.models.layers.decoder_layer import DecoderLayer, LayerNames
+from hybridkv.models.layers.mamba1 import Mamba1Mixer
+from hybridkv.models.layers.mlp import GatedMLP
+from hybridkv.models.layers.moe import ExpertMLPs, MoE, Routing
+from hybridkv.models.text_config import TextConfig
+from hybridkv.worker.attention import AttentionParams
 
 
-class Mamba1Mixer(nn.Module):
-    def __init__(self, cfg: Mapping[str, Any], layer: int) -> None:
-        super().__init__()
-        self.name = f"model.layers.{layer}.mamba"
-        hidden = int(cfg["hidden_size"])
-        self.inner = int(cfg.get("mamba_expand", 2)) * hidden
-        self.state_size = int(cfg.get("mamba_d_state", 16))
-        self.rank = int(cfg.get("mamba_dt_rank") or -(-hidden // 16))
-        kernel = int(cfg.get("mamba_d_conv", 4))
-        proj_bias = bool(cfg.get("mamba_proj_bias", False))
-        eps = float(cfg.get("rms_norm_eps", 1e-6))
-        self.in_proj = nn.Linear(hidden, 2 * self.inner, bias=proj_bias)
-        self.conv1d = nn.Conv1d(self.inner, self.inner, kernel, groups=self.inner,
-                                bias=bool(cfg.get("mamba_conv_bias", True)))
-        self.x_proj = nn.Linear(self.inner, self.rank + 2 * self.state_size, bias=False)
-        self.dt_proj = nn.Linear(self.rank, self.inner, bias=True)
-        self.A_log = nn.Parameter(torch.zeros(self.inner, self.state_size))
-        self.D = nn.Parameter(torch.ones(self.inner))
-        self.out_proj = nn.Linear(self.inner, hidden, bias=proj_bias)
-        self.dt_layernorm = RMSNorm(self.rank, eps)
-        self.b_layernorm = RMSNorm(self.state_size, eps)
-        self.c_layernorm = RMSNorm(self.state_size, eps)
-        self.act = activation(str(cfg.get("hidden_act", "silu")))
-
-    def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        meta, states = ctx.state(self.name)
-        x, z = self.in_proj(h).chunk(2, dim=-1)  # [T, inner] each
-        y = torch.empty_like(x)
-        for start, end, conv_state, ssm_state, saves in request_states(meta, states):
-            y[start:end] = self._request(x[start:end], conv_state, ssm_state, saves)
-        return self.out_proj(y * nn.functional.silu(z))
-
-    def _request(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-                 saves: Saves) -> torch.Tensor:
-        x = self.act(causal_conv(x, conv_state, self.conv1d, saves))  # [L, inner]
-        dt, b, c = self.x_proj(x).split([self.rank, self.state_size, self.state_size], -1)
-        dt = self.dt_layernorm(dt) @ self.dt_proj.weight.T  # [L, inner], bias added below
-        dt = nn.functional.softplus(dt.float() + self.dt_proj.bias.float())
-        b = self.b_layernorm(b).float()  # [L, state]
-        c = self.c_layernorm(c).float()
-        a = -torch.exp(self.A_log.float())  # [inner, state]
-        xf = x.float()
-        save_at = {offset: ssm for offset, _, ssm in saves}
-        state = ssm_state.float()
-        out = torch.empty_like(xf)
-        for t in range(x.shape[0]):
-            state = torch.exp(dt[t, :, None] * a) * state + \
-                (dt[t] * xf[t])[:, None] * b[t][None, :]
-            out[t] = state @ c[t]
-            if t + 1 in save_at:
-                save_at[t + 1].copy_(state.to(ssm_state.dtype))
-        ssm_state.copy_(state.to(ssm_state.dtype))
-        return (out + xf * self.D.float()).to(x.dtype)
-
-
-class JambaMoE(nn.Module):
-    """Softmax over all experts, then the top-k weights as they are (no renormalising)."""
-
-    def __init__(self, cfg: Mapping[str, Any]) -> None:
-        super().__init__()
-        hidden, num_experts = int(cfg["hidden_size"]), int(cfg["num_experts"])
-        self.top_k = int(cfg.get("num_experts_per_tok", 2))
-        self.router = nn.Linear(hidden, num_experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLU(cfg) for _ in range(num_experts))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights = torch.softmax(self.router(x).float(), dim=-1)
-        top_weights, top_ids = torch.topk(weights, self.top_k, dim=-1)
-        top_weights = top_weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        for expert in top_ids.unique().tolist():
-            token_idx, slot = torch.where(top_ids == expert)
-            y = self.experts[expert](x[token_idx])
-            out.index_add_(0, token_idx, y * top_weights[token_idx, slot, None])
-        return out
-
-
-class JambaLayer(nn.Module):
-    def __init__(self, cfg: Mapping[str, Any], layer: int, kind: str) -> None:
-        super().__init__()
-        hidden, eps = int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-6))
-        self.kind = kind
-        if kind == MAMBA1:
-            self.mamba = Mamba1Mixer(cfg, layer)
-        else:
-            self.self_attn = PartialRopeAttention(cfg, layer, use_rope=False)
-        period = int(cfg.get("expert_layer_period", 2))
-        offset = int(cfg.get("expert_layer_offset", 1))
-        moe = int(cfg.get("num_experts", 1)) > 1 and layer % period == offset
-        self.feed_forward: nn.Module = JambaMoE(cfg) if moe else SwiGLU(cfg)
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.pre_ff_layernorm = RMSNorm(hidden, eps)
-
-    def forward(self, h: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        x = self.input_layernorm(h)
-        mixed = self.mamba(x, ctx) if self.kind == MAMBA1 else self.self_attn(x, positions, ctx)
-        h = h + mixed
-        return h + self.feed_forward(self.pre_ff_layernorm(h))
-
-
-class JambaModel(nn.Module):
-    def __init__(self, cfg: Mapping[str, Any]) -> None:
-        super().__init__()
-        hidden = int(cfg["hidden_size"])
-        kinds = [parts[0] for parts in layer_kinds(cfg)]
-        self.embed_tokens = nn.Embedding(int(cfg["vocab_size"]), hidden)
-        self.layers = nn.ModuleList(JambaLayer(cfg, i, k) for i, k in enumerate(kinds))
-        self.final_layernorm = RMSNorm(hidden, float(cfg.get("rms_norm_eps", 1e-6)))
+def jamba_layer(cfg: TextConfig, layer: int, kind: str | None) -> DecoderLayer:
+    raw, hidden = cfg.raw, cfg.hidden_size
+    mixer: nn.Module
+    if kind == MAMBA1:
+        name, mixer = "mamba", Mamba1Mixer(raw, layer)
+    else:
+        name, mixer = "self_attn", Attention(
+            layer, AttentionShape.from_config(cfg), AttentionParams(scale=cfg.head_dim ** -0.5),
+            rotary=None)
+    period = int(raw.get("expert_layer_period", 2))
+    offset = int(raw.get("expert_layer_offset", 1))
+    num_experts = int(raw.get("num_experts", 1))
+    ffn: nn.Module = GatedMLP(hidden, cfg.intermediate_size, cfg.hidden_act)
+    if num_experts > 1 and layer % period == offset:
+        ffn = MoE(hidden, ExpertMLPs(num_experts, hidden, cfg.intermediate_size, cfg.hidden_act),
+                  Routing(int(raw.get("num_experts_per_tok", 2)), "softmax"))
+    return DecoderLayer(LayerNames(name, ffn_norm="pre_ff_layernorm", ffns=("feed_forward",)),
+                        mixer, [ffn], hidden, cfg.rms_norm_eps)
 
 
 class JambaForCausalLM(CausalLM):
-    model_type = "jamba"
     norm_name = "final_layernorm"
 
     def __init__(self, config: Mapping[str, Any]) -> None:
-        super().__init__(config, JambaModel(config))
+        cfg = TextConfig.from_hf(config)
+        super().__init__(cfg, (jamba_layer(cfg, i, k) for i, k in enumerate(cfg.kinds)))

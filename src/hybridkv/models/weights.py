@@ -9,6 +9,9 @@ from torch import nn
 
 # Checkpoints of multimodal wrappers keep the text model under another prefix.
 _PREFIXES = (("model.language_model.", "model."), ("backbone.", "model."))
+# Parts of multimodal checkpoints that text generation does not run (Gemma 3n, Gemma 4).
+MULTIMODAL_PARTS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
+                    "model.embed_audio.", "model.multi_modal_projector.")
 
 
 def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], *,

@@ -5,88 +5,24 @@ last inputs of the causal depthwise convolution) and an SSM state `[heads, head_
 A step reads them when the request has computed tokens before (chunked prefill, decode),
 starts from zeros otherwise (a fresh or recomputed request), and writes them back.
 
-The scan is the chunked SSD form (models/ssd.py) of the recurrence
+The scan is the chunked SSD form (layers/ssd.py) of the recurrence
     h_t = exp(dt_t * A) * h_{t-1} + dt_t * x_t (outer) B_t,   y_t = h_t . C_t + D * x_t
 with chunk edges at every checkpoint offset, so snapshots are exact.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from hybridkv.models.ssd import ssd_scan
+from hybridkv.models.layers.norms import GatedRMSNorm
+from hybridkv.models.layers.ssd import ssd_scan
+from hybridkv.models.layers.state import Saves, causal_conv, request_states
 from hybridkv.worker.forward_context import ForwardContext
 from hybridkv.worker.state import StateMetadata
-
-Saves = list[tuple[int, torch.Tensor, torch.Tensor]]
-
-
-def request_states(meta: StateMetadata, states: tuple[torch.Tensor, ...],
-                   skip: Iterable[int] = ()
-                   ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, Saves]]:
-    """Per request with tokens this step: (start, end, conv state, SSM state, checkpoints
-    to save), the live states made ready: copied from a prefix-hit checkpoint, zeroed for
-    a fresh start, or left to continue. Requests come in row order, so a checkpoint written
-    in this step by an earlier request is complete before a later one copies it."""
-    conv_states, ssm_states = states
-    skipped = set(skip)
-    for r in range(len(meta.state_pages)):
-        start, end = meta.query_start_loc[r], meta.query_start_loc[r + 1]
-        if start == end or r in skipped:
-            continue
-        page, slot = meta.state_pages[r], meta.state_slots[r]
-        conv_state, ssm_state = conv_states[page, slot], ssm_states[page, slot]
-        source = meta.init_from[r]
-        if source is not None:
-            conv_state.copy_(conv_states[source])
-            ssm_state.copy_(ssm_states[source])
-        elif not meta.has_initial_state[r]:
-            conv_state.zero_()
-            ssm_state.zero_()
-        saves = [(offset, conv_states[p, s], ssm_states[p, s])
-                 for offset, p, s in meta.checkpoints[r]]
-        yield start, end, conv_state, ssm_state, saves
-
-
-def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, conv: nn.Conv1d,
-                saves: Saves) -> torch.Tensor:
-    """Depthwise causal conv of x [L, channels] continuing from the last kernel - 1 inputs in
-    `conv_state` [channels, kernel - 1]; updates it and the checkpoints' conv states.
-    Returns [L, channels] (before the activation)."""
-    keep = conv.kernel_size[0] - 1
-    window = torch.cat([conv_state.to(x.dtype), x.T], dim=-1)  # [channels, k-1+L]
-    conv_state.copy_(window[:, -keep:])
-    for offset, checkpoint, _ in saves:
-        checkpoint.copy_(window[:, offset:offset + keep])  # inputs up to `offset` tokens
-    return nn.functional.conv1d(window.unsqueeze(0), conv.weight, conv.bias,
-                                groups=conv.in_channels)[0].T
-
-
-class GatedRMSNorm(nn.Module):
-    """x * silu(gate), normalised per group of channels (float32), then weighted; with
-    `norm_before_gate` (Falcon-H1), normalised and weighted first, then gated."""
-
-    def __init__(self, dim: int, group_size: int, eps: float,
-                 norm_before_gate: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.group_size, self.eps = group_size, eps
-        self.norm_before_gate = norm_before_gate
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        if not self.norm_before_gate:
-            h = h * nn.functional.silu(gate.float())
-        groups = h.unflatten(-1, (-1, self.group_size))
-        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.norm_before_gate:
-            weighted = self.weight.float() * groups.flatten(-2)
-            return (weighted * nn.functional.silu(gate.float())).to(x.dtype)
-        return self.weight * groups.flatten(-2).to(x.dtype)
 
 
 class Mamba2Mixer(nn.Module):
@@ -133,7 +69,9 @@ class Mamba2Mixer(nn.Module):
         self.mup: torch.Tensor | None
         self.register_buffer("mup", mup, persistent=False)
 
-    def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        # `positions` unused: the state carries them; the call is the same as attention's.
         meta, states = ctx.state(self.name)
         # h [T, hidden] -> gate [T, inner], xBC [T, conv_dim], dt [T, heads]
         projected = self.in_proj(h * self.in_multiplier if self.in_multiplier != 1.0 else h)

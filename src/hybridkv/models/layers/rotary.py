@@ -1,5 +1,6 @@
-"""Layers shared by model families: norms, rotary embeddings, activations, the forward
-context that carries attention metadata and KV views through one forward pass."""
+"""Rotary position embeddings: the parameters of a layer from its config, inverse frequencies
+for the RoPE types in use (default, linear, llama3, yarn, proportional), and the two rotation
+conventions (half-split and adjacent pairs)."""
 
 from __future__ import annotations
 
@@ -10,53 +11,22 @@ from typing import Any
 import torch
 from torch import nn
 
-
-class RMSNorm(nn.Module):
-    """`offset=1.0` is Gemma's `(1 + w)` form, computed in float32 then cast back."""
-
-    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
-        self.eps = eps
-        self.offset = offset
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 (as the reference implementations do), one fused op.
-        normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        if self.offset:
-            return (normed * (self.offset + self.weight.float())).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+from hybridkv.models.layer_mix import SLIDING
+from hybridkv.worker.forward_context import ForwardContext
 
 
-ACTIVATIONS = {
-    "silu": nn.functional.silu,
-    "gelu": nn.functional.gelu,
-    "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
-    "gelu_new": lambda x: nn.functional.gelu(x, approximate="tanh"),
-    "relu": nn.functional.relu,
-}
-
-
-class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), the MLP of most decoders here."""
-
-    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.act = activation(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))  # type: ignore[no-any-return]
-
-
-def activation(name: str) -> Any:
-    try:
-        return ACTIVATIONS[name]
-    except KeyError:
-        raise ValueError(f"unsupported activation {name!r}; supported: "
-                         f"{', '.join(ACTIVATIONS)}") from None
+def rope_params(cfg: Mapping[str, Any], kind: str) -> dict[str, Any]:
+    """RoPE parameters of a layer of `kind`, from the newer `rope_parameters` (possibly keyed
+    by layer type) or the older `rope_theta` / `rope_scaling` / `rope_local_base_freq`."""
+    params = cfg.get("rope_parameters")
+    layer_type = "sliding_attention" if kind == SLIDING else "full_attention"
+    if isinstance(params, Mapping):
+        return dict(params.get(layer_type, params))
+    out: dict[str, Any] = dict(cfg.get("rope_scaling") or {})
+    out["rope_theta"] = cfg.get("rope_theta", 10000.0)
+    if kind == SLIDING and cfg.get("rope_local_base_freq"):
+        out = {"rope_type": "default", "rope_theta": cfg["rope_local_base_freq"]}
+    return out
 
 
 def rope_key(head_dim: int, params: Mapping[str, Any]) -> object:
@@ -135,3 +105,49 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def apply_rope_pairs(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+                     ) -> torch.Tensor:
+    """x [T, H, D] rotated as complex pairs (x[2i], x[2i+1]) (Llama 4's convention)."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq.to(x.device)  # [T, D/2]
+    rot = torch.polar(torch.ones_like(freqs), freqs).unsqueeze(1)  # [T, 1, D/2]
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
+    return torch.view_as_real(pairs * rot).flatten(-2).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE of one layer on the first `rotary_dim` of each head; the rest passes unchanged.
+    A `partial_rotary_factor` shortens `rotary_dim` (Bamba, Qwen3-Next), except for the
+    "proportional" type, which spends it on frequencies over the whole head (Gemma 4)."""
+
+    def __init__(self, head_dim: int, params: Mapping[str, Any],
+                 partial_rotary_factor: float = 1.0) -> None:
+        super().__init__()
+        params = dict(params)
+        if params.get("rope_type") != "proportional":
+            partial_rotary_factor = float(params.pop("partial_rotary_factor",
+                                                     partial_rotary_factor))
+        self.rotary_dim = int(head_dim * partial_rotary_factor)
+        self.partial = self.rotary_dim != head_dim
+        inv_freq, self.scaling = rope_inv_freq(self.rotary_dim, params)
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Layers with equal RoPE parameters share one cos/sin per step.
+        self.key = rope_key(self.rotary_dim, params)
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any], head_dim: int, kind: str) -> Rotary:
+        return cls(head_dim, rope_params(cfg, kind),
+                   float(cfg.get("partial_rotary_factor") or 1.0))
+
+    def cos_sin(self, positions: torch.Tensor, ctx: ForwardContext
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ctx.rope_cos_sin(positions, self.key, self.inv_freq, self.scaling)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] -> the same with its first `rotary_dim` rotated."""
+        if not self.partial:
+            return apply_rope(x, cos, sin)
+        d = self.rotary_dim
+        return torch.cat([apply_rope(x[..., :d], cos, sin), x[..., d:]], dim=-1)

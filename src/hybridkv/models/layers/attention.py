@@ -1,0 +1,120 @@
+"""Self-attention as the families here write it: q/k/v projections, optional per-head norms,
+RoPE (whole or partial head), `ctx.attention` over the layer's KV cache, o_proj.
+
+Each tensor goes through its steps in this order (a step is skipped when its option is off):
+    q: q_proj -> [split off the output gate] -> q_norm -> RoPE
+    k: k_proj -> [x key_multiplier] -> k_norm -> RoPE
+    v: v_proj (or the raw keys, `values_are_keys`) -> [scale-free RMS norm]
+    out: attention -> [x sigmoid(output gate)] -> o_proj
+A layer that reads another layer's KV cache (KV sharing) has no k/v projections or k norm:
+it computes queries only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridkv.models.layers.norms import RMSNorm, rms_normalize
+from hybridkv.models.layers.rotary import Rotary
+from hybridkv.models.text_config import TextConfig
+from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.forward_context import ForwardContext
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionShape:
+    """The options of one attention layer besides its RoPE and kernel parameters."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    bias: bool = False
+    qk_norm: bool = False
+    norm_offset: float = 0.0  # (1 + w) norms: Gemma, Qwen3-Next
+    eps: float = 1e-6
+    value_norm: bool = False  # Gemma 3n/4
+    values_are_keys: bool = False  # Gemma 4 full layers: v = k before its norm and RoPE
+    output_gate: bool = False  # Qwen3-Next: q_proj also yields a sigmoid gate per head
+    key_multiplier: float = 1.0  # Falcon-H1 µP
+    sinks: bool = False  # gpt-oss: learned per-head logits in the softmax, with no value
+
+    @classmethod
+    def from_config(cls, cfg: TextConfig, **options: Any) -> AttentionShape:
+        """The config's sizes, bias and eps; `options` override them or set the rest."""
+        return cls(**{**dict(hidden_size=cfg.hidden_size, num_heads=cfg.num_heads,
+                             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                             bias=cfg.attention_bias, eps=cfg.rms_norm_eps), **options})
+
+
+class Attention(nn.Module):
+    """forward(h [T, hidden], positions [T], ctx) -> [T, hidden]."""
+
+    def __init__(self, layer: int, shape: AttentionShape, params: AttentionParams, *,
+                 rotary: Rotary | None, reads_shared_kv: bool = False) -> None:
+        super().__init__()
+        s = shape
+        self.name = f"model.layers.{layer}.self_attn"
+        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, \
+            s.head_dim
+        self.shape, self.params, self.rotary = s, params, rotary
+        self.reads_shared_kv = reads_shared_kv
+        q_width = (2 if s.output_gate else 1) * s.num_heads * s.head_dim
+        kv_width = s.num_kv_heads * s.head_dim
+        self.q_proj = nn.Linear(s.hidden_size, q_width, bias=s.bias)
+        self.k_proj = None if reads_shared_kv else nn.Linear(s.hidden_size, kv_width,
+                                                              bias=s.bias)
+        self.v_proj = None if reads_shared_kv or s.values_are_keys else nn.Linear(
+            s.hidden_size, kv_width, bias=s.bias)
+        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=s.bias)
+        self.q_norm = RMSNorm(s.head_dim, s.eps, s.norm_offset) if s.qk_norm else None
+        self.k_norm = RMSNorm(s.head_dim, s.eps, s.norm_offset) if (
+            s.qk_norm and not reads_shared_kv) else None
+        self.sinks = nn.Parameter(torch.zeros(s.num_heads)) if s.sinks else None
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        q, gate = self.queries(h)
+        k, v = self.keys_values(h)
+        if self.rotary is not None:
+            cos, sin = self.rotary.cos_sin(positions, ctx)
+            q = self.rotary.rotate(q, cos, sin)
+            k = self.rotary.rotate(k, cos, sin) if k is not None else None
+        return self.attend(q, k, v, gate, ctx)
+
+    def queries(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(q [T, Hq, D] before RoPE, output gate [T, Hq, D] or None)."""
+        q = self.q_proj(h).unflatten(-1, (self.num_heads, -1))
+        gate = None
+        if self.shape.output_gate:
+            q, gate = q.chunk(2, -1)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return q, gate
+
+    def keys_values(self, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(k before RoPE, v), each [T, Hk, D]; (None, None) for a KV-sharing layer."""
+        if self.k_proj is None:
+            return None, None
+        raw_k = k = self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.shape.key_multiplier != 1.0:
+            k = k * self.shape.key_multiplier
+        v = raw_k if self.v_proj is None else self.v_proj(h).unflatten(
+            -1, (self.num_kv_heads, self.head_dim))
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        if self.shape.value_norm:
+            v = rms_normalize(v, self.shape.eps)
+        return k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+               gate: torch.Tensor | None, ctx: ForwardContext) -> torch.Tensor:
+        params = self.params if self.sinks is None else replace(self.params, sinks=self.sinks)
+        out = ctx.attention(self.name, q, k, v, params).flatten(1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.flatten(1))
+        return self.o_proj(out)  # type: ignore[no-any-return]

@@ -1,0 +1,70 @@
+"""The pre-norm residual decoder layer most families use, with its parts named as each
+checkpoint names them:
+
+    h = h + [post_mixer_norm](mixer(mixer_norm(h), positions, ctx)) * residual_multiplier
+    h = h + [post_ffn_norm](sum of ffns(ffn_norm(h)))               * residual_multiplier
+
+The mixer is attention or a state mixer (same call); either sublayer may be absent
+(NemotronH layers hold one of them). Sandwich norms (`post_*`) are Gemma 2/3's; the
+residual multiplier is Granite's µP factor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hybridkv.models.layers.norms import RMSNorm
+from hybridkv.worker.forward_context import ForwardContext
+
+
+@dataclass(frozen=True)
+class LayerNames:
+    """Checkpoint names of a layer's parts; None where the layer has no such part."""
+
+    mixer: str | None
+    mixer_norm: str | None = "input_layernorm"
+    ffn_norm: str | None = "post_attention_layernorm"
+    ffns: tuple[str, ...] = ("mlp",)
+    post_mixer_norm: str | None = None
+    post_ffn_norm: str | None = None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, names: LayerNames, mixer: nn.Module | None, ffns: Sequence[nn.Module],
+                 hidden: int, eps: float, *, norm_offset: float = 0.0,
+                 residual_multiplier: float = 1.0) -> None:
+        super().__init__()
+        self.names, self.residual_multiplier = names, residual_multiplier
+        if names.mixer is not None:
+            self.add_module(names.mixer, mixer)
+        for name, ffn in zip(names.ffns, ffns, strict=True):
+            self.add_module(name, ffn)
+        for norm in (names.mixer_norm, names.post_mixer_norm, names.ffn_norm,
+                     names.post_ffn_norm):
+            if norm is not None:
+                self.add_module(norm, RMSNorm(hidden, eps, norm_offset))
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        n = self.names
+        if n.mixer is not None:
+            x = getattr(self, n.mixer)(self._norm(n.mixer_norm, h), positions, ctx)
+            h = h + self._out(n.post_mixer_norm, x)
+        if n.ffns:
+            x = self._norm(n.ffn_norm, h)
+            y = getattr(self, n.ffns[0])(x)
+            for name in n.ffns[1:]:
+                y = y + getattr(self, name)(x)
+            h = h + self._out(n.post_ffn_norm, y)
+        return h
+
+    def _norm(self, name: str | None, x: torch.Tensor) -> torch.Tensor:
+        return x if name is None else getattr(self, name)(x)  # type: ignore[no-any-return]
+
+    def _out(self, post_norm: str | None, x: torch.Tensor) -> torch.Tensor:
+        x = self._norm(post_norm, x)
+        return x * self.residual_multiplier if self.residual_multiplier != 1.0 else x

@@ -1,0 +1,77 @@
+"""The Mamba1 mixer (Jamba's), with its state in the KV cache arena.
+
+Mamba1 keeps one SSM state per channel, `[inner, state]`, with input-dependent dt, B and C
+(each RMS-normalised in Jamba):
+    h_t = exp(dt_t A) * h_{t-1} + dt_t * B_t * x_t,   y_t = (h_t . C_t + D * x_t) * silu(z_t)
+The scan runs a step per token (states are small; checkpoints fall on any token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridkv.models.layers.activations import activation
+from hybridkv.models.layers.norms import RMSNorm
+from hybridkv.models.layers.state import Saves, causal_conv, request_states
+from hybridkv.worker.forward_context import ForwardContext
+
+
+class Mamba1Mixer(nn.Module):
+    def __init__(self, cfg: Mapping[str, Any], layer: int) -> None:
+        super().__init__()
+        self.name = f"model.layers.{layer}.mamba"
+        hidden = int(cfg["hidden_size"])
+        self.inner = int(cfg.get("mamba_expand", 2)) * hidden
+        self.state_size = int(cfg.get("mamba_d_state", 16))
+        self.rank = int(cfg.get("mamba_dt_rank") or -(-hidden // 16))
+        kernel = int(cfg.get("mamba_d_conv", 4))
+        proj_bias = bool(cfg.get("mamba_proj_bias", False))
+        eps = float(cfg.get("rms_norm_eps", 1e-6))
+        self.in_proj = nn.Linear(hidden, 2 * self.inner, bias=proj_bias)
+        self.conv1d = nn.Conv1d(self.inner, self.inner, kernel, groups=self.inner,
+                                bias=bool(cfg.get("mamba_conv_bias", True)))
+        self.x_proj = nn.Linear(self.inner, self.rank + 2 * self.state_size, bias=False)
+        self.dt_proj = nn.Linear(self.rank, self.inner, bias=True)
+        self.A_log = nn.Parameter(torch.zeros(self.inner, self.state_size))
+        self.D = nn.Parameter(torch.ones(self.inner))
+        self.out_proj = nn.Linear(self.inner, hidden, bias=proj_bias)
+        self.dt_layernorm = RMSNorm(self.rank, eps)
+        self.b_layernorm = RMSNorm(self.state_size, eps)
+        self.c_layernorm = RMSNorm(self.state_size, eps)
+        self.act = activation(str(cfg.get("hidden_act", "silu")))
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        # `positions` unused: the state carries them; the call is the same as attention's.
+        meta, states = ctx.state(self.name)
+        x, z = self.in_proj(h).chunk(2, dim=-1)  # [T, inner] each
+        y = torch.empty_like(x)
+        for start, end, conv_state, ssm_state, saves in request_states(meta, states):
+            y[start:end] = self._request(x[start:end], conv_state, ssm_state, saves)
+        return self.out_proj(y * nn.functional.silu(z))
+
+    def _request(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                 saves: Saves) -> torch.Tensor:
+        x = self.act(causal_conv(x, conv_state, self.conv1d, saves))  # [L, inner]
+        dt, b, c = self.x_proj(x).split([self.rank, self.state_size, self.state_size], -1)
+        dt = self.dt_layernorm(dt) @ self.dt_proj.weight.T  # [L, inner], bias added below
+        dt = nn.functional.softplus(dt.float() + self.dt_proj.bias.float())
+        b = self.b_layernorm(b).float()  # [L, state]
+        c = self.c_layernorm(c).float()
+        a = -torch.exp(self.A_log.float())  # [inner, state]
+        xf = x.float()
+        save_at = {offset: ssm for offset, _, ssm in saves}
+        state = ssm_state.float()
+        out = torch.empty_like(xf)
+        for t in range(x.shape[0]):
+            state = torch.exp(dt[t, :, None] * a) * state + \
+                (dt[t] * xf[t])[:, None] * b[t][None, :]
+            out[t] = state @ c[t]
+            if t + 1 in save_at:
+                save_at[t + 1].copy_(state.to(ssm_state.dtype))
+        ssm_state.copy_(state.to(ssm_state.dtype))
+        return (out + xf * self.D.float()).to(x.dtype)
