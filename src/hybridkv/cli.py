@@ -1,39 +1,114 @@
-"""`hybridkv plan | generate | demo-model | bench kv`."""
+"""`hybridkv plan | generate | demo-model | bench`: the command line.
+
+Every subcommand is a `Command`: its name, a one-line help, the function that adds its
+arguments and the one that runs it, side by side. The bench suites keep theirs in their own
+modules (`hybridkv.bench.*`). Only `plan` runs without torch, so nothing here imports torch
+or the engine at module level.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple, NoReturn, TypeVar
 
 from hybridkv.kv.plan import KVCachePlan, format_bytes, parse_bytes, plan_kv_cache
 from hybridkv.kv.spec import dtype_size
-from hybridkv.models.layer_mix import kv_layout_from_config, load_hf_config
+from hybridkv.models.layer_mix import (
+    kv_layout_from_config,
+    load_hf_config,
+    shipped_config_names,
+)
 
+DESCRIPTION = (
+    "hybridkv: a small LLM inference engine built around a hybrid KV cache manager. Full, "
+    "sliding-window and chunked attention, Mamba/SSM and linear-attention state and layers "
+    "that share another layer's KV live in one paged arena, with prefix caching across all "
+    "of them. Plan a model's KV cache (no torch needed), write a tiny random demo model, "
+    "generate text with continuous batching, run the benchmarks.")
 DEFAULT_MODEL = "gemma-3-27b-it"
+T = TypeVar("T")
 
 
 class CLIError(Exception):
     """A user mistake: printed as one line, exit status 2."""
 
 
-def _positive_int(text: str) -> int:
+class UsageError(Exception):
+    """A command line argparse refused: printed as one line, exit status 2."""
+
+
+class Command(NamedTuple):
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    # None for a command that only groups subcommands (`bench`).
+    run: Callable[[argparse.Namespace], int] | None
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad command line in one line instead of usage + message + exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each option's default, unless there is none or the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help = action.help or ""
+        if action.default is None or action.default is False or "default" in help:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def add_command(subparsers: argparse._SubParsersAction[_Parser],
+                command: Command) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(command.name, help=command.help,
+                                   description=command.help[:1].upper() + command.help[1:]
+                                   + ".", formatter_class=HelpFormatter)
+    command.add_arguments(parser)
+    if command.run is not None:
+        parser.set_defaults(run=command.run, prog=parser.prog)
+    return parser
+
+
+# Argument types: each refuses a bad value with a message naming it (argparse adds the flag).
+
+def _bounded(cast: Callable[[str], T], check: Callable[[T], bool],
+             expected: str) -> Callable[[str], T]:
+    def parse(text: str) -> T:
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not check(value):  # NaN fails every comparison
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+        return value
+
+    return parse
+
+
+positive_int = _bounded(int, lambda v: v >= 1, "a whole number >= 1")
+non_negative_int = _bounded(int, lambda v: v >= 0, "a whole number >= 0")
+seed = _bounded(int, lambda v: 0 <= v < 2**64, "a seed in [0, 2**64)")
+non_negative_float = _bounded(float, lambda v: 0 <= v < math.inf, "a finite number >= 0")
+probability = _bounded(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+
+
+def memory(text: str) -> int:
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+        value = parse_bytes(text)
+    except (ValueError, OverflowError):  # "nan", "inf"
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as a memory size; use bytes or a number with a unit such "
+            f"as 40GiB, 512MiB, 8GB") from None
     return value
-
-
-def _memory(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _dtype(text: str) -> str:
@@ -44,121 +119,44 @@ def _dtype(text: str) -> str:
     return text
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybridkv", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    plan = sub.add_parser("plan", help="plan the KV cache of a model for a memory budget")
-    plan.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                      help="model directory, config.json, or a shipped model name "
-                           f"(default {DEFAULT_MODEL})")
-    plan.add_argument("--memory", type=_memory, default=parse_bytes("40GiB"),
-                      help="KV cache bytes, plain or with a unit (default 40GiB)")
-    plan.add_argument("--max-model-len", type=_positive_int, default=131072)
-    plan.add_argument("--block-size", type=_positive_int, default=16)
-    plan.add_argument("--kv-dtype", type=_dtype, default=None,
-                      help="KV cache dtype (default: the model's dtype)")
-    plan.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
-    plan.add_argument("--no-hybrid", action="store_true",
-                      help="treat sliding-window and chunked layers as full attention")
-    plan.add_argument("--json", action="store_true", help="print one JSON object")
-
-    gen = sub.add_parser("generate", help="generate text with a model directory")
-    gen.add_argument("model_dir")
-    source = gen.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    source.add_argument("--prompts-file", type=Path, help="one prompt per line")
-    gen.add_argument("--max-tokens", type=_positive_int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--max-model-len", type=_positive_int, default=None)
-    gen.add_argument("--kv-cache-memory", type=_memory, default=parse_bytes("256MiB"))
-    gen.add_argument("--dtype", default="auto")
-    gen.add_argument("--no-prefix-caching", action="store_true")
-    gen.add_argument("--no-hybrid", action="store_true")
-    gen.add_argument("--kv-sharing-fast-prefill", action="store_true",
-                     help="run KV-sharing layers (Gemma 3n/4) on sampled tokens only")
-    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
-
-    demo = sub.add_parser("demo-model", help="write a tiny random model with a tokenizer")
-    demo.add_argument("out_dir")
-    demo.add_argument("--arch", default="gemma3",
-                      help="llama, qwen3, mistral, gemma2, gemma3, gemma3n or nemotron_h "
-                           "(default gemma3)")
-    for flag, default in (("layers", 6), ("hidden", 128), ("heads", 4), ("kv-heads", 2),
-                          ("head-dim", 32), ("intermediate", 256), ("vocab", 512),
-                          ("window", 32)):
-        demo.add_argument(f"--{flag}", type=_positive_int, default=default)
-    demo.add_argument("--seed", type=int, default=0)
-
-    bench = sub.add_parser("bench", help="benchmarks that print their figures")
-    suites = bench.add_subparsers(dest="suite", required=True)
-    kv = suites.add_parser("kv", help="the KV manager trace of shared/bench/kv-trace.md")
-    kv.add_argument("--config", choices=["hybrid", "full", "both"], default="both")
-    kv.add_argument("--memory", type=_memory, default=None,
-                    help="byte budget (default: 20,000 four-layer 64 KiB blocks)")
-    kv.add_argument("--num-requests", type=_positive_int, default=512)
-    kv.add_argument("--trace", type=Path, default=None,
-                    help="a trace file written by make_kv_trace.py (default: generate it)")
-    kv.add_argument("--repeat", type=_positive_int, default=1,
-                    help="run N times and report the median of each figure")
-    kv.add_argument("--json", action="store_true")
-
-    tp = suites.add_parser("throughput", help="output tokens/s, side by side with "
-                                              "transformers generate")
-    tp.add_argument("model_dir")
-    tp.add_argument("--num-prompts", type=_positive_int, default=32)
-    tp.add_argument("--input-len", type=_positive_int, default=64)
-    tp.add_argument("--output-len", type=_positive_int, default=128)
-    tp.add_argument("--repeat", type=_positive_int, default=1)
-    tp.add_argument("--no-transformers", action="store_true")
-    tp.add_argument("--json", action="store_true")
-
-    cap = suites.add_parser("capacity", help="concurrent long requests in one KV budget, "
-                                             "hybrid management on vs off")
-    cap.add_argument("model_dir", nargs="?", default=None,
-                     help="default: a tiny Gemma-3-like demo model built on the fly")
-    cap.add_argument("--kv-cache-memory", type=_memory, default=parse_bytes("8MiB"))
-    cap.add_argument("--num-prompts", type=_positive_int, default=16)
-    cap.add_argument("--input-len", type=_positive_int, default=1024)
-    cap.add_argument("--output-len", type=_positive_int, default=32)
-    cap.add_argument("--json", action="store_true")
-
-    fp = suites.add_parser("fast-prefill", help="KV-sharing fast prefill on vs off: time of "
-                                                "the shared-KV layers and of the forward")
-    fp.add_argument("model_dir", nargs="?", default=None,
-                    help="default: a Gemma-3n-like demo model (hidden 512) built on the fly")
-    fp.add_argument("--prompt-len", type=_positive_int, default=8192)
-    fp.add_argument("--mixed-lens", type=_positive_int, nargs="+",
-                    default=[3072, 2048, 1536, 1024, 384, 128],
-                    help="prompt lengths of the mixed batch")
-    fp.add_argument("--layers", type=_positive_int, default=14)
-    fp.add_argument("--hidden", type=_positive_int, default=512)
-    fp.add_argument("--repeat", type=_positive_int, default=3)
-    fp.add_argument("--device", default="auto")
-    fp.add_argument("--json", action="store_true")
-
-    pre = suites.add_parser("prefix", help="prefix caching on a multi-turn chat trace")
-    pre.add_argument("model_dir", nargs="?", default=None,
-                     help="default: a tiny NemotronH-like demo model built on the fly")
-    pre.add_argument("--systems", type=_positive_int, default=2)
-    pre.add_argument("--conversations-per-system", type=_positive_int, default=3)
-    pre.add_argument("--turns", type=_positive_int, default=3)
-    pre.add_argument("--answer-len", type=_positive_int, default=16)
-    pre.add_argument("--kv-cache-memory", type=_memory, default=parse_bytes("256MiB"))
-    pre.add_argument("--system-len", type=_positive_int, nargs=2, default=(100, 2000),
-                     metavar=("MIN", "MAX"), help="system prompt lengths (default 100 2000)")
-    pre.add_argument("--compare-eviction", action="store_true",
-                     help="also run with lru and value-aware eviction (use a small budget)")
-    pre.add_argument("--json", action="store_true")
-    return parser
+def read_text(path: Path) -> str:
+    """A user's text file as UTF-8; a bad one is a CLIError naming it."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise CLIError(f"{path}: not UTF-8 text (byte {e.start})") from None
 
 
-def cmd_plan(args: argparse.Namespace) -> str:
-    config = load_hf_config(args.model)
-    layout = kv_layout_from_config(config, block_size=args.block_size, kv_dtype=args.kv_dtype)
+# plan
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                        help="model directory, config.json, or the name of a shipped config: "
+                             f"{', '.join(shipped_config_names())}")
+    parser.add_argument("--memory", type=memory, default="40GiB",
+                        help="KV cache bytes, plain or with a unit")
+    parser.add_argument("--max-model-len", type=positive_int, default=131072,
+                        help="longest request (prompt + output) in tokens")
+    parser.add_argument("--block-size", type=positive_int, default=16,
+                        help="tokens per attention block")
+    parser.add_argument("--kv-dtype", type=_dtype, default=None,
+                        help="KV cache dtype (default: the model's dtype)")
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
+                        help="tokens per engine step (sizes the state blocks in flight)")
+    parser.add_argument("--no-hybrid", action="store_true",
+                        help="treat sliding-window and chunked layers as full attention")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        config = load_hf_config(args.model)
+        layout = kv_layout_from_config(config, block_size=args.block_size,
+                                       kv_dtype=args.kv_dtype)
+    except UnicodeDecodeError:
+        raise CLIError(f"{args.model}: config.json is not UTF-8 text") from None
+    except KeyError as e:
+        raise CLIError(f"{args.model}: the config lacks the field {e}") from None
     common = dict(max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   kv_sharing=layout.kv_sharing)
@@ -179,9 +177,11 @@ def cmd_plan(args: argparse.Namespace) -> str:
         if unshared is not None:
             summary["without_kv_sharing"] = {
                 k: v for k, v in unshared.summary().items() if k != "groups"}
-        return json.dumps(summary)
-    return _plan_table(args.model, layout.model_type, main, hybrid, no_hybrid, unshared,
-                       len(layout.kv_sharing))
+        print(json.dumps(summary))
+    else:
+        print(_plan_table(args.model, layout.model_type, main, hybrid, no_hybrid, unshared,
+                          len(layout.kv_sharing)))
+    return 0
 
 
 def _plan_table(model: str, model_type: str, main: KVCachePlan, hybrid: KVCachePlan,
@@ -211,7 +211,7 @@ def _plan_table(model: str, model_type: str, main: KVCachePlan, hybrid: KVCacheP
         f"padding               {format_bytes(main.padding_bytes)}",
         *(f"state / request       {format_bytes(g.block_bytes)} (group {g.group_id}: one "
           f"state block of {len(g.layer_names)} layers; attention blocks stay "
-          f"{cfg.hit_alignment} tokens)" for g in cfg.groups if g.spec.kind == "mamba"),
+          f"{cfg.hit_alignment} tokens)" for g in cfg.groups if g.spec.is_state),
         f"ideal bytes / token   {main.ideal_bytes_per_token:,.1f} (at max_model_len)",
         f"capacity              {main.capacity_tokens:,} tokens",
         f"max concurrency       {main.max_concurrency:.2f} requests of {main.max_model_len} "
@@ -232,15 +232,48 @@ def _plan_table(model: str, model_type: str, main: KVCachePlan, hybrid: KVCacheP
     return "\n".join(lines)
 
 
-def cmd_generate(args: argparse.Namespace) -> str:
-    from hybridkv import LLM, SamplingParams
+# generate
 
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", help="a Hugging Face-format model directory")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    source.add_argument("--prompts-file", type=Path,
+                        help="a UTF-8 text file, one prompt per non-empty line")
+    parser.add_argument("--max-tokens", type=positive_int, default=32,
+                        help="output tokens per prompt at most")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0,
+                        help="sampling temperature; 0 is greedy")
+    parser.add_argument("--top-k", type=non_negative_int, default=0,
+                        help="sample among the k most likely tokens; 0 keeps all")
+    parser.add_argument("--top-p", type=probability, default=1.0,
+                        help="sample within this probability mass (nucleus sampling)")
+    parser.add_argument("--seed", type=seed, default=None,
+                        help="sampling seed in [0, 2**64) (default: unseeded)")
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
+                        help="longest request in tokens (default: the model's, at most 8192)")
+    parser.add_argument("--kv-cache-memory", type=memory, default="256MiB",
+                        help="KV cache bytes, plain or with a unit")
+    parser.add_argument("--dtype", default="auto",
+                        help="weights and activations dtype (auto: the model's)")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="turn prefix caching off")
+    parser.add_argument("--no-hybrid", action="store_true",
+                        help="manage every layer's KV as full attention")
+    parser.add_argument("--kv-sharing-fast-prefill", action="store_true",
+                        help="run KV-sharing layers (Gemma 3n/4) on sampled tokens only")
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
+
+
+def run_generate(args: argparse.Namespace) -> int:
     if args.prompts_file is not None:
-        prompts = [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+        prompts = [line for line in read_text(args.prompts_file).splitlines() if line.strip()]
         if not prompts:
             raise CLIError(f"{args.prompts_file}: no prompts in the file")
     else:
         prompts = args.prompt
+    from hybridkv import LLM, SamplingParams
+
     options: dict[str, object] = dict(
         kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
         enable_prefix_caching=not args.no_prefix_caching,
@@ -248,81 +281,117 @@ def cmd_generate(args: argparse.Namespace) -> str:
         kv_sharing_fast_prefill=args.kv_sharing_fast_prefill)
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
-    llm = LLM(args.model_dir, **options)
+    try:
+        llm = LLM(args.model_dir, **options)
+    except UnicodeDecodeError:
+        raise CLIError(f"{args.model_dir}: a model file is not UTF-8 text") from None
+    except KeyError as e:
+        raise CLIError(f"{args.model_dir}: config.json lacks the field {e}") from None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     outputs = llm.generate(prompts, params)
     if args.json:
-        return "\n".join(json.dumps({"prompt": p, "text": o.text, "token_ids": o.token_ids,
-                                     "finish_reason": o.finish_reason})
-                         for p, o in zip(prompts, outputs, strict=True))
-    return "\n".join(f"--- prompt: {p!r}\n{o.text}" for p, o in zip(prompts, outputs,
-                                                                    strict=True))
-
-
-def cmd_demo_model(args: argparse.Namespace) -> str:
-    from hybridkv.models.demo import DemoShape, write_demo_model
-
-    shape = DemoShape(layers=args.layers, hidden=args.hidden, heads=args.heads,
-                      kv_heads=args.kv_heads, head_dim=args.head_dim,
-                      intermediate=args.intermediate, vocab=args.vocab, window=args.window,
-                      seed=args.seed)
-    path = write_demo_model(args.out_dir, args.arch, shape)
-    return f"wrote a tiny random {args.arch} model to {path}"
-
-
-def cmd_bench(args: argparse.Namespace) -> str:
-    from hybridkv.bench.kv_trace import DEFAULT_MEMORY, bench_kv
-
-    if args.suite == "throughput":
-        from hybridkv.bench.engine import bench_throughput
-
-        return bench_throughput(args.model_dir, num_prompts=args.num_prompts,
-                                input_len=args.input_len, output_len=args.output_len,
-                                repeat=args.repeat, with_transformers=not args.no_transformers,
-                                as_json=args.json)
-    if args.suite == "prefix":
-        from hybridkv.bench.prefix import bench_prefix
-
-        return bench_prefix(args.model_dir, num_systems=args.systems,
-                            conversations_per_system=args.conversations_per_system,
-                            turns=args.turns, answer_len=args.answer_len,
-                            kv_cache_memory=args.kv_cache_memory,
-                            compare_eviction=args.compare_eviction,
-                            system_len=tuple(args.system_len), as_json=args.json)
-    if args.suite == "fast-prefill":
-        from hybridkv.bench.fast_prefill import bench_fast_prefill
-
-        return bench_fast_prefill(args.model_dir, prompt_len=args.prompt_len,
-                                  mixed_lens=tuple(args.mixed_lens), layers=args.layers,
-                                  hidden=args.hidden, repeat=args.repeat, device=args.device,
-                                  as_json=args.json)
-    if args.suite == "capacity":
-        from hybridkv.bench.engine import bench_capacity
-
-        return bench_capacity(args.model_dir, kv_cache_memory=args.kv_cache_memory,
-                              num_prompts=args.num_prompts, input_len=args.input_len,
-                              output_len=args.output_len, as_json=args.json)
-
-    configs = ["hybrid", "full"] if args.config == "both" else [args.config]
-    return bench_kv(configs, memory_bytes=args.memory or DEFAULT_MEMORY,
-                    num_requests=args.num_requests, trace_file=args.trace,
-                    repeat=args.repeat, as_json=args.json)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        command = {"plan": cmd_plan, "generate": cmd_generate, "demo-model": cmd_demo_model,
-                   "bench": cmd_bench}[args.command]
-        out = command(args)
-    except (ValueError, CLIError, OSError, NotImplementedError) as e:
-        print(f"hybridkv {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    print(out)
+        print("\n".join(json.dumps({"prompt": p, "text": o.text, "token_ids": o.token_ids,
+                                    "finish_reason": o.finish_reason})
+                        for p, o in zip(prompts, outputs, strict=True)))
+    else:
+        print("\n".join(f"--- prompt: {p!r}\n{o.text}"
+                        for p, o in zip(prompts, outputs, strict=True)))
     return 0
 
 
+# demo-model
+
+def add_demo_model_arguments(parser: argparse.ArgumentParser) -> None:
+    from hybridkv.models.demo import ARCHS, SIZES
+
+    sizes = "; ".join(f"{name}: {s.layers} layers of hidden {s.hidden}, {s.heads} heads, "
+                      f"{s.kv_heads} KV heads, intermediate {s.intermediate}"
+                      for name, s in SIZES.items())
+    parser.add_argument("out_dir", help="directory to write (created; files in it replaced)")
+    parser.add_argument("--arch", default="gemma3", help=f"architecture: {', '.join(ARCHS)}")
+    parser.add_argument("--size", default="small", choices=list(SIZES),
+                        help=f"preset shape, overridden by the flags below ({sizes}; medium "
+                             f"has about 100M parameters as a Llama or Gemma 3, 50M as "
+                             f"NemotronH)")
+    for flag, text in (("layers", "decoder layers"), ("hidden", "hidden size"),
+                       ("heads", "attention heads"), ("kv-heads", "KV heads (divides --heads)"),
+                       ("intermediate", "MLP intermediate size"),
+                       ("vocab", "vocabulary size (at least 258)"),
+                       ("window", "window of the sliding-window layers")):
+        parser.add_argument(f"--{flag}", type=positive_int, default=None,
+                            help=f"{text} (default: from --size)")
+    parser.add_argument("--head-dim", type=positive_int, default=None,
+                        help="size of each attention head (default: hidden / heads)")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the random weights")
+
+
+def run_demo_model(args: argparse.Namespace) -> int:
+    from hybridkv.models.demo import demo_shape, write_demo_model
+
+    shape = demo_shape(args.size, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                       kv_heads=args.kv_heads, head_dim=args.head_dim,
+                       intermediate=args.intermediate, vocab=args.vocab, window=args.window,
+                       seed=args.seed)
+    path = write_demo_model(args.out_dir, args.arch, shape)
+    size = "tiny" if args.size == "small" else args.size
+    print(f"wrote a {size} random {args.arch} model to {path}")
+    return 0
+
+
+# bench
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from hybridkv.bench import engine, fast_prefill, kv_trace, prefix
+
+    suites = parser.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    for suite in (kv_trace.COMMAND, engine.THROUGHPUT, engine.CAPACITY, prefix.COMMAND,
+                  fast_prefill.COMMAND):
+        add_command(suites, suite)
+
+
+COMMANDS = (
+    Command("plan", "plan the KV cache of a model for a memory budget (no torch needed)",
+            add_plan_arguments, run_plan),
+    Command("generate", "generate text with a model directory", add_generate_arguments,
+            run_generate),
+    Command("demo-model", "write a random model in Hugging Face format with a tokenizer",
+            add_demo_model_arguments, run_demo_model),
+    Command("bench", "benchmarks that print their figures", add_bench_arguments, None),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hybridkv", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        add_command(sub, command)
+    return parser
+
+
+def _one_line(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        return f"{error.filename}: {error.strerror}"
+    return " ".join(str(error).split("\n"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Bad input (flags, files, configs, requests) is one line on stderr and status 2;
+    anything else is a bug and keeps its traceback."""
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
+    try:
+        return int(args.run(args))
+    except (CLIError, ValueError, OSError, NotImplementedError) as e:
+        print(f"{args.prog}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    # Through the package module, so that its exception classes are the ones raised.
+    from hybridkv.cli import main as package_main
+
+    sys.exit(package_main())

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from hybridkv.cli import Command, memory, positive_int
 
 
 def _prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -17,9 +20,14 @@ def _prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]
     return [torch.randint(4, vocab, (length,), generator=gen).tolist() for _ in range(num)]
 
 
-def _vocab(model_dir: str) -> int:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return int((config.get("text_config") or config)["vocab_size"])
+def model_vocab(model_dir: str) -> int:
+    """The vocabulary size in a model directory's config.json."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+        return int((config.get("text_config") or config)["vocab_size"])
+    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, no vocab_size
+        raise ValueError(f"{path}: not a model config with a vocab_size") from None
 
 
 def _ours(model_dir: str, prompts: list[list[int]], output_len: int,
@@ -53,7 +61,7 @@ def _transformers(model_dir: str, prompts: list[list[int]], output_len: int) -> 
 def bench_throughput(model_dir: str, *, num_prompts: int, input_len: int, output_len: int,
                      repeat: int = 1, with_transformers: bool = True,
                      as_json: bool = False) -> str:
-    prompts = _prompts(num_prompts, input_len, _vocab(model_dir))
+    prompts = _prompts(num_prompts, input_len, model_vocab(model_dir))
     options = dict(dtype="float32", max_model_len=input_len + output_len + 16,
                    max_num_seqs=num_prompts, kv_cache_memory="256MiB")
     ours, theirs = [], []
@@ -91,7 +99,7 @@ def bench_capacity(model_dir: str | None, *, kv_cache_memory: int, num_prompts: 
             model_dir = str(write_demo_model(Path(tmp) / "gemma3", "gemma3", DemoShape(
                 layers=6, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256,
                 vocab=512, window=256)))
-        prompts = _prompts(num_prompts, input_len, _vocab(model_dir), seed=1)
+        prompts = _prompts(num_prompts, input_len, model_vocab(model_dir), seed=1)
         rows = {}
         for hybrid in (True, False):
             options = dict(dtype="float32", max_model_len=input_len + output_len + 16,
@@ -133,3 +141,54 @@ def _ours_with_peak(model_dir: str, prompts: list[list[int]], output_len: int,
         produced += len(engine.step())
         peak = max(peak, len(engine.scheduler.running))
     return produced / (time.perf_counter() - start), llm, peak
+
+
+def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", help="a model directory (e.g. from hybridkv demo-model)")
+    parser.add_argument("--num-prompts", type=positive_int, default=32,
+                        help="prompts, all run as one batch")
+    parser.add_argument("--input-len", type=positive_int, default=64,
+                        help="tokens per prompt (random ids)")
+    parser.add_argument("--output-len", type=positive_int, default=128,
+                        help="output tokens per prompt (no early stop)")
+    parser.add_argument("--repeat", type=positive_int, default=1,
+                        help="runs, interleaved with transformers; medians reported")
+    parser.add_argument("--no-transformers", action="store_true",
+                        help="skip the transformers generate baseline")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    print(bench_throughput(args.model_dir, num_prompts=args.num_prompts,
+                           input_len=args.input_len, output_len=args.output_len,
+                           repeat=args.repeat, with_transformers=not args.no_transformers,
+                           as_json=args.json))
+    return 0
+
+
+def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", nargs="?", default=None,
+                        help="a model directory (default: a tiny Gemma-3-like demo model "
+                             "built on the fly)")
+    parser.add_argument("--kv-cache-memory", type=memory, default="8MiB",
+                        help="KV cache bytes, plain or with a unit")
+    parser.add_argument("--num-prompts", type=positive_int, default=16,
+                        help="requests, all queued at once")
+    parser.add_argument("--input-len", type=positive_int, default=1024,
+                        help="tokens per prompt (random ids)")
+    parser.add_argument("--output-len", type=positive_int, default=32,
+                        help="output tokens per request (no early stop)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_capacity(args: argparse.Namespace) -> int:
+    print(bench_capacity(args.model_dir, kv_cache_memory=args.kv_cache_memory,
+                         num_prompts=args.num_prompts, input_len=args.input_len,
+                         output_len=args.output_len, as_json=args.json))
+    return 0
+
+
+THROUGHPUT = Command("throughput", "output tokens/s, side by side with transformers generate",
+                     add_throughput_arguments, run_throughput)
+CAPACITY = Command("capacity", "concurrent long requests in one KV budget, hybrid management "
+                               "on vs off", add_capacity_arguments, run_capacity)

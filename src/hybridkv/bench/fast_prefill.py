@@ -8,12 +8,16 @@ run on each request's last token only. The sampled tokens must be the same eithe
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from hybridkv.bench.engine import model_vocab
+from hybridkv.cli import Command, positive_int
 
 
 class ForwardTimer:
@@ -89,8 +93,8 @@ def bench_fast_prefill(model_dir: str | None = None, *, prompt_len: int = 8192,
                               head_dim=hidden // 8, intermediate=4 * hidden, vocab=1024,
                               window=512, max_position_embeddings=32768)
             model_dir = str(write_demo_model(Path(tmp) / "gemma3n", "gemma3n", shape))
+        vocab = model_vocab(model_dir)
         config = json.loads((Path(model_dir) / "config.json").read_text())
-        vocab = int((config.get("text_config") or config)["vocab_size"])
         longest = max(prompt_len, sum(mixed_lens))
         options = dict(dtype="float32", device=device, enable_prefix_caching=False,
                        max_model_len=longest + 16, max_num_batched_tokens=longest,
@@ -133,3 +137,34 @@ def bench_fast_prefill(model_dir: str | None = None, *, prompt_len: int = 8192,
             f"({case['shared_layers_ratio']:.3f}x); forward {f['on']:.1f} vs {f['off']:.1f} ms "
             f"({case['forward_ratio']:.3f}x); same tokens: {case['same_tokens']}")
     return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", nargs="?", default=None,
+                        help="a KV-sharing model directory (default: a Gemma-3n-like demo "
+                             "model built on the fly)")
+    parser.add_argument("--prompt-len", type=positive_int, default=8192,
+                        help="tokens of the single long prompt")
+    parser.add_argument("--mixed-lens", type=positive_int, nargs="+",
+                        default=[3072, 2048, 1536, 1024, 384, 128],
+                        help="prompt lengths of the mixed batch")
+    parser.add_argument("--layers", type=positive_int, default=14,
+                        help="layers of the demo model (3/7 of them read shared KV)")
+    parser.add_argument("--hidden", type=positive_int, default=512,
+                        help="hidden size of the demo model (8 heads of hidden / 8)")
+    parser.add_argument("--repeat", type=positive_int, default=3,
+                        help="runs, flag on and off interleaved; medians reported")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, ... or auto")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    print(bench_fast_prefill(args.model_dir, prompt_len=args.prompt_len,
+                             mixed_lens=tuple(args.mixed_lens), layers=args.layers,
+                             hidden=args.hidden, repeat=args.repeat, device=args.device,
+                             as_json=args.json))
+    return 0
+
+
+COMMAND = Command("fast-prefill", "KV-sharing fast prefill on vs off: time of the shared-KV "
+                                  "layers and of the forward", add_arguments, run)

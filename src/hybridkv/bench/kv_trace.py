@@ -6,6 +6,7 @@ with other managers timed on it (vLLM's reference figures live in that file).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import statistics
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hybridkv.cli import Command, memory, positive_int
 from hybridkv.kv.manager import KVCacheManager
 from hybridkv.kv.plan import KVCacheConfig, plan_kv_cache
 from hybridkv.kv.request import KVRequest
@@ -71,9 +73,17 @@ def trace_checksum(prompts: list[list[int]]) -> str:
 def read_trace(path: Path) -> tuple[list[list[int]], str]:
     """Prompts from a file written by make_kv_trace.py (its outputs follow the formula)."""
     prompts = []
-    for line in path.read_text().splitlines():
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
+    for number, line in enumerate(lines, 1):
         if line.strip():
-            prompts.append([int(t) for t in json.loads(line)["prompt"]])
+            try:
+                prompts.append([int(t) for t in json.loads(line)["prompt"]])
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"{path}, line {number}: expected a JSON object with a "
+                                 f"\"prompt\" list of token ids") from None
     return prompts, trace_checksum(prompts)
 
 
@@ -259,3 +269,28 @@ def bench_kv(configs: list[str], *, memory_bytes: int = DEFAULT_MEMORY,
             f"{f'{r.hit_tokens} / {r.queried_tokens}':>24} "
             f"{r.peak_used_bytes / (1 << 30):9.2f} {r.steps:6d} {r.preemptions:7d}")
     return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", choices=["hybrid", "full", "both"], default="both",
+                        help="hybrid: 4 full + 4 SWA-512 + 4 SWA-4096 layers; full: 12 full")
+    parser.add_argument("--memory", type=memory, default=None,
+                        help="byte budget (default: 20,000 four-layer 64 KiB blocks)")
+    parser.add_argument("--num-requests", type=positive_int, default=512,
+                        help="requests in the generated trace")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="a trace file written by make_kv_trace.py (default: generate it)")
+    parser.add_argument("--repeat", type=positive_int, default=1,
+                        help="run N times and report the median of each figure")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    configs = ["hybrid", "full"] if args.config == "both" else [args.config]
+    print(bench_kv(configs, memory_bytes=args.memory or DEFAULT_MEMORY,
+                   num_requests=args.num_requests, trace_file=args.trace,
+                   repeat=args.repeat, as_json=args.json))
+    return 0
+
+
+COMMAND = Command("kv", "the KV manager trace of shared/bench/kv-trace.md", add_arguments, run)

@@ -9,6 +9,7 @@ page must be as large as a state, so its block grows to hundreds of tokens on re
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import tempfile
@@ -17,6 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridkv.bench.engine import model_vocab
+from hybridkv.cli import Command, memory, positive_int
 from hybridkv.kv.spec import AttentionSpec, MambaSpec, cdiv
 
 
@@ -105,8 +108,7 @@ def _bench_prefix_one(model_dir: str, num_systems: int, conversations_per_system
                       turns: int, answer_len: int, kv_cache_memory: int,
                       compare_eviction: bool, system_len: tuple[int, int],
                       as_json: bool) -> str:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    vocab = int((config.get("text_config") or config)["vocab_size"])
+    vocab = model_vocab(model_dir)
     systems, users = make_chat_trace(0, num_systems=num_systems,
                                      conversations_per_system=conversations_per_system,
                                      turns=turns, vocab=vocab, system_len=system_len)
@@ -142,3 +144,38 @@ def _bench_prefix_one(model_dir: str, num_systems: int, conversations_per_system
         lines.append(f"(with Nemotron-H-8B's real shapes a single page size forces attention "
                      f"blocks of {real} tokens; hybridkv keeps 16)")
     return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", nargs="?", default=None,
+                        help="a model directory (default: a tiny NemotronH-like and a tiny "
+                             "Gemma-3-like demo model built on the fly)")
+    parser.add_argument("--systems", type=positive_int, default=2,
+                        help="distinct system prompts")
+    parser.add_argument("--conversations-per-system", type=positive_int, default=3,
+                        help="conversations sharing each system prompt")
+    parser.add_argument("--turns", type=positive_int, default=3,
+                        help="user turns per conversation (20-60 tokens each)")
+    parser.add_argument("--answer-len", type=positive_int, default=16,
+                        help="tokens of each answer")
+    parser.add_argument("--kv-cache-memory", type=memory, default="256MiB",
+                        help="KV cache bytes, plain or with a unit")
+    parser.add_argument("--system-len", type=positive_int, nargs=2, default=(100, 2000),
+                        metavar=("MIN", "MAX"),
+                        help="system prompt lengths (default 100 2000)")
+    parser.add_argument("--compare-eviction", action="store_true",
+                        help="also run with lru and value-aware eviction (use a small budget)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    print(bench_prefix(args.model_dir, num_systems=args.systems,
+                       conversations_per_system=args.conversations_per_system,
+                       turns=args.turns, answer_len=args.answer_len,
+                       kv_cache_memory=args.kv_cache_memory,
+                       compare_eviction=args.compare_eviction,
+                       system_len=tuple(args.system_len), as_json=args.json))
+    return 0
+
+
+COMMAND = Command("prefix", "prefix caching on a multi-turn chat trace", add_arguments, run)

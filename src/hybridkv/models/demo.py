@@ -9,7 +9,10 @@ too; the tests use that to check the engine against it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +56,58 @@ class DemoShape:
     max_position_embeddings: int = 4096
     seed: int = 0
 
+
+# `demo-model --size`: small runs anything in seconds; medium (~100M parameters as a Llama)
+# makes recomputing a prefix real work.
+SIZES = {
+    "small": DemoShape(layers=6, hidden=128, heads=4, kv_heads=2, head_dim=32,
+                       intermediate=256, vocab=512, window=32),
+    "medium": DemoShape(layers=12, hidden=768, heads=12, kv_heads=4, head_dim=64,
+                        intermediate=3072, vocab=512, window=512),
+}
+MIN_VOCAB = 258  # the byte-level tokenizer: 256 bytes + <pad> + <eos>
+
+
+def demo_shape(size: str = "small", *, head_dim: int | None = None,
+               **overrides: int | None) -> DemoShape:
+    """The `size` preset with the given fields replaced (None keeps the preset's); without
+    `head_dim`, hidden / heads."""
+    if size not in SIZES:
+        raise ValueError(f"unknown demo size {size!r}; available: {', '.join(SIZES)}")
+    shape = replace(SIZES[size], **{k: v for k, v in overrides.items() if v is not None})
+    if head_dim is None:
+        if shape.hidden % shape.heads:
+            raise ValueError(f"hidden {shape.hidden} is not a multiple of heads {shape.heads}; "
+                             f"give head-dim")
+        head_dim = shape.hidden // shape.heads
+    return replace(shape, head_dim=head_dim)
+
+
+def check_shape(arch: str, shape: DemoShape) -> None:
+    """Refuse, in one line, a shape the architecture cannot be built or run with."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown demo architecture {arch!r}; available: {', '.join(ARCHS)}")
+    sizes = {name: getattr(shape, name) for name in (
+        "layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab",
+        "window", "max_position_embeddings")}
+    for name, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if shape.heads % shape.kv_heads:
+        raise ValueError(f"heads {shape.heads} is not a multiple of kv-heads {shape.kv_heads}")
+    if shape.head_dim % 2:
+        raise ValueError(f"head-dim {shape.head_dim} must be even (rotary embeddings rotate "
+                         f"pairs)")
+    if shape.vocab < MIN_VOCAB:
+        raise ValueError(f"vocab {shape.vocab} is below the byte-level tokenizer's minimum "
+                         f"({MIN_VOCAB}: 256 bytes + 2 special tokens)")
+    if arch == "nemotron_h" and shape.layers < 3:
+        raise ValueError(f"a nemotron_h demo model needs at least 3 layers (Mamba2, attention, "
+                         f"MLP); --layers {shape.layers} is too few")
+    if arch == "nemotron_h" and shape.hidden % shape.head_dim:
+        # Mamba2 heads: 2 * hidden / head_dim of them, split into 2 groups.
+        raise ValueError(f"hidden {shape.hidden} is not a multiple of head-dim "
+                         f"{shape.head_dim}, which nemotron_h's Mamba2 heads need")
 
 def train_tokenizer(out_dir: Path, vocab_size: int) -> int:
     """Train and save tokenizer.json; returns its vocabulary size."""
@@ -113,8 +168,7 @@ def demo_config(arch: str, shape: DemoShape, vocab_size: int) -> dict[str, Any]:
                 0.95 if i < shape.layers * 2 // 7 else 0.0 for i in range(shape.layers)])
     if sliding == "mamba":
         del config["sliding_window"]
-        unit = "M-M-M-M*-"
-        config["hybrid_override_pattern"] = (unit * shape.layers)[:shape.layers]
+        config["hybrid_override_pattern"] = nemotron_h_pattern(shape.layers)
         config.update(mamba_num_heads=2 * shape.hidden // shape.head_dim,
                       mamba_head_dim=shape.head_dim, ssm_state_size=shape.head_dim,
                       n_groups=2, conv_kernel=4, layer_norm_epsilon=1e-5,
@@ -122,22 +176,51 @@ def demo_config(arch: str, shape: DemoShape, vocab_size: int) -> dict[str, Any]:
     return config
 
 
+def nemotron_h_pattern(num_layers: int) -> str:
+    """Mamba2 (M), attention (*) and MLP (-) layers in Nemotron-H-8B's proportions; with 3
+    layers or more at least one of each, so that short models are hybrids too.
+    E.g. 9 -> "M-M-M-M*-", 6 -> "M-M-*-", 3 -> "M-*"."""
+    pattern = ("M-M-M-M*-" * num_layers)[:num_layers]
+    if "*" not in pattern and pattern.count("M") >= 2:
+        last = pattern.rindex("M")
+        pattern = pattern[:last] + "*" + pattern[last + 1:]
+    return pattern
+
+
 def write_demo_model(out_dir: str | Path, arch: str, shape: DemoShape | None = None) -> Path:
     """Write config.json, generation_config.json, model.safetensors and tokenizer.json."""
+    shape = shape or DemoShape()
+    check_shape(arch, shape)
+    config = demo_config(arch, shape, shape.vocab)
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} exists and is not a directory")
+    # Written next to the target and moved into place at the end: a failure leaves nothing
+    # half-written.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        _write_files(tmp, config, shape)
+        if path.exists():  # an existing directory: replace our files in it, one by one
+            for entry in tmp.iterdir():
+                entry.replace(path / entry.name)
+        else:
+            tmp.rename(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _write_files(path: Path, config: dict[str, Any], shape: DemoShape) -> None:
     import torch
     from safetensors.torch import save_file
 
     from hybridkv.models.registry import build_model
 
-    shape = shape or DemoShape()
-    config = demo_config(arch, shape, shape.vocab)  # checks the architecture first
-    path = Path(out_dir)
-    path.mkdir(parents=True, exist_ok=True)
     # The tokenizer learns at most `vocab` tokens from the small text; the model keeps the
     # requested vocabulary size (ids past the tokenizer's are simply never produced by it).
-    if train_tokenizer(path, shape.vocab) > shape.vocab:
-        raise ValueError(f"vocab {shape.vocab} is below the byte-level tokenizer's minimum "
-                         f"(258: 256 bytes + 2 special tokens)")
+    train_tokenizer(path, shape.vocab)
     torch.manual_seed(shape.seed)
     model = build_model(config)
     with torch.no_grad():
@@ -149,4 +232,3 @@ def write_demo_model(out_dir: str | Path, arch: str, shape: DemoShape | None = N
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
-    return path
