@@ -69,6 +69,12 @@ class EngineConfig:
     # Serve a max_model_len above the model's max_position_embeddings (positions the model
     # was never trained on); refused unless set, as vLLM does.
     allow_long_max_model_len: bool = False
+    # Block hashes are keyed by a secret: by default a random one per process, so nobody
+    # can craft a prompt whose block collides with another user's cached prefix. Set one
+    # secret seed where processes must agree on hashes (a shared tier); "sha256" resists
+    # collision search by design, at ~1.5x the hashing cost of xxh3.
+    block_hash_seed: str | None = None
+    block_hash_algo: str = "xxh3"
 
     def __post_init__(self) -> None:
         # Every option is checked here, with one line naming it and what is accepted: a wrong
@@ -91,6 +97,11 @@ class EngineConfig:
                              f"{self.device!r}")
         _choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
         _choice("kv_eviction", self.kv_eviction, (None, "lru", "value"))
+        _choice("block_hash_algo", self.block_hash_algo, ("xxh3", "sha256"))
+        if self.block_hash_seed is not None and (not isinstance(self.block_hash_seed, str)
+                                                 or not self.block_hash_seed):
+            raise ValueError("block_hash_seed must be a non-empty string or None (a random "
+                             "seed per process)")
         if not isinstance(self.attention_backend, str):
             raise ValueError(f"attention_backend must be a name such as 'torch', got "
                              f"{self.attention_backend!r}")
@@ -125,4 +136,5 @@ class EngineConfig:
         return {"enable_caching": self.enable_prefix_caching,
                 "checkpoint_interval": self.mamba_checkpoint_interval,
                 "checkpoint_branch_points": self.mamba_checkpoint_branch_points,
-                "eviction": self.kv_eviction}
+                "eviction": self.kv_eviction, "hash_seed": self.block_hash_seed,
+                "hash_algo": self.block_hash_algo}

@@ -103,7 +103,9 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
                          max_model_len=max_model_len,
                          max_num_batched_tokens=config.max_num_batched_tokens,
                          hybrid=not config.disable_hybrid_kv_cache,
-                         kv_sharing=layout.kv_sharing)
+                         kv_sharing=layout.kv_sharing,
+                         enable_caching=config.enable_prefix_caching,
+                         checkpoint_interval=config.mamba_checkpoint_interval)
     if config.kv_sharing_fast_prefill and getattr(loaded.model, "kv_shared_from",
                                                   None) is None:
         raise ValueError(

@@ -101,7 +101,7 @@ class LLMEngine:
         request = Request(request_id, token_ids, params,
                           hash_block_size=self.plan.config.hash_block_size,
                           eos_token_ids=self.eos_token_ids, arrival_index=self._next_index,
-                          priority=priority)
+                          priority=priority, block_hasher=self.kv_manager.block_hasher)
         self._next_index += 1
         self._params[request_id] = params
         if self.tokenizer is not None:

@@ -24,6 +24,7 @@ from hybridkv.kv.spec import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from hybridkv.models.config_check import check_config
 
 # Layer kinds after reading the config.
 FULL, SLIDING, CHUNKED, MAMBA, MAMBA1, LINEAR, NONE = (
@@ -72,9 +73,14 @@ def load_hf_config(source: str) -> dict[str, Any]:
             raise ValueError(f"{source}: no config.json in this directory")
     if path.is_file():
         try:
-            return dict(json.loads(path.read_text()))
+            config = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not UTF-8 text") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
+        return config
     wanted = source.lower().rsplit("/", 1)[-1]
     folder = resources.files("hybridkv") / "data" / "model_configs"
     for entry in folder.iterdir():
@@ -166,13 +172,16 @@ def _word(word: object, field: str) -> str:
 
 
 def kv_layout_from_config(config: Mapping[str, Any], *, block_size: int = 16,
-                          kv_dtype: str | None = None) -> ModelKVLayout:
-    """Per-layer KV cache specs of a model (layers reusing another's KV get none)."""
+                          kv_dtype: str | None = None,
+                          source: str = "config.json") -> ModelKVLayout:
+    """Per-layer KV cache specs of a model (layers reusing another's KV get none).
+    `source` names the config in error messages."""
     cfg = _text_config(config)
     model_type = str(cfg.get("model_type") or config.get("model_type") or "")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unknown architecture model_type={model_type!r}; supported: "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    check_config(config, source, for_model=False)
     dtype = kv_dtype or str(_first(cfg, "torch_dtype", "dtype", default=None)
                             or _first(config, "torch_dtype", "dtype", default="bfloat16"))
     kinds = layer_kinds(config)

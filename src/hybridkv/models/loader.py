@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from hybridkv.models.config_check import check_config
+from hybridkv.models.layer_mix import SUPPORTED_MODEL_TYPES
 from hybridkv.models.registry import build_model
 
 
@@ -23,42 +25,94 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
 
 
+def read_json(path: Path) -> Any:
+    """A JSON file, or one line naming it and what is wrong with it."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno} column "
+                         f"{e.colno})") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror})") from None
+
+
 def read_config(model_dir: Path) -> dict[str, Any]:
     if not model_dir.is_dir():
         raise ValueError(f"model path {model_dir} does not exist or is not a directory")
     path = model_dir / "config.json"
     if not path.is_file():
         raise ValueError(f"{model_dir}: missing config.json")
-    return dict(json.loads(path.read_text()))
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: no weight_map (an object of tensor name -> shard "
+                             f"file name)")
+        return [model_dir / s for s in sorted(set(weight_map.values()))]
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    raise ValueError(f"{model_dir}: missing model.safetensors (or its sharded index)")
 
 
 def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [model_dir / s for s in shards]
-    elif (model_dir / "model.safetensors").is_file():
-        files = [model_dir / "model.safetensors"]
-    else:
-        raise ValueError(f"{model_dir}: missing model.safetensors (or its sharded index)")
+    files = weight_files(model_dir)
     for file in files:
         if not file.is_file():
             raise ValueError(f"{model_dir}: missing weight shard {file.name}")
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                names = list(f.keys())  # noqa: SIM118  (safe_open is not a mapping)
+                for name in names:
+                    tensor = f.get_tensor(name)
+                    if not tensor.is_floating_point():
+                        raise ValueError(f"{file}: tensor {name!r} is {tensor.dtype}; the "
+                                         f"engine loads floating-point weights only")
+                    yield name, tensor
+        except (OSError, RuntimeError, SafetensorError) as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(f"{file}: not a readable safetensors file ({reason})") from None
 
 
 def eos_ids(model_dir: Path, config: dict[str, Any]) -> tuple[int, ...]:
     eos: Any = None
     gen = model_dir / "generation_config.json"
     if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
+        gen_config = read_json(gen)
+        if not isinstance(gen_config, dict):
+            raise ValueError(f"{gen}: expected a JSON object, got {type(gen_config).__name__}")
+        eos = gen_config.get("eos_token_id")
+        source = f"{gen}: eos_token_id"
     if eos is None:
         eos = config.get("eos_token_id")
+        source = f"{model_dir / 'config.json'}: eos_token_id"
     if eos is None:
         return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"{source} must be a token id or a list of them, got {eos!r}")
+    return tuple(ids)
+
+
+def read_tokenizer(path: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises plain Exception for a malformed file
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path}: not a readable tokenizer ({reason})") from None
 
 
 def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: torch.device | str,
@@ -66,14 +120,17 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: torch.devic
     """`config`: the directory's config.json when the caller has read it already."""
     path = Path(model_dir)
     config = config if config is not None else read_config(path)
-    model = build_model(config)
+    # The small files first: a broken tokenizer is reported before minutes of weights load.
+    tokenizer = None
+    if (path / "tokenizer.json").is_file():
+        tokenizer = read_tokenizer(path / "tokenizer.json")
+    eos = eos_ids(path, config)
+    text = config.get("text_config") or config
+    if (text.get("model_type") or config.get("model_type")) in SUPPORTED_MODEL_TYPES:
+        check_config(config, str(path / "config.json"), for_model=True)
+    model = build_model(config)  # an unsupported architecture is refused here
     model.to(dtype=dtype)
     model.load_weights(iter_weights(path))  # type: ignore[operator]
     model.to(device)
     model.eval()
-    tokenizer = None
-    if (path / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-    return LoadedModel(model, config, tokenizer, eos_ids(path, config))
+    return LoadedModel(model, config, tokenizer, eos)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
+from hybridkv.kv.hashing import BlockHasher
 from hybridkv.kv.request import KVRequest
 from hybridkv.sched.sampling import SamplingParams
 
@@ -28,9 +29,10 @@ class Request(KVRequest):
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, hash_block_size: int,
                  eos_token_ids: Sequence[int] = (), arrival_index: int = 0,
-                 priority: int = 0, cache_salt: str | None = None) -> None:
+                 priority: int = 0, cache_salt: str | None = None,
+                 block_hasher: BlockHasher | None = None) -> None:
         super().__init__(request_id, prompt_token_ids, hash_block_size=hash_block_size,
-                         cache_salt=cache_salt)
+                         cache_salt=cache_salt, block_hasher=block_hasher)
         self.sampling_params = sampling_params
         self.eos_token_ids = tuple(eos_token_ids)
         self.arrival_index = arrival_index

@@ -1,0 +1,72 @@
+"""Checks of a Hugging Face `config.json` before anything is built from it: each problem is
+one line naming the file and the field, instead of a KeyError or a shape error deep inside
+a model (or, worse, a plan that silently covers only some layers). Needs no torch: `hybridkv
+plan` runs it too."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# What the planner needs of the text config, and what building the model needs besides.
+PLAN_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers")
+MODEL_FIELDS = (*PLAN_FIELDS, "vocab_size", "intermediate_size")
+# Per-layer kinds; where present each must have one entry per layer.
+LAYER_LISTS = ("layer_types", "layers_block_type", "hybrid_override_pattern")
+# Positive integers where present.
+OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings",
+                 "sliding_window", "attention_chunk_size")
+
+
+def check_config(config: object, source: str, *, for_model: bool) -> None:
+    """Raise ValueError naming `source` (e.g. '/models/x/config.json') and the field."""
+    if not isinstance(config, Mapping):
+        raise ValueError(f"{source}: expected a JSON object, got {type(config).__name__}")
+    text = config.get("text_config")
+    if text is not None and not isinstance(text, Mapping):
+        raise ValueError(f"{source}: text_config must be an object, got "
+                         f"{type(text).__name__}")
+    cfg: Mapping[str, Any] = text if text is not None else config
+    where = f"{source}: " + ("text_config." if text is not None else "")
+    for name in MODEL_FIELDS if for_model else PLAN_FIELDS:
+        if name == "num_hidden_layers" and cfg.get(name) is None and any(
+                cfg.get(f) is not None for f in ("layers_block_type",
+                                                 "hybrid_override_pattern")):
+            continue  # NemotronH: its per-layer pattern alone says how many layers
+        if cfg.get(name) is None:
+            raise ValueError(f"{where}{name} is missing")
+        if name == "intermediate_size" and isinstance(cfg[name], list):
+            for i, v in enumerate(cfg[name]):  # per layer (Gemma 3n)
+                _positive_int(f"{where}{name}[{i}]", v)
+            continue
+        _positive_int(f"{where}{name}", cfg[name])
+    for name in OPTIONAL_INTS:
+        if cfg.get(name) is not None:
+            _positive_int(f"{where}{name}", cfg[name])
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads")
+    if kv_heads is not None and heads % kv_heads:
+        raise ValueError(f"{where}num_attention_heads ({heads}) must be a multiple of "
+                         f"num_key_value_heads ({kv_heads})")
+    if cfg.get("head_dim") is None and cfg["hidden_size"] % heads:
+        raise ValueError(f"{where}hidden_size ({cfg['hidden_size']}) must be a multiple of "
+                         f"num_attention_heads ({heads}) when head_dim is not given")
+    num_layers = cfg.get("num_hidden_layers")
+    for name in LAYER_LISTS:
+        kinds = cfg.get(name)
+        if kinds is None:
+            continue
+        if name == "hybrid_override_pattern":
+            if not isinstance(kinds, str) or not kinds:
+                raise ValueError(f"{where}{name} must be a non-empty string")
+        elif not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
+            raise ValueError(f"{where}{name} must be a list of strings")
+        if num_layers is None:
+            num_layers = len(kinds)
+        elif len(kinds) != num_layers:
+            raise ValueError(f"{where}{name} has {len(kinds)} entries for "
+                             f"num_hidden_layers={num_layers}; give one per layer")
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
