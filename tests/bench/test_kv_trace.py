@@ -69,3 +69,10 @@ def test_bench_kv_cli_prints_one_json_object(capsys):
                             "hit_tokens", "queried_tokens", "peak_used_bytes", "steps",
                             "preemptions"}
     assert figures["hit_tokens"] == 15 * 2048
+
+
+def test_bench_kv_times_both_hash_algorithms(capsys):
+    assert main(["bench", "kv", "--num-requests", "16", "--config", "full", "--json",
+                 "--hash-cost"]) == 0
+    costs = json.loads(capsys.readouterr().out)["hash_us_per_block"]
+    assert set(costs) == {"xxh3", "sha256"} and all(us > 0 for us in costs.values())

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hybridkv.cli import Command, memory, positive_int
+from hybridkv.kv.hashing import hash_cost_per_block
 from hybridkv.kv.manager import KVCacheManager
 from hybridkv.kv.plan import KVCacheConfig, plan_kv_cache
 from hybridkv.kv.request import KVRequest
@@ -239,7 +240,7 @@ def median_result(results: list[KVBenchResult]) -> KVBenchResult:
 
 def bench_kv(configs: list[str], *, memory_bytes: int = DEFAULT_MEMORY,
              num_requests: int = 512, trace_file: Path | None = None,
-             repeat: int = 1, as_json: bool = False) -> str:
+             repeat: int = 1, as_json: bool = False, hash_cost: bool = False) -> str:
     if trace_file is not None:
         prompts, checksum = read_trace(trace_file)
     else:
@@ -252,10 +253,12 @@ def bench_kv(configs: list[str], *, memory_bytes: int = DEFAULT_MEMORY,
     for name in configs:
         config = kv_config(name, memory_bytes)
         results[name] = median_result([run_kv_trace(prompts, config) for _ in range(repeat)])
+    # What keyed block hashes cost per algorithm (the trace itself runs with xxh3).
+    extra = {"hash_us_per_block": hash_cost_per_block(block_size=16)} if hash_cost else {}
     if as_json:
         if len(results) == 1:
-            return json.dumps(asdict(next(iter(results.values()))))
-        return json.dumps({name: asdict(r) for name, r in results.items()})
+            return json.dumps({**asdict(next(iter(results.values()))), **extra})
+        return json.dumps({**{name: asdict(r) for name, r in results.items()}, **extra})
     lines = [f"trace: {len(prompts)} requests, checksum {checksum}, memory {memory_bytes} bytes"
              + (f", medians of {repeat} runs" if repeat > 1 else ""),
              f"{'config':8} {'wall s':>7} {'alloc us':>9} {'decode':>7} {'admit':>8} "
@@ -268,6 +271,9 @@ def bench_kv(configs: list[str], *, memory_bytes: int = DEFAULT_MEMORY,
             f"{r.get_computed_blocks_us:7.1f} {r.free_us:8.1f} "
             f"{f'{r.hit_tokens} / {r.queried_tokens}':>24} "
             f"{r.peak_used_bytes / (1 << 30):9.2f} {r.steps:6d} {r.preemptions:7d}")
+    if extra:
+        lines.append("block hash, us per 16-token block: " + ", ".join(
+            f"{algo} {us:.2f}" for algo, us in extra["hash_us_per_block"].items()))
     return "\n".join(lines)
 
 
@@ -283,13 +289,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=positive_int, default=1,
                         help="run N times and report the median of each figure")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--hash-cost", action="store_true",
+                        help="also time one block hash with xxh3 and with sha256 "
+                             "(hash_us_per_block in --json)")
 
 
 def run(args: argparse.Namespace) -> int:
     configs = ["hybrid", "full"] if args.config == "both" else [args.config]
     print(bench_kv(configs, memory_bytes=args.memory or DEFAULT_MEMORY,
                    num_requests=args.num_requests, trace_file=args.trace,
-                   repeat=args.repeat, as_json=args.json))
+                   repeat=args.repeat, as_json=args.json, hash_cost=args.hash_cost))
     return 0
 
 
