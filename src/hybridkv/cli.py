@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,6 +32,7 @@ DESCRIPTION = (
     "of them. Plan a model's KV cache (no torch needed), write a tiny random demo model, "
     "generate text with continuous batching, run the benchmarks.")
 DEFAULT_MODEL = "gemma-3-27b-it"
+BLOCK_HASH_SEED_ENV = "HYBRIDKV_BLOCK_HASH_SEED"
 T = TypeVar("T")
 
 
@@ -262,6 +264,13 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="manage every layer's KV as full attention")
     parser.add_argument("--kv-sharing-fast-prefill", action="store_true",
                         help="run KV-sharing layers (Gemma 3n/4) on sampled tokens only")
+    parser.add_argument("--allow-long-max-model-len", action="store_true",
+                        help="accept a --max-model-len above the model's "
+                             "max_position_embeddings")
+    parser.add_argument("--block-hash-algo", choices=["xxh3", "sha256"], default="xxh3",
+                        help="block hash for the prefix cache; its secret seed is random per "
+                             f"process unless ${BLOCK_HASH_SEED_ENV} sets one (for processes "
+                             "that must agree, e.g. a shared KV tier)")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
 
 
@@ -278,7 +287,12 @@ def run_generate(args: argparse.Namespace) -> int:
         kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
         enable_prefix_caching=not args.no_prefix_caching,
         disable_hybrid_kv_cache=args.no_hybrid,
-        kv_sharing_fast_prefill=args.kv_sharing_fast_prefill)
+        kv_sharing_fast_prefill=args.kv_sharing_fast_prefill,
+        allow_long_max_model_len=args.allow_long_max_model_len,
+        block_hash_algo=args.block_hash_algo,
+        # From the environment, not a flag: a secret on the command line is visible to
+        # every user of the machine (ps).
+        block_hash_seed=os.environ.get(BLOCK_HASH_SEED_ENV) or None)
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
     try:
@@ -292,10 +306,11 @@ def run_generate(args: argparse.Namespace) -> int:
     outputs = llm.generate(prompts, params)
     if args.json:
         print("\n".join(json.dumps({"prompt": p, "text": o.text, "token_ids": o.token_ids,
-                                    "finish_reason": o.finish_reason})
+                                    "finish_reason": o.finish_reason, "error": o.error})
                         for p, o in zip(prompts, outputs, strict=True)))
     else:
-        print("\n".join(f"--- prompt: {p!r}\n{o.text}"
+        print("\n".join(f"--- prompt: {p!r}\n{o.text}" + (f"\n[error: {o.error}]" if o.error
+                                                          else "")
                         for p, o in zip(prompts, outputs, strict=True)))
     return 0
 
