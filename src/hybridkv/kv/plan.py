@@ -134,7 +134,7 @@ class KVCachePlan:
                     "blocks_per_large_page": g.blocks_per_large_page,
                     "padding_bytes_per_large_page":
                         g.padding_bytes_per_large_page(cfg.large_page_bytes),
-                    "state_bytes_per_request": g.block_bytes if g.spec.kind == "mamba"
+                    "state_bytes_per_request": g.block_bytes if g.spec.is_state
                     else None,
                     "window": getattr(g.spec, "sliding_window", None)
                     or getattr(g.spec, "attention_chunk_size", None),
