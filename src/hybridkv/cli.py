@@ -400,6 +400,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.run(args))
+    except BrokenPipeError:
+        # The reader went away (`hybridkv plan | head`): not an error of the input. Point
+        # stdout at /dev/null so the interpreter's final flush stays quiet too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (CLIError, ValueError, OSError, NotImplementedError) as e:
         print(f"{args.prog}: error: {_one_line(e)}", file=sys.stderr)
         return 2
