@@ -138,3 +138,42 @@ def test_value_eviction_keeps_an_expensive_checkpoint_over_cheap_attention(evict
 def test_unknown_eviction_policy():
     with pytest.raises(ValueError, match="unknown eviction policy 'mru'"):
         BlockPool(toy_config(full(), num_pages=3), eviction="mru")
+
+
+def test_pages_reclaimed_together_are_handed_out_oldest_first():
+    """LRU reclaims as many unused pages of another group as a take needs in one go; they
+    come out in the order one-page-at-a-time reclaiming gives (least recently used first)."""
+    pool = BlockPool(toy_config(full(), full(), num_pages=6), enable_events=True)
+    a = take_ids(pool, 0, 5)  # pages 1-5
+    for i, block in enumerate(a):
+        pool.cache(block, b"h%d" % i)
+    pool.free(0, [a[3], a[1], a[4], a[0], a[2]])  # LRU order: pages 4, 2, 5, 1, 3
+    pool.take_events()
+    taken = take_ids(pool, 1, 4)
+    assert [b.block_id for b in taken] == [4, 2, 5, 1]
+    assert [e.block_hashes for e in pool.take_events()] == [(b"h3",), (b"h1",), (b"h4",),
+                                                           (b"h0",)]
+    assert pool.get_cached_block(b"h2", 0) is a[2]
+    pool.check_integrity()
+
+
+def test_a_dropped_pool_leaves_no_reference_cycles():
+    """Pages hold no reference to their blocks and the books none to the pool, so a dropped
+    pool (pages handed out, moved between groups, cached) is freed by reference counting
+    alone: nothing for the cyclic garbage collector to find."""
+    import gc
+
+    gc.collect()
+    gc.disable()
+    try:
+        pool = BlockPool(toy_config(full(), full(), num_pages=6))
+        a = take_ids(pool, 0, 5)
+        for i, block in enumerate(a):
+            pool.cache(block, b"h%d" % i)
+        pool.free(0, reversed(a))
+        take_ids(pool, 1, 3)
+        pool.check_integrity()
+        del pool, a, block
+        assert gc.collect() == 0
+    finally:
+        gc.enable()

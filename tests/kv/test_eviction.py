@@ -33,7 +33,8 @@ def random_config(num_groups: int, blocks_per_page: list[int], num_pages: int) -
 def snapshot(pool: BlockPool) -> object:
     """Everything a take or a question could change."""
     pages = [(p.index, p.group_id, p.num_used, p.num_hashed, [b.block_id for b in p.empty],
-              [(b.group_id, b.block_id, b.ref_cnt, b.block_hash, b.value) for b in p.blocks])
+              [(b.group_id, b.block_id, b.ref_cnt, b.block_hash, b.value)
+               for b in pool.blocks_of(p)])
              for p in pool.pages if p is not None]
     groups = [(list(gs.lru), sorted(gs.cached), list(gs.unused_pages), list(gs.open_pages),
                gs.num_empty, gs.num_used, gs.num_pages) for gs in pool.groups]

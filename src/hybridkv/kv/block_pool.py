@@ -24,9 +24,9 @@ a pool costs O(large pages) whatever the block count.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import cast, overload
 
 from hybridkv.kv.eviction import EvictionPolicy, make_eviction_policy
 from hybridkv.kv.hashing import BlockHash
@@ -53,8 +53,17 @@ class Block:
         return f"Block(g{self.group_id}:{self.block_id}, ref={self.ref_cnt})"
 
 
+# Stands for an empty `LargePage.empty` list; immutable, so nothing can push into it by
+# mistake (`_push_empty` replaces it with a list).
+_NO_EMPTY: list[Block] = cast("list[Block]", ())
+
+
 class LargePage:
-    __slots__ = ("index", "group_id", "num_used", "num_hashed", "empty", "blocks")
+    """One large page. It holds no reference to its blocks (the pool keeps them, see
+    `BlockPool.blocks_of`), so pages and blocks form no reference cycle and a dropped pool is
+    freed at once by reference counting, not left to the cyclic garbage collector."""
+
+    __slots__ = ("index", "group_id", "num_used", "num_hashed", "empty")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -62,10 +71,9 @@ class LargePage:
         self.num_used = 0  # blocks with ref_cnt > 0
         self.num_hashed = 0  # blocks with a hash (used or cached)
         # Empty blocks of the owner group, popped from the end (lowest slot last pushed).
-        self.empty: list[Block] = []
-        # The owner's blocks, slot order; kept while the page is free, and relabelled for
-        # the next owner when it has as many blocks per page (block ids are the same).
-        self.blocks: list[Block] = []
+        # A shared empty tuple until the first is pushed: one object less per page made while
+        # requests are admitted, for the garbage collector to count and walk.
+        self.empty: list[Block] = _NO_EMPTY
 
 
 @dataclass(frozen=True)
@@ -84,17 +92,23 @@ class BlockRemoved:
 class GroupBooks:
     """The pool's books for one group."""
 
-    def __init__(self, group_id: int, blocks_per_page: int, num_pages: int,
-                 page_at: Callable[[int], LargePage]) -> None:
+    def __init__(self, group_id: int, blocks_per_page: int, pages: list[LargePage | None],
+                 single_blocks: list[Block | None],
+                 page_blocks: list[list[Block] | None]) -> None:
         self.group_id = group_id
         self.blocks_per_page = blocks_per_page
-        self.num_arena_pages = num_pages
+        self.num_arena_pages = len(pages)
         # Block id = page index * blocks_per_page + slot, so a block id is an index into the
-        # group's view of the arena. Block objects live in their page (`LargePage.blocks`),
-        # made when a page is first handed to a group: construction costs O(1) per page.
-        self._page_at = page_at
+        # group's view of the arena. Block objects are made when a page is first handed to a
+        # group (construction costs O(1) per page) and kept in the pool's lists, which the
+        # books share (they hold no reference to the pool: no reference cycle).
+        self._pages = pages
+        self._single_blocks = single_blocks
+        self._page_blocks = page_blocks
         # Large page 0 is never owned: every group keeps its own blocks there (the null block).
-        self.null_page_blocks = [Block(slot, group_id, page_at(0))
+        page0 = pages[0]
+        assert page0 is not None
+        self.null_page_blocks = [Block(slot, group_id, page0)
                                  for slot in range(blocks_per_page)]
         self.open_pages: OrderedDict[int, LargePage] = OrderedDict()  # pages with empty blocks
         # Owned pages with num_used == 0, oldest first. With one block per page these are
@@ -115,11 +129,17 @@ class GroupBooks:
         page_index, slot = divmod(block_id, self.blocks_per_page)
         if page_index == 0:
             return self.null_page_blocks[slot]
-        page = self._page_at(page_index)
-        if page.group_id != self.group_id:
+        page = self._pages[page_index]
+        if page is None or page.group_id != self.group_id:
             raise KeyError(f"block {block_id} of group {self.group_id}: the group does not "
                            f"own large page {page_index}")
-        return page.blocks[slot]
+        if self.blocks_per_page == 1:
+            block = self._single_blocks[page_index]
+            assert block is not None
+            return block
+        blocks = self._page_blocks[page_index]
+        assert blocks is not None
+        return blocks[slot]
 
     @property
     def blocks(self) -> _BlockIndex:
@@ -158,15 +178,19 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.enable_events = enable_events
         self.events: list[BlockStored | BlockRemoved] = []
-        # LargePage objects are made when first handed out (see `page`).
+        # LargePage objects are made when first handed out (see `page`); page 0 now.
         self.pages: list[LargePage | None] = [None] * config.num_large_pages
+        self.pages[0] = LargePage(0)
         # Pop from the end: page 1 is handed out first.
         self.free_pages: list[int] = list(range(config.num_large_pages - 1, 0, -1))
-        # Page index -> its block while the page is laid out as one block (every group with
-        # one block per page shares it, relabelled): the hot path of equal block bytes.
+        # A page's blocks, slot order, from when it is first handed out; kept while the page
+        # is free and relabelled for the next owner with as many blocks per page (block ids
+        # are the same). Laid out as one block (every group with one block per page shares
+        # it, the hot path of equal block bytes): `single_blocks`; as more: `page_blocks`.
         self.single_blocks: list[Block | None] = [None] * config.num_large_pages
-        self.groups = [GroupBooks(g.group_id, g.blocks_per_large_page, config.num_large_pages,
-                                  self.page)
+        self.page_blocks: list[list[Block] | None] = [None] * config.num_large_pages
+        self.groups = [GroupBooks(g.group_id, g.blocks_per_large_page, self.pages,
+                                  self.single_blocks, self.page_blocks)
                        for g in config.groups]
         # Block 0 of every group lies in large page 0, which no group ever owns.
         self.null_blocks = tuple(gs.null_page_blocks[0] for gs in self.groups)
@@ -183,19 +207,35 @@ class BlockPool:
             page = self.pages[index] = LargePage(index)
         return page
 
+    def blocks_of(self, page: LargePage) -> list[Block]:
+        """The blocks of a page as last laid out (its owner's, if owned), slot order."""
+        single = self.single_blocks[page.index]
+        if single is not None:
+            return [single]
+        return self.page_blocks[page.index] or []
+
     def _lay_out(self, gs: GroupBooks, page: LargePage) -> list[Block]:
         """The group's blocks in a free page it is being handed (all empty), slot order.
         A page keeps its Block objects while free; the next owner with as many blocks per
         page relabels them (same ids), others make their own."""
-        blocks = page.blocks
-        if len(blocks) != gs.blocks_per_page:
-            first = page.index * gs.blocks_per_page
-            blocks = page.blocks = [Block(first + slot, gs.group_id, page)
-                                    for slot in range(gs.blocks_per_page)]
-            self.single_blocks[page.index] = blocks[0] if len(blocks) == 1 else None
-        elif blocks[0].group_id != gs.group_id:
+        index, per_page, group_id = page.index, gs.blocks_per_page, gs.group_id
+        if per_page == 1:
+            block = self.single_blocks[index]
+            if block is None:
+                block = self.single_blocks[index] = Block(index, group_id, page)
+                self.page_blocks[index] = None
+            else:
+                block.group_id = group_id
+            return [block]
+        blocks = self.page_blocks[index]
+        if blocks is None or len(blocks) != per_page:
+            first = index * per_page
+            blocks = self.page_blocks[index] = [Block(first + slot, group_id, page)
+                                                for slot in range(per_page)]
+            self.single_blocks[index] = None
+        elif blocks[0].group_id != group_id:
             for block in blocks:
-                block.group_id = gs.group_id
+                block.group_id = group_id
         return blocks
 
     # ---------------------------------------------------------------- questions
@@ -234,13 +274,23 @@ class BlockPool:
     def take(self, group_id: int, num_blocks: int) -> list[Block]:
         """`num_blocks` blocks for a group, each with ref_cnt 1. All or nothing: raises
         RuntimeError, with nothing changed, when they are not there."""
-        if num_blocks > self.num_free_blocks(group_id):
+        gs = self.groups[group_id]
+        if (num_blocks > gs.num_empty + len(self.free_pages) * gs.blocks_per_page
+                and num_blocks > self.num_free_blocks(group_id)):
             raise RuntimeError(f"no block left to take: group {group_id} needs {num_blocks}, "
                                f"{self.num_free_blocks(group_id)} can be had")
         out: list[Block] = []
-        taken = self.policy.take(self, group_id, num_blocks, out)
-        assert taken, "num_free_blocks promised these blocks"
-        self.groups[group_id].num_used += num_blocks
+        # The policy's loop, inlined up to where it would evict: empty blocks, then free
+        # pages (after these, any need left finds neither, so the policy decides the rest).
+        need = num_blocks
+        while need > 0 and gs.num_empty:
+            need -= self.take_empty(group_id, need, out)
+        if need > 0 and self.free_pages:
+            need -= self.take_free_pages(group_id, need, out)
+        if need > 0:
+            taken = self.policy.take(self, group_id, need, out)
+            assert taken, "num_free_blocks promised these blocks"
+        gs.num_used += num_blocks
         return out
 
     def take_all(self, num_blocks: Sequence[int]) -> list[list[Block]]:
@@ -276,7 +326,7 @@ class BlockPool:
     def page_value(self, group_id: int, page: LargePage) -> int:
         """Tokens of compute the cached blocks of a group's page spare."""
         assert page.group_id == group_id
-        return sum(b.value for b in page.blocks if b.block_hash is not None)
+        return sum(b.value for b in self.blocks_of(page) if b.block_hash is not None)
 
     def take_empty(self, group_id: int, num_blocks: int, out: list[Block]) -> int:
         """Empty blocks of the group's last opened page that is still open."""
@@ -310,7 +360,8 @@ class BlockPool:
                 block = single[index]
                 if block is None:
                     [block] = self._lay_out(gs, self.page(index))
-                block.group_id = group_id  # relabel: the last owner may have been another
+                else:
+                    block.group_id = group_id  # relabel: the last owner may have been another
                 block.ref_cnt = 1
                 page = block.page
                 page.group_id = group_id
@@ -362,16 +413,36 @@ class BlockPool:
     def reclaim_page(self, group_id: int) -> None:
         """Evict the cached blocks of the group's least recently used unused page and give
         the page back to the arena."""
-        gs = self.groups[group_id]
-        page = self.oldest_unused_page(group_id)
-        if page is None:
+        if not self.reclaim_pages(group_id, 1):
             raise RuntimeError(f"group {group_id} has no unused page to give")
-        if gs.track_unused:
-            del gs.unused_pages[page.index]
-        for block in page.blocks:
-            if block.block_hash is not None:
+
+    def reclaim_pages(self, group_id: int, num_pages: int) -> int:
+        """`reclaim_page` up to `num_pages` times (while the group has unused pages); returns
+        how many. The free list hands them out in the order they were reclaimed, as if each
+        had been taken before the next was reclaimed."""
+        gs = self.groups[group_id]
+        free_pages = self.free_pages
+        lru, unused = gs.lru, gs.unused_pages
+        count = 0
+        while count < num_pages:
+            if gs.track_unused:
+                if not unused:
+                    break
+                _, page = unused.popitem(last=False)
+                for block in self.blocks_of(page):
+                    if block.block_hash is not None:
+                        self._evict(gs, block)
+            else:
+                if not lru:
+                    break
+                block = next(iter(lru.values()))
+                page = block.page
                 self._evict(gs, block)
-        self._release_page(gs, page)
+            self._release_page(gs, page)
+            count += 1
+        if count > 1:
+            free_pages[-count:] = free_pages[:-count - 1:-1]
+        return count
 
     def _use(self, gs: GroupBooks, block: Block) -> None:
         """An empty block of an owned page (just evicted) becomes used."""
@@ -385,7 +456,7 @@ class BlockPool:
         """An owned page with no used and no cached block goes back to the arena."""
         gs.num_empty -= len(page.empty)
         gs.num_pages -= 1
-        page.empty = []
+        page.empty = _NO_EMPTY
         page.group_id = None
         gs.open_pages.pop(page.index, None)
         gs.unused_pages.pop(page.index, None)
@@ -423,10 +494,13 @@ class BlockPool:
             if block.block_hash is not None:
                 lru[block.block_id] = block
             else:
-                page.empty.append(block)
-                gs.num_empty += 1
-                if len(page.empty) == 1:
+                empty = page.empty
+                if empty:
+                    empty.append(block)
+                else:
+                    page.empty = [block]
                     open_pages[page.index] = page
+                gs.num_empty += 1
             if page.num_used == 0:
                 if page.num_hashed == 0:
                     self._release_page(gs, page)
@@ -483,6 +557,16 @@ class BlockPool:
             self.events.append(BlockRemoved(gs.group_id, (block_hash,)))
         return block
 
+    def _push_empty(self, gs: GroupBooks, block: Block) -> None:
+        """An empty block of an owned page goes to its page's empty list."""
+        page = block.page
+        if page.empty:
+            page.empty.append(block)
+        else:
+            page.empty = [block]
+            gs.open_pages[page.index] = page
+        gs.num_empty += 1
+
     def evict_blocks(self, group_id: int, blocks: Iterable[Block]) -> int:
         """Forget the given cached blocks that nobody holds (e.g. a tier found their
         content stale). Returns how many were evicted; held or uncached ones are skipped."""
@@ -494,10 +578,7 @@ class BlockPool:
             self._evict(gs, block)
             count += 1
             page = block.page
-            page.empty.append(block)
-            gs.num_empty += 1
-            if len(page.empty) == 1:
-                gs.open_pages[page.index] = page
+            self._push_empty(gs, block)
             if page.num_hashed == 0 and page.num_used == 0:
                 self._release_page(gs, page)
         return count
@@ -509,8 +590,7 @@ class BlockPool:
         for gs in self.groups:
             for block in list(gs.lru.values()):
                 self._evict(gs, block)
-                block.page.empty.append(block)
-                gs.num_empty += 1
+                self._push_empty(gs, block)
             for page in [p for p in self.pages if p is not None and p.group_id == gs.group_id]:
                 self._release_page(gs, page)
         return True

@@ -61,6 +61,8 @@ class Books(Protocol):
 
     def reclaim_page(self, group_id: int) -> None: ...
 
+    def reclaim_pages(self, group_id: int, num_pages: int) -> int: ...
+
 
 class EvictionPolicy:
     """Decides what a group short of blocks evicts; `take` and `fits` share the decisions."""
@@ -78,6 +80,10 @@ class EvictionPolicy:
         """How many own cached blocks to evict before deciding again."""
         return num_blocks
 
+    def page_batch(self, group_id: int, num_blocks: int) -> int:
+        """How many unused pages of the victim group to reclaim before deciding again."""
+        return 1
+
     def take(self, books: Books, group_id: int, num_blocks: int, out: list[Block]) -> bool:
         """Take `num_blocks` for a group from `books`; False once nothing is left (the pool
         checks before it calls this, so on the real books it never returns False)."""
@@ -93,8 +99,8 @@ class EvictionPolicy:
                     return False
                 if victim == group_id:
                     num_blocks -= books.take_cached(group_id, self.own_batch(num_blocks), out)
-                else:
-                    books.reclaim_page(victim)  # to the arena; the next turn takes it
+                else:  # to the arena; the next turn takes them
+                    books.reclaim_pages(victim, self.page_batch(group_id, num_blocks))
         return True
 
     def fits(self, pool: BlockPool, num_blocks: Sequence[int],
@@ -119,6 +125,16 @@ class EvictionPolicy:
 
 class LRUEviction(EvictionPolicy):
     name = "lru"
+
+    def __init__(self, config: KVCacheConfig) -> None:
+        super().__init__(config)
+        self.blocks_per_page = [g.blocks_per_large_page for g in config.groups]
+
+    def page_batch(self, group_id: int, num_blocks: int) -> int:
+        # Reclaiming a page changes neither the group's own cached blocks nor which other
+        # group comes first with an unused page: the next decisions would pick the same
+        # group again until the need is met or it has none left.
+        return cdiv(num_blocks, self.blocks_per_page[group_id])
 
     def next_victim(self, books: Books, group_id: int) -> int | None:
         if books.oldest_cached(group_id) is not None:
@@ -177,22 +193,41 @@ def answer_from_counts(pool: BlockPool, num_blocks: Sequence[int],
     group (equal block bytes) the two meet, so counts always decide.
     """
     groups = pool.groups
+    free = len(pool.free_pages)
     cached = [len(gs.lru) for gs in groups]
     unused = [gs.num_unused_pages() for gs in groups]
+    if not any(hit_blocks):
+        return _count(groups, free, num_blocks, cached, unused, unused)
+    # Touching a hit block only lowers counts (by one at most per block): bounds settle most
+    # cases without looking at the blocks. Lowest counts and a sure yes: yes.
+    low_cached = [max(0, c - len(b)) for c, b in zip(cached, hit_blocks, strict=False)]
+    low_unused = [max(0, u - len(b)) for u, b in zip(unused, hit_blocks, strict=False)]
+    low_cached += cached[len(low_cached):]
+    low_unused += unused[len(low_unused):]
+    if _count(groups, free, num_blocks, low_cached, low_unused, unused):
+        return True
+    # Counts as they are (nothing touched) and a sure no: no.
+    if _count(groups, free, num_blocks, cached, unused, unused) is False:
+        return False
     for g, blocks in enumerate(hit_blocks):
-        track_unused = groups[g].track_unused
-        seen: set[int] = set()
-        pages: set[int] = set()
-        for block in blocks:
-            if block.ref_cnt or not block.block_id or block.block_id in seen:
-                continue  # already used (or null): touching it changes no count
-            seen.add(block.block_id)
-            cached[g] -= 1
-            # Its page stops being unused (one block per page: the page is the block).
-            if not track_unused or (block.page.num_used == 0 and block.page.index not in pages):
-                unused[g] -= 1
-                pages.add(block.page.index)
-    free = len(pool.free_pages)
+        if not blocks:
+            continue
+        # Touched: cached blocks nobody holds (each once), and with them their pages where
+        # no block of the page is used (one block per page: the page is the block).
+        touched = {b.block_id: b for b in blocks if not b.ref_cnt and b.block_id}
+        cached[g] -= len(touched)
+        if groups[g].track_unused:
+            unused[g] -= len({b.page.index for b in touched.values() if not b.page.num_used})
+        else:
+            unused[g] -= len(touched)
+    return _count(groups, free, num_blocks, cached, unused, unused)
+
+
+def _count(groups: Sequence[GroupBooks], free: int, num_blocks: Sequence[int],
+           cached: Sequence[int], unused: Sequence[int],
+           most_unused: Sequence[int]) -> bool | None:
+    """`answer_from_counts` on given cached and unused counts per group (`most_unused`: an
+    upper bound of `unused`, for the most pages a group may spend)."""
     total_unused = sum(unused)
     fewest = most = 0  # pages spent by the groups before
     sure = True
@@ -210,7 +245,7 @@ def answer_from_counts(pool: BlockPool, num_blocks: Sequence[int],
             fewest += need
             most += need
         else:
-            most += cdiv(need, per_page) + min(need, unused[g])
+            most += cdiv(need, per_page) + min(need, most_unused[g])
     return True if sure else None
 
 
@@ -342,13 +377,24 @@ class TrialBooks:
         return self.pool.page_value(group_id, page)  # an unused page is as in the pool
 
     def reclaim_page(self, group_id: int) -> None:
+        if not self.reclaim_pages(group_id, 1):
+            raise RuntimeError("no unused page to reclaim")
+
+    def reclaim_pages(self, group_id: int, num_pages: int) -> int:
+        count = 0
+        while count < num_pages and self._reclaim_one(group_id):
+            count += 1
+        return count
+
+    def _reclaim_one(self, group_id: int) -> bool:
         t = self.groups[group_id]
         page = t.oldest_unused_page()
         if page is None:
-            raise RuntimeError("no unused page to reclaim")
+            return False
         t.gone.add(page.index)
-        for block in page.blocks:
+        for block in self.pool.blocks_of(page):
             if block.block_hash is not None:
                 t.evicted.add(block.block_id)
         t.num_empty -= len(page.empty)
         self.free += 1
+        return True

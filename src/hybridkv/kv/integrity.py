@@ -22,15 +22,15 @@ def check_pool(pool: BlockPool) -> None:
     for index, page in enumerate(pool.pages[1:], start=1):
         if index in free:
             assert page is None or (page.group_id is None and not page.empty and all(
-                b.ref_cnt == 0 and b.block_hash is None for b in page.blocks)), \
+                b.ref_cnt == 0 and b.block_hash is None for b in pool.blocks_of(page))), \
                 f"free page {index} owned or holds a live block"
             continue
         assert page is not None and page.group_id is not None, \
             f"page {index} neither free nor owned"
         _check_page(pool, page)
         owned[page.group_id].append(page)
-        single = pool.single_blocks[index]
-        assert single is None or page.blocks == [single], f"page {index} single block"
+        assert pool.single_blocks[index] is None or pool.page_blocks[index] is None, \
+            f"page {index} laid out twice"
     for gs in pool.groups:
         pages = owned[gs.group_id]
         assert gs.num_pages == len(pages), f"group {gs.group_id} page count"
@@ -42,7 +42,7 @@ def check_pool(pool: BlockPool) -> None:
         else:
             assert not gs.unused_pages, "untracked unused pages"
             assert unused == {b.page.index for b in gs.lru.values()}, "unused pages"
-        blocks = [b for p in pages for b in p.blocks]
+        blocks = [b for p in pages for b in pool.blocks_of(p)]
         assert gs.num_used == sum(b.ref_cnt > 0 for b in blocks), "used count"
         lru = {b.block_id for b in blocks if b.ref_cnt == 0 and b.block_hash is not None}
         assert set(gs.lru) == lru, f"group {gs.group_id} LRU holds the wrong blocks"
@@ -54,7 +54,7 @@ def check_pool(pool: BlockPool) -> None:
 def _check_page(pool: BlockPool, page: LargePage) -> None:
     assert page.group_id is not None
     per_page = pool.groups[page.group_id].blocks_per_page
-    blocks = page.blocks
+    blocks = pool.blocks_of(page)
     assert len(blocks) == per_page and all(
         b.page is page and b.group_id == page.group_id
         and b.block_id == page.index * per_page + slot for slot, b in enumerate(blocks)), \
