@@ -1,0 +1,82 @@
+"""CPU tier: an LRU of byte strings within a byte budget, in this process's memory.
+
+    _entries (OrderedDict, least recently used first):
+        k3 -> 2 MiB | k1 -> 2 MiB | k7 -> 2 MiB      used = 6 MiB <= capacity
+    get(k3) moves k3 to the end; put(k9) drops k3 then k1 ... until k9 fits.
+
+The budget counts payload bytes only: keys and dict overhead are small next to a block.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from hybridkv.connector.offload.store import StoreStats
+from hybridkv.kv.plan import format_bytes
+
+
+class CPUTier:
+    def __init__(self, capacity_bytes: int, *, min_entry_bytes: int = 1) -> None:
+        if capacity_bytes < max(min_entry_bytes, 1):
+            raise ValueError(f"CPU offload budget of {format_bytes(capacity_bytes)} is smaller "
+                             f"than one block ({format_bytes(min_entry_bytes)})")
+        self.capacity_bytes = capacity_bytes
+        self.stats = StoreStats()
+        self._entries: OrderedDict[bytes, bytes] = OrderedDict()
+        self._used = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return [key in self._entries for key in keys]
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for key in keys:
+            self.stats.lookups += 1
+            value = self._entries.get(key)
+            if value is not None:
+                self._entries.move_to_end(key)
+                self.stats.hits += 1
+                self.stats.bytes_loaded += len(value)
+            out.append(value)
+        return out
+
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+        return [self._put_one(key, value) for key, value in items]
+
+    def _put_one(self, key: bytes, value: bytes) -> bool:
+        if len(value) > self.capacity_bytes:
+            # Refused before touching anything: evicting the whole tier for an entry that
+            # can never fit would only lose what is there.
+            self.stats.refused += 1
+            return False
+        # bytes() copies a bytearray/memoryview the caller may still mutate; bytes pass as is.
+        value = bytes(value)
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._used -= len(old)
+        while self._used + len(value) > self.capacity_bytes:
+            _, dropped = self._entries.popitem(last=False)
+            self._used -= len(dropped)
+            self.stats.evictions += 1
+        self._entries[key] = value
+        self._used += len(value)
+        self.stats.bytes_stored += len(value)
+        return True
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._used -= len(old)
+
+    def check_integrity(self) -> None:
+        assert self._used == sum(len(v) for v in self._entries.values()), "used bytes drifted"
+        assert self._used <= self.capacity_bytes, "over budget"
