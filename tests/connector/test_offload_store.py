@@ -18,6 +18,7 @@ from hybridkv.connector.offload import (
     parse_bytes,
     parse_tier_spec,
 )
+from tests.kv.test_no_torch import BLOCK_TORCH
 
 
 def test_keys_keep_fingerprint_group_and_hash_apart():
@@ -62,17 +63,6 @@ def test_bad_tier_specs_fail_with_one_line(spec, says):
 def test_both_tiers_are_kv_stores(tmp_path: Path):
     stores: list[KVStore] = [CPUTier(1 << 20), DiskTier(tmp_path, 1 << 20, b"fp")]
     assert all(isinstance(s, KVStore) for s in stores)
-
-
-BLOCK_TORCH = """
-import sys
-class BlockTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError("torch is blocked in this test")
-        return None
-sys.meta_path.insert(0, BlockTorch())
-"""
 
 
 def test_offload_imports_and_runs_without_torch(tmp_path: Path):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv.kv.plan import KVCacheConfig
+from hybridkv.kv.plan import KVCacheConfig, KVCacheGroup
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,16 @@ class CanonicalKVCaches:
     groups: tuple[CanonicalGroup, ...]
 
 
+def group_blocks(arena: torch.Tensor, group: KVCacheGroup) -> torch.Tensor:
+    """`[num_large_pages, blocks_per_page, block_bytes]` view of one group's blocks (the
+    pages' padding left out). The worker's layer views and the connectors' block copies are
+    both cut from this one view."""
+    per_page = group.blocks_per_large_page
+    blocks: torch.Tensor = arena[:, :per_page * group.block_bytes].unflatten(
+        1, (per_page, group.block_bytes))
+    return blocks
+
+
 def canonical_kv_caches(config: KVCacheConfig, arena: torch.Tensor) -> CanonicalKVCaches:
     """Describe `arena` (the `[num_large_pages, large_page_bytes]` int8 tensor the worker
     allocated for `config`) per group; every tensor is a view of it."""
@@ -93,8 +103,6 @@ def canonical_kv_caches(config: KVCacheConfig, arena: torch.Tensor) -> Canonical
                          f"{tuple(arena.shape)}")
     groups = []
     for g in config.groups:
-        per_page = g.blocks_per_large_page
-        blocks = arena[:, :per_page * g.block_bytes].unflatten(1, (per_page, g.block_bytes))
         specs = g.layer_specs or (g.spec,) * len(g.layer_names)
         layers, offset = [], 0
         for name, nbytes, spec in zip(g.layer_names, g.layer_page_bytes, specs, strict=True):
@@ -102,6 +110,7 @@ def canonical_kv_caches(config: KVCacheConfig, arena: torch.Tensor) -> Canonical
             offset += nbytes
         groups.append(CanonicalGroup(
             group_id=g.group_id, kind=g.spec.kind, block_bytes=g.block_bytes,
-            blocks_per_page=per_page, blocks=blocks, layers=tuple(layers),
+            blocks_per_page=g.blocks_per_large_page, blocks=group_blocks(arena, g),
+            layers=tuple(layers),
             shared_layers=g.shared_layers))
     return CanonicalKVCaches(tuple(groups))

@@ -81,8 +81,8 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                                          f"engine loads floating-point weights only")
                     yield name, tensor
         except (OSError, RuntimeError, SafetensorError) as e:
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ValueError(f"{file}: not a readable safetensors file ({reason})") from None
+            raise ValueError(f"{file}: not a readable safetensors file "
+                             f"({_first_line(e)})") from None
 
 
 def eos_ids(model_dir: Path, config: dict[str, Any]) -> tuple[int, ...]:
@@ -111,8 +111,7 @@ def read_tokenizer(path: Path) -> Any:
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises plain Exception for a malformed file
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"{path}: not a readable tokenizer ({reason})") from None
+        raise ValueError(f"{path}: not a readable tokenizer ({_first_line(e)})") from None
 
 
 def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: torch.device | str,
@@ -134,3 +133,9 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: torch.devic
     model.to(device)
     model.eval()
     return LoadedModel(model, config, tokenizer, eos)
+
+
+def _first_line(error: BaseException) -> str:
+    """Libraries' messages can span lines; an error here is one line."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from hybridkv.connector.canonical import group_blocks
 from hybridkv.kv.plan import KVCacheConfig
 from hybridkv.kv.spec import AttentionSpec, MambaSpec
 
@@ -44,16 +45,14 @@ def allocate_kv_caches(config: KVCacheConfig, device: torch.device | str
                         device=device)
     views: dict[str, Any] = {}
     for group in config.groups:
-        per_page = group.blocks_per_large_page
-        blocks = arena[:, :per_page * group.block_bytes].unflatten(
-            1, (per_page, group.block_bytes))
+        blocks = group_blocks(arena, group)
         offset = 0
         layer_specs = group.layer_specs or (group.spec,) * len(group.layer_names)
         for name, page_bytes, spec in zip(group.layer_names, group.layer_page_bytes,
                                           layer_specs, strict=True):
             if isinstance(spec, AttentionSpec):
-                layer = blocks[:, :, offset:offset + page_bytes].view(torch_dtype(spec.dtype))
-                views[name] = layer.unflatten(2, (2, spec.block_size, -1, spec.head_size))
+                pages = blocks[:, :, offset:offset + page_bytes].view(torch_dtype(spec.dtype))
+                views[name] = pages.unflatten(2, (2, spec.block_size, -1, spec.head_size))
             elif isinstance(spec, MambaSpec):
                 views[name] = _state_views(blocks, offset, spec)
             else:
