@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from hybridkv.connector.offload.store import parse_tier_spec
+from hybridkv.connector.scheduler import STORE_POLICIES
 from hybridkv.kv.plan import parse_bytes
 from hybridkv.sched.checks import check_bool, check_int
 from hybridkv.sched.scheduler import SchedulerConfig
@@ -29,16 +31,19 @@ def _choice(name: str, value: object, accepted: Sequence[object]) -> None:
                          f"{value!r}")
 
 
-def _memory(value: object) -> int:
-    """kv_cache_memory: bytes (an int, or a whole float such as 1.5e8) or a size string."""
+def _memory(value: object, name: str = "kv_cache_memory") -> int:
+    """A byte budget: bytes (an int, or a whole float such as 1.5e8) or a size string."""
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"kv_cache_memory must be bytes (an integer) or a size such as "
+        raise ValueError(f"{name} must be bytes (an integer) or a size such as "
                          f"'8GiB', got {value!r} ({type(value).__name__})")
-    nbytes = parse_bytes(value)
+    try:
+        nbytes = parse_bytes(value)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
     if nbytes <= 0:
-        raise ValueError(f"kv_cache_memory must be positive, got {value!r}")
+        raise ValueError(f"{name} must be positive, got {value!r}")
     return nbytes
 
 
@@ -76,6 +81,15 @@ class EngineConfig:
     block_hash_seed: str | None = None
     block_hash_algo: str = "xxh3"
 
+    # KV offloading: blocks leaving the device go to CPU memory (a byte budget, e.g. "8GiB")
+    # and/or a local disk directory ("DIR:50GiB"), and prefixes found there are loaded back
+    # instead of recomputed. With a disk tier and no block_hash_seed, the seed is kept in the
+    # directory so that a later process can reuse its blocks.
+    kv_offload_cpu: int | str | None = None
+    kv_offload_disk: str | None = None
+    kv_offload_store: str = "evict"  # copy blocks out when evicted, or "fill": when filled
+    kv_offload_load_timeout_s: float = 30.0  # a slower load is given up: recomputed
+
     def __post_init__(self) -> None:
         # Every option is checked here, with one line naming it and what is accepted: a wrong
         # type found later would surface as an internal error far from its cause.
@@ -106,6 +120,27 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be a name such as 'torch', got "
                              f"{self.attention_backend!r}")
         object.__setattr__(self, "kv_cache_memory", _memory(self.kv_cache_memory))
+        if self.kv_offload_cpu is not None:
+            object.__setattr__(self, "kv_offload_cpu",
+                               _memory(self.kv_offload_cpu, "kv_offload_cpu"))
+        if self.kv_offload_disk is not None:
+            if not isinstance(self.kv_offload_disk, str):
+                raise ValueError(f"kv_offload_disk must be a string DIR:SIZE such as "
+                                 f"'/mnt/kv:50GiB', got {self.kv_offload_disk!r}")
+            parse_tier_spec(self.kv_offload_disk, flag="kv_offload_disk")
+        _choice("kv_offload_store", self.kv_offload_store, STORE_POLICIES)
+        timeout = self.kv_offload_load_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+                not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError(f"kv_offload_load_timeout_s must be a number of seconds > 0, "
+                             f"got {timeout!r}")
+        if self.kv_offload and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_cpu / kv_offload_disk need enable_prefix_caching "
+                             "(tiers serve blocks by their content hash)")
+
+    @property
+    def kv_offload(self) -> bool:
+        return self.kv_offload_cpu is not None or self.kv_offload_disk is not None
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineConfig:

@@ -11,6 +11,16 @@ from typing import Any, Protocol
 import torch
 
 from hybridkv.config import EngineConfig
+from hybridkv.connector.canonical import canonical_kv_caches
+from hybridkv.connector.offload.store import parse_tier_spec
+from hybridkv.connector.scheduler import OffloadConnectorScheduler
+from hybridkv.connector.worker import OffloadConnectorWorker
+from hybridkv.engine.offload import (
+    build_tier_chain,
+    disk_hash_seed,
+    layout_fingerprint,
+    model_identity,
+)
 from hybridkv.kv.manager import KVCacheManager
 from hybridkv.kv.plan import KVCachePlan, format_bytes, plan_kv_cache
 from hybridkv.models.layer_mix import kv_layout_from_config
@@ -112,11 +122,27 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
             f"kv_sharing_fast_prefill needs a model whose last layers only read other "
             f"layers' KV (num_kv_shared_layers or kv_sharing_target_layers in config.json"
             f"); {layout.model_type} at {model_dir} has none")
-    kv_manager = KVCacheManager(plan.config, max_model_len=max_model_len,
-                                **config.cache_options())
-    scheduler = Scheduler(config.scheduler_config(max_model_len), kv_manager)
+    cache_options = config.cache_options()
+    if config.kv_offload_disk is not None and config.block_hash_seed is None:
+        # Without a shared seed a later process would hash every block differently.
+        cache_options["hash_seed"] = disk_hash_seed(
+            parse_tier_spec(config.kv_offload_disk, flag="kv_offload_disk").path)
+    kv_manager = KVCacheManager(plan.config, max_model_len=max_model_len, **cache_options)
+    connector = None
+    if config.kv_offload:
+        fingerprint = layout_fingerprint(model_identity(model_dir), plan.config,
+                                         kv_manager.hash_fingerprint)
+        chain = build_tier_chain(config, plan.config, fingerprint)
+        connector = OffloadConnectorScheduler(
+            kv_manager, chain, fingerprint, store_policy=config.kv_offload_store,
+            load_timeout_s=float(config.kv_offload_load_timeout_s))
+    scheduler = Scheduler(config.scheduler_config(max_model_len), kv_manager, connector)
     runner = ModelRunner(loaded.model, plan.config,
                          config.runner_config(max_model_len, device))
+    if connector is not None:
+        runner.connector = OffloadConnectorWorker(
+            canonical_kv_caches(plan.config, runner.arena), connector.chain,
+            connector.completions)
     return EngineParts(scheduler=scheduler, runner=runner, plan=plan,
                        max_model_len=max_model_len, vocab_size=int(text_cfg["vocab_size"]),
                        tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids)

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,6 +20,8 @@ from hybridkv.sched.checks import check_int
 from hybridkv.sched.request import Request, RequestStatus
 from hybridkv.sched.sampling import SamplingParams
 
+# Every tier a request's prompt can come from, in outputs even when unused.
+NO_CACHED_TOKENS = {"device": 0, "cpu": 0, "disk": 0}
 ACCEPTED_PROMPTS = "a string or a list of token ids (ints)"
 
 
@@ -62,6 +65,11 @@ class LLMEngine:
         self._params: dict[str, SamplingParams] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._next_index = 0
+        self.connector = parts.scheduler.connector
+        worker = getattr(self.runner, "connector", None)
+        # Queued tier writes finish before the process exits (or this engine is dropped):
+        # a later process on the same disk directory finds them.
+        self._close = weakref.finalize(self, worker.close) if worker is not None else None
 
     @classmethod
     def from_model_dir(cls, model_dir: str, config: EngineConfig) -> LLMEngine:
@@ -125,6 +133,11 @@ class LLMEngine:
                               "kv_cache_memory or lower max_model_len)")
                    for request in self.scheduler.take_never_fitting()]
         if not out.num_scheduled_tokens:
+            meta = out.kv_connector_meta
+            if meta is not None and meta.has_work:
+                self.runner.execute(out)  # copies and loads only
+            if self.connector is not None and self.connector.has_loads:
+                self.connector.wait(timeout=0.5)  # nothing to compute until a load is done
             return outputs
         try:
             result = self.runner.execute(out)
@@ -208,7 +221,26 @@ class LLMEngine:
             finished=status is not None, finish_reason=status.value if status else None,
             logprobs=list(request.output_logprobs) if request.sampling_params.logprobs
             is not None else None,
-            new_token_ids=[request.token_ids[-1]] if new_token else [], new_text=new_text)
+            new_token_ids=[request.token_ids[-1]] if new_token else [], new_text=new_text,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            cached_tokens_by_tier={**NO_CACHED_TOKENS, **request.cached_tokens_by_tier})
+
+    # ---------------------------------------------------------------- the KV cache
+    def reset_prefix_cache(self) -> bool:
+        """Forget the device prefix cache (offload tiers keep theirs; with the "evict" store
+        policy the device's cached blocks go to them first). Refused (False) while requests
+        hold blocks."""
+        return self.kv_manager.reset_prefix_cache()
+
+    def offload_stats(self) -> dict[str, Any] | None:
+        """Per tier: lookups, hits, hit tokens, bytes and seconds of loads and stores,
+        evictions, rejected entries; None without offloading."""
+        return self.connector.stats_summary() if self.connector is not None else None
+
+    def close(self) -> None:
+        """Finish queued tier writes and stop the offload thread."""
+        if self._close is not None:
+            self._close()
 
     def _forget(self, request_id: str) -> None:
         self._params.pop(request_id, None)

@@ -69,6 +69,18 @@ class LLM:
         return [results[rid] for rid in ids]
 
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the device prefix cache only; offload tiers keep theirs. False while
+        requests are running."""
+        return self.engine.reset_prefix_cache()
+
+    def offload_stats(self) -> dict[str, Any] | None:
+        return self.engine.offload_stats()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
 def _progress(total: int) -> Any:
     try:
         from tqdm import tqdm

@@ -17,3 +17,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)  # this step's (streaming)
     new_text: str = ""
     error: str | None = None  # what went wrong, when finish_reason is "error"
+    # Prompt tokens reused instead of computed (from any place), and per place:
+    # {"device": ..., "cpu": ..., "disk": ...}.
+    num_cached_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)

@@ -178,6 +178,11 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.enable_events = enable_events
         self.events: list[BlockStored | BlockRemoved] = []
+        # (group id, block id, hash) of every cached block evicted to make room or by a
+        # reset, while a KV connector keeps it (a list): their bytes are still intact until
+        # the next forward, so it can copy them to another tier first. Blocks dropped as
+        # stale (`evict_blocks`) are not logged: their content was never written.
+        self.eviction_log: list[tuple[int, int, BlockHash]] | None = None
         # LargePage objects are made when first handed out (see `page`); page 0 now.
         self.pages: list[LargePage | None] = [None] * config.num_large_pages
         self.pages[0] = LargePage(0)
@@ -391,12 +396,15 @@ class BlockPool:
         lru, cached, unused = gs.lru, gs.cached, gs.unused_pages
         track_unused = gs.track_unused
         removed: list[BlockHash] | None = [] if self.enable_events else None
+        log = self.eviction_log
         n = min(num_blocks, len(lru))
         for _ in range(n):
             _, block = lru.popitem(last=False)
             block_hash: BlockHash = block.block_hash  # type: ignore[assignment]  # cached
             if removed is not None:
                 removed.append(block_hash)
+            if log is not None:
+                log.append((group_id, block.block_id, block_hash))
             del cached[block_hash]
             block.block_hash = None
             block.ref_cnt = 1
@@ -545,11 +553,14 @@ class BlockPool:
             hashes, ids = zip(*stored, strict=True)
             self.events.append(BlockStored(group_id, hashes, ids))
 
-    def _evict(self, gs: GroupBooks, block: Block) -> Block:
-        """Forget a cached block with ref 0; it becomes empty (not yet in `page.empty`)."""
+    def _evict(self, gs: GroupBooks, block: Block, *, valid: bool = True) -> Block:
+        """Forget a cached block with ref 0; it becomes empty (not yet in `page.empty`).
+        `valid=False`: its content was never written (not logged for connectors)."""
         del gs.lru[block.block_id]
         block_hash = block.block_hash
         assert block_hash is not None
+        if valid and self.eviction_log is not None:
+            self.eviction_log.append((gs.group_id, block.block_id, block_hash))
         del gs.cached[block_hash]
         block.block_hash = None
         block.page.num_hashed -= 1
@@ -575,7 +586,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt or block.block_hash is None or not block.block_id:
                 continue
-            self._evict(gs, block)
+            self._evict(gs, block, valid=False)
             count += 1
             page = block.page
             self._push_empty(gs, block)

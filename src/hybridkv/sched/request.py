@@ -12,6 +12,7 @@ from hybridkv.sched.sampling import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # its prefix is loading from an offload tier
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
@@ -42,6 +43,9 @@ class Request(KVRequest):
         self.num_tokens_at_preemption = 0  # computed tokens when last preempted
         self.output_logprobs: list[dict[int, float]] = []
         self.stop_reason: int | str | None = None
+        # Prompt tokens reused at its first admission, and where they came from.
+        self.num_cached_tokens: int | None = None
+        self.cached_tokens_by_tier: dict[str, int] = {}
 
     @property
     def prompt_token_ids(self) -> list[int]:

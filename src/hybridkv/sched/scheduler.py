@@ -14,6 +14,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from hybridkv.connector.base import ConnectorMeta
+from hybridkv.connector.scheduler import OffloadConnectorScheduler
 from hybridkv.kv.manager import KVCacheManager
 from hybridkv.sched.request import Request, RequestStatus
 from hybridkv.sched.sampling import SamplingParams
@@ -69,6 +71,8 @@ class SchedulerOutput:
     # State checkpoints to write in this step, per request: (group, token position, block).
     state_checkpoints: dict[str, tuple[tuple[int, int, int], ...]] = field(
         default_factory=dict)
+    # The KV connector's loads and stores of this step (None: no connector).
+    kv_connector_meta: ConnectorMeta | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -76,11 +80,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 connector: OffloadConnectorScheduler | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Requests waiting for their prefix to load from a tier (holding its blocks); they
+        # rejoin `waiting` at the front when the loads are done.
+        self.loading: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
         # Tokens of each running request the worker has seen (to send only new ones).
@@ -120,13 +129,20 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = set()
         budget = self.config.max_num_batched_tokens
         self.kv.new_step_starts()
+        connector = self.connector
+        if connector is not None:
+            for rid in connector.take_finished_loads():
+                loaded = self.loading.pop(rid, None)
+                if loaded is not None:
+                    loaded.status = RequestStatus.WAITING
+                    self._enqueue(loaded, front=True)
 
         # Running requests first, in admission order.
         index = 0
@@ -161,6 +177,12 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             hit = self.kv.get_computed_blocks(req)
+            if connector is not None and connector.start_load(req, hit.num_computed_tokens):
+                # A tier holds more of its prompt: it waits for the loads, the rest go on.
+                self.waiting.popleft()
+                req.status = RequestStatus.WAITING_FOR_KV
+                self.loading[req.request_id] = req
+                continue
             num_new = req.num_tokens - hit.num_computed_tokens
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -168,7 +190,9 @@ class Scheduler:
                 num_new = budget
             new = self.kv.allocate_slots(req, num_new, hit.num_computed_tokens, hit.blocks)
             if new is None:
-                if not self.running and not out.preempted_request_ids:
+                if connector is not None:
+                    connector.request_not_admitted(req)
+                if not self.running and not out.preempted_request_ids and not self.loading:
                     # Nothing holds memory and still no room: it can never be admitted.
                     # (After a preemption in this step, memory is freed: retry next step.)
                     self._never_fit(req)
@@ -179,6 +203,11 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = hit.num_computed_tokens
+            by_tier = (connector.request_admitted(req, hit.num_computed_tokens)
+                       if connector is not None else {"device": hit.num_computed_tokens})
+            if req.num_cached_tokens is None:  # the first admission's, as vLLM reports it
+                req.num_cached_tokens = hit.num_computed_tokens
+                req.cached_tokens_by_tier = by_tier
             self.running.append(req)
             budget -= num_new
             out.new_requests.append(NewRequestData(
@@ -186,6 +215,8 @@ class Scheduler:
                 req.num_computed_tokens, req.sampling_params))
             self._num_sent_tokens[req.request_id] = req.num_tokens
             out.num_scheduled_tokens[req.request_id] = num_new
+        if connector is not None:
+            out.kv_connector_meta = connector.build_meta()
         return out
 
     def _preempted_alone(self, req: Request, target: int) -> None:
@@ -210,8 +241,9 @@ class Scheduler:
         """Free a running request for recompute; returns the tokens it had been scheduled
         in this step (now unscheduled)."""
         req.num_tokens_at_preemption = req.num_computed_tokens
-        self.kv.free(req)
         num_scheduled = out.num_scheduled_tokens.pop(req.request_id, 0)
+        # Blocks cached for this step's tokens were never written: they leave the cache.
+        self.kv.free(req, num_valid_tokens=req.num_computed_tokens if num_scheduled else None)
         out.state_checkpoints.pop(req.request_id, None)
         if num_scheduled:
             out.cached_requests = [c for c in out.cached_requests
@@ -254,6 +286,9 @@ class Scheduler:
                 self.running.remove(req)
             elif req in self.waiting:
                 self.waiting.remove(req)
+            self.loading.pop(req.request_id, None)
+            if self.connector is not None:
+                self.connector.request_finished(req)
             self.kv.free(req, num_valid_tokens=None if computed else req.num_computed_tokens)
             self._num_sent_tokens.pop(req.request_id, None)
             self._alone_target.pop(req.request_id, None)

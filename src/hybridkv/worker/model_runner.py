@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from hybridkv.connector.base import ConnectorWorker
 from hybridkv.kv.plan import KVCacheConfig
 from hybridkv.kv.spec import cdiv
 from hybridkv.sched.sampling import SamplingParams
@@ -71,6 +72,8 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend)
         self.sampler = Sampler()
         self.logits_hook: LogitsHook | None = None
+        # A KV connector's worker half (offload tiers), registered on this arena.
+        self.connector: ConnectorWorker | None = None
         # The persistent batch: row -> request, in one order shared by every group.
         self.rows: list[str] = []
         self.row_of: dict[str, int] = {}
@@ -200,8 +203,24 @@ class ModelRunner:
                 blocks_per_page=blocks_per_page))
         return metadata
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """One step. The connector copies out blocks evicted this step before the forward
+        reuses them and starts loads; after the forward, it copies out the blocks it filled
+        (only if it ran: a failed forward wrote nothing valid)."""
+        meta = out.kv_connector_meta if self.connector is not None else None
+        if meta is None or self.connector is None:
+            return self._execute(out)
+        self.connector.before_forward(meta)
+        ok = False
+        try:
+            result = self._execute(out)
+            ok = True
+        finally:
+            self.connector.after_forward(meta, ok)
+        return result
+
+    @torch.inference_mode()
+    def _execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._apply(out)
         inputs = self._prepare_inputs(out)
         if not inputs.input_ids:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from hybridkv.connector.offload.store import StoreStats
+from hybridkv.connector.offload.store import Payload, StoreStats
 from hybridkv.kv.plan import format_bytes
 
 
@@ -23,7 +23,7 @@ class CPUTier:
                              f"than one block ({format_bytes(min_entry_bytes)})")
         self.capacity_bytes = capacity_bytes
         self.stats = StoreStats()
-        self._entries: OrderedDict[bytes, bytes] = OrderedDict()
+        self._entries: OrderedDict[bytes, Payload] = OrderedDict()
         self._used = 0
 
     @property
@@ -36,8 +36,8 @@ class CPUTier:
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return [key in self._entries for key in keys]
 
-    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        out: list[bytes | None] = []
+    def get(self, keys: Sequence[bytes]) -> list[Payload | None]:
+        out: list[Payload | None] = []
         for key in keys:
             self.stats.lookups += 1
             value = self._entries.get(key)
@@ -48,17 +48,17 @@ class CPUTier:
             out.append(value)
         return out
 
-    def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+    def put(self, items: Sequence[tuple[bytes, Payload]]) -> list[bool]:
         return [self._put_one(key, value) for key, value in items]
 
-    def _put_one(self, key: bytes, value: bytes) -> bool:
+    def _put_one(self, key: bytes, value: Payload) -> bool:
         if len(value) > self.capacity_bytes:
             # Refused before touching anything: evicting the whole tier for an entry that
             # can never fit would only lose what is there.
             self.stats.refused += 1
             return False
-        # bytes() copies a bytearray/memoryview the caller may still mutate; bytes pass as is.
-        value = bytes(value)
+        # A put takes the value over (the KVStore contract): a block's bytes are stored as
+        # given, without a second copy.
         old = self._entries.pop(key, None)
         if old is not None:
             self._used -= len(old)
@@ -70,6 +70,9 @@ class CPUTier:
         self._used += len(value)
         self.stats.bytes_stored += len(value)
         return True
+
+    def keys(self) -> list[bytes]:
+        return list(self._entries)
 
     def delete(self, keys: Sequence[bytes]) -> None:
         for key in keys:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import xxhash
 
-from hybridkv.connector.offload.store import FaultLog, StoreStats
+from hybridkv.connector.offload.store import FaultLog, Payload, StoreStats
 from hybridkv.kv.plan import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def file_name(key: bytes) -> str:
     return xxhash.xxh3_128_hexdigest(key) + ".kv"
 
 
-def encode_header(layout_fingerprint: bytes, key: bytes, payload: bytes) -> bytes:
+def encode_header(layout_fingerprint: bytes, key: bytes, payload: Payload) -> bytes:
     return _HEADER.pack(MAGIC, FORMAT_VERSION, len(layout_fingerprint), len(key), len(payload),
                         xxhash.xxh3_64_intdigest(payload)) + layout_fingerprint + key
 
@@ -142,8 +142,8 @@ class DiskTier:
             out.append(entry is not None and entry.live)
         return out
 
-    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        out: list[bytes | None] = []
+    def get(self, keys: Sequence[bytes]) -> list[Payload | None]:
+        out: list[Payload | None] = []
         for key in keys:
             self.stats.lookups += 1
             value = self._load(key)
@@ -153,7 +153,7 @@ class DiskTier:
             out.append(value)
         return out
 
-    def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+    def put(self, items: Sequence[tuple[bytes, Payload]]) -> list[bool]:
         return [self._store(key, value) for key, value in items]
 
     def delete(self, keys: Sequence[bytes]) -> None:
@@ -205,7 +205,7 @@ class DiskTier:
 
     # -- writes ---------------------------------------------------------------------------------
 
-    def _store(self, key: bytes, value: bytes) -> bool:
+    def _store(self, key: bytes, value: Payload) -> bool:
         name = file_name(key)
         header = encode_header(self.layout_fingerprint, key, value)
         size = len(header) + len(value)

@@ -21,6 +21,10 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 from hybridkv.kv.plan import parse_bytes
 
+# What a tier stores: a block's bytes, as the connector copied them out (a bytearray: no
+# second copy) or as read back.
+Payload = bytes | bytearray
+
 _KEY_PREFIX = struct.Struct(">H")
 _GROUP = struct.Struct(">I")
 
@@ -66,9 +70,11 @@ class KVStore(Protocol):
       bytes of another key or damaged bytes never are.
     - `exists` is a side-effect-free hint (no recency, no counters): a later `get` may still
       miss, and callers must treat that as a miss.
-    - `put` overwrites; it answers False where it stored nothing (larger than the budget,
-      a fault). Faults never raise out of `get`/`put`/`delete`/`exists`: they are counted in
-      `stats.errors` and behave as a miss or a refused put.
+    - `put` takes the values over: the caller must not change them afterwards (so a tier
+      may keep them without copying). It overwrites; it answers False where it stored
+      nothing (larger than the budget, a fault). Faults never raise out of `get`/`put`/
+      `delete`/`exists`: they are counted in `stats.errors` and behave as a miss or a
+      refused put.
     - Not thread-safe: one owner calls a tier at a time.
     """
 
@@ -76,9 +82,9 @@ class KVStore(Protocol):
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]: ...
 
-    def get(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
+    def get(self, keys: Sequence[bytes]) -> list[Payload | None]: ...
 
-    def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]: ...
+    def put(self, items: Sequence[tuple[bytes, Payload]]) -> list[bool]: ...
 
     def delete(self, keys: Sequence[bytes]) -> None: ...
 

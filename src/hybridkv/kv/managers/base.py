@@ -71,6 +71,13 @@ class SingleTypeManager:
         Returns each manager's blocks (null where the kind needs nothing)."""
         raise NotImplementedError
 
+    def hit_needs(self, num_blocks: int) -> tuple[int, int] | None:
+        """The blocks [start, end) a hit ending after block `num_blocks` must have cached (the
+        rest of the hit is null blocks); None: this kind never hits. The same rule as
+        `find_longest_cache_hit`, asked per end point by connectors that offer blocks of
+        other tiers. Full attention: all of them."""
+        return 0, num_blocks
+
     def _lookup(self, managers: Sequence[SingleTypeManager], block_hash: BlockHash
                 ) -> list[Block] | None:
         found = []

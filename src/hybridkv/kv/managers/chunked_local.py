@@ -30,6 +30,10 @@ class ChunkedLocalManager(SingleTypeManager):
     def next_drop(self, num_computed_tokens: int) -> int:
         return (num_computed_tokens // self.chunk + 1) * self.chunk
 
+    def hit_needs(self, num_blocks: int) -> tuple[int, int] | None:
+        chunk_blocks = self.chunk // self.block_size
+        return num_blocks // chunk_blocks * chunk_blocks, num_blocks
+
     @classmethod
     def find_longest_cache_hit(cls, managers: Sequence[SingleTypeManager],
                                block_hashes: Sequence[BlockHash], max_length: int,

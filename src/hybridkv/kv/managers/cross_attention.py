@@ -19,6 +19,9 @@ class CrossAttentionManager(SingleTypeManager):
         # Decoder prefixes say nothing about the encoder input: no prefix caching.
         return [[] for _ in managers]
 
+    def hit_needs(self, num_blocks: int) -> tuple[int, int] | None:
+        return None if num_blocks else (0, 0)
+
     def num_blocks_to_allocate(self, request: KVRequest, num_tokens: int,
                                num_new_computed_blocks: int) -> int:
         if request.request_id in self.req_blocks:

@@ -47,6 +47,9 @@ class MambaManager(SingleTypeManager):
         assert isinstance(self.spec, MambaSpec)
         return 1 + self.spec.num_speculative_blocks
 
+    def hit_needs(self, num_blocks: int) -> tuple[int, int] | None:
+        return max(0, num_blocks - 1), num_blocks  # the checkpoint at the hit point
+
     @classmethod
     def find_longest_cache_hit(cls, managers: Sequence[SingleTypeManager],
                                block_hashes: Sequence[BlockHash], max_length: int,

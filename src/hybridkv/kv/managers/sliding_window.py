@@ -41,6 +41,9 @@ class SlidingWindowManager(SingleTypeManager):
             return
         super().drop_skipped_blocks(request, num_computed_tokens)
 
+    def hit_needs(self, num_blocks: int) -> tuple[int, int] | None:
+        return max(0, num_blocks - cdiv(self.window - 1, self.block_size)), num_blocks
+
     @classmethod
     def find_longest_cache_hit(cls, managers: Sequence[SingleTypeManager],
                                block_hashes: Sequence[BlockHash], max_length: int,

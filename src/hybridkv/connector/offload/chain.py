@@ -1,0 +1,117 @@
+"""The offload tiers as one chain: fastest first (CPU memory, then disk, later a remote store).
+
+    locate(keys)   -> per key, the first tier holding it (or -1)        a hint, no counters
+    load(key)      -> (bytes, tier) from the first tier that has it; a hit below the
+                      first tier is copied into the faster tiers (promotion)
+    store(key, b)  -> write-through: every tier lacking the key gets it
+
+Write-through keeps the slow tiers complete (a new process on the same disk directory finds
+every block any earlier run stored), at the cost of writing each block once per tier; the
+writes run on the connector's background thread, off the step's critical path.
+
+The scheduler asks `locate` while the connector's thread loads and stores, so every call takes
+the chain's lock (the tiers themselves are single-owner). Each call holds it for one key's
+work, so a lookup never waits behind a long batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hybridkv.connector.offload.store import KVStore, Payload, StoreStats
+
+TIER_NAMES = ("cpu", "disk")  # the tiers a user can configure, fastest first
+
+
+@dataclass
+class TierStats:
+    """What one tier did for the engine: the store's own counters plus the connector's."""
+
+    name: str
+    store: StoreStats
+    hit_tokens: int = 0  # prompt tokens whose reuse this tier made possible
+    load_seconds: float = 0.0  # reading from this tier (the background thread's time)
+    store_seconds: float = 0.0
+    promotions: int = 0  # entries copied up into this tier after a hit below it
+
+    def summary(self) -> dict[str, float | int | str]:
+        s = self.store
+        return {"tier": self.name, "lookups": s.lookups, "hits": s.hits,
+                "hit_tokens": self.hit_tokens, "bytes_loaded": s.bytes_loaded,
+                "bytes_stored": s.bytes_stored, "load_seconds": round(self.load_seconds, 6),
+                "store_seconds": round(self.store_seconds, 6), "evictions": s.evictions,
+                "rejected": s.rejected, "refused": s.refused, "errors": s.errors,
+                "promotions": self.promotions}
+
+
+@dataclass
+class TierChain:
+    names: tuple[str, ...]
+    tiers: tuple[KVStore, ...]
+    stats: tuple[TierStats, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if len(self.names) != len(self.tiers) or not self.tiers:
+            raise ValueError("a tier chain needs one name per tier, and at least one tier")
+        self.stats = tuple(TierStats(n, t.stats) for n, t in zip(self.names, self.tiers,
+                                                                 strict=True))
+        self._lock = threading.Lock()
+
+    def locate(self, keys: Sequence[bytes]) -> list[int]:
+        """Per key, the index of the first tier that says it holds it, else -1."""
+        found = [-1] * len(keys)
+        with self._lock:
+            for index, tier in enumerate(self.tiers):
+                todo = [i for i, f in enumerate(found) if f < 0]
+                if not todo:
+                    break
+                for i, present in zip(todo, tier.exists([keys[i] for i in todo]),
+                                      strict=True):
+                    if present:
+                        found[i] = index
+        return found
+
+    def missing(self, key: bytes) -> list[int]:
+        """The tiers that do not hold `key`."""
+        with self._lock:
+            return [i for i, tier in enumerate(self.tiers) if not tier.exists([key])[0]]
+
+    def load(self, key: bytes, first: int = 0) -> tuple[Payload | None, int]:
+        """The bytes under `key` from the first tier (from `first` on) that returns them, and
+        that tier's index (-1: none). A hit below tier 0 is promoted into the tiers above."""
+        for index in range(first, len(self.tiers)):
+            started = time.perf_counter()
+            with self._lock:
+                [value] = self.tiers[index].get([key])
+            self.stats[index].load_seconds += time.perf_counter() - started
+            if value is not None:
+                for upper in range(index):
+                    self._put(upper, key, value)
+                    self.stats[upper].promotions += 1
+                return value, index
+        return None, -1
+
+    def store(self, key: bytes, value: Payload, tiers: Sequence[int] | None = None) -> int:
+        """Put `value` into the given tiers (default: all); returns how many accepted it."""
+        accepted = 0
+        for index in range(len(self.tiers)) if tiers is None else tiers:
+            accepted += self._put(index, key, value)
+        return accepted
+
+    def _put(self, index: int, key: bytes, value: Payload) -> bool:
+        started = time.perf_counter()
+        with self._lock:
+            [ok] = self.tiers[index].put([(key, value)])
+        self.stats[index].store_seconds += time.perf_counter() - started
+        return ok
+
+    def clear(self, index: int) -> None:
+        """Drop everything one tier holds that this chain can name (benchmarks: a cold tier)."""
+        tier = self.tiers[index]
+        if not hasattr(tier, "keys"):
+            raise NotImplementedError(f"the {self.names[index]} tier cannot list its keys")
+        with self._lock:
+            tier.delete(tier.keys())

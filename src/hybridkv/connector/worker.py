@@ -1,0 +1,175 @@
+"""The offload connector's worker half: bytes between the arena and the tiers, off the step.
+
+    before_forward(meta):  copy out the blocks the device evicted this step (the forward is
+                           about to reuse them), then queue this step's loads
+    after_forward(meta):   copy out the blocks this step filled (store policy "fill")
+    background thread:     loads first (a request waits on them), then tier writes
+
+Copying a block out is one copy into a fresh host buffer, done on the calling thread so the
+bytes are taken before anything can overwrite the block; writing that buffer into the tiers
+(a disk file, a remote store) is the slow part and runs on the thread. A load writes into
+blocks that only its (waiting) request holds, so it can run while the model computes the
+other requests; on CUDA it copies on a side stream.
+
+Anything that fails in the thread is a failed load (the request recomputes) or a lost store;
+the thread never dies and never leaves a request waiting.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from hybridkv.connector.base import (
+    BlockCopy,
+    ConnectorMeta,
+    LoadDone,
+    LoadJob,
+    StoreDone,
+)
+from hybridkv.connector.canonical import CanonicalGroup, CanonicalKVCaches
+from hybridkv.connector.offload.chain import TierChain
+from hybridkv.connector.offload.store import Payload
+
+logger = logging.getLogger(__name__)
+
+# Tiers return immutable bytes; a load only reads them (copies them into the arena).
+warnings.filterwarnings("ignore", message="The given buffer is not writable",
+                        category=UserWarning)
+
+_LOAD, _STORE, _STOP = 0, 1, 2  # queue priorities: loads before stores
+
+
+class OffloadConnectorWorker:
+    def __init__(self, caches: CanonicalKVCaches, chain: TierChain,
+                 completions: queue.Queue[LoadDone | StoreDone]) -> None:
+        self.groups: Sequence[CanonicalGroup] = caches.groups
+        self.chain = chain
+        self.completions = completions
+        self.device = caches.groups[0].blocks.device if caches.groups else torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # Copied out, not yet in a tier: a load of such a key is served from here.
+        self._pending: dict[bytes, bytearray] = {}
+        self._jobs: queue.PriorityQueue[tuple[int, int, object]] = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._warned: set[str] = set()
+        self._thread = threading.Thread(target=self._run, name="hybridkv-kv-offload",
+                                        daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ the step's calls
+    def before_forward(self, meta: ConnectorMeta) -> None:
+        if meta.store_before:
+            self._copy_out(meta.store_before)
+        for job in meta.loads:
+            self._jobs.put((_LOAD, next(self._seq), job))
+
+    def after_forward(self, meta: ConnectorMeta, ok: bool) -> None:
+        if not meta.store_after:
+            return
+        if ok:
+            self._copy_out(meta.store_after)
+        else:
+            # The step failed: these blocks hold no valid KV. Nothing is stored.
+            self.completions.put(StoreDone(tuple(c.key for c in meta.store_after)))
+
+    def _copy_out(self, copies: Sequence[BlockCopy]) -> None:
+        items = []
+        for copy in copies:
+            group = self.groups[copy.group_id]
+            page, slot = divmod(copy.block_id, group.blocks_per_page)
+            buf = bytearray(group.block_bytes)
+            torch.frombuffer(buf, dtype=torch.int8).copy_(group.blocks[page, slot])
+            self._pending[copy.key] = buf
+            items.append((copy.key, buf))
+        self._jobs.put((_STORE, next(self._seq), items))
+
+    # ------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while True:
+            kind, _, job = self._jobs.get()
+            try:
+                if kind == _STOP:
+                    return
+                if kind == _LOAD:
+                    assert isinstance(job, LoadJob)
+                    self._load(job)
+                else:
+                    assert isinstance(job, list)
+                    self._store(job)
+            finally:
+                self._jobs.task_done()
+
+    def _load(self, job: LoadJob) -> None:
+        started = time.perf_counter()
+        served: list[int] = []
+        try:
+            for copy, first in zip(job.blocks, job.first_tier, strict=True):
+                served.append(self._load_block(copy, first))
+            if self.stream is not None:
+                self.stream.synchronize()
+        except Exception as e:  # a fault must not leave the request waiting
+            self._warn_once("load", e)
+            served += [-1] * (len(job.blocks) - len(served))
+            served = [-1] * len(served)  # which writes landed is unknown: none is trusted
+        self.completions.put(LoadDone(job.job_id, tuple(served),
+                                      time.perf_counter() - started))
+
+    def _load_block(self, copy: BlockCopy, first: int) -> int:
+        group = self.groups[copy.group_id]
+        data: Payload | None = self._pending.get(copy.key)
+        tier = 0
+        if data is None:
+            data, tier = self.chain.load(copy.key, first)
+        if data is None:
+            return -1
+        if len(data) != group.block_bytes:
+            self._warn_once("size", ValueError(f"{len(data)} bytes for a block of "
+                                               f"{group.block_bytes}"))
+            return -1
+        page, slot = divmod(copy.block_id, group.blocks_per_page)
+        source = torch.frombuffer(data, dtype=torch.int8)
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                group.blocks[page, slot].copy_(source.pin_memory(), non_blocking=True)
+        else:
+            group.blocks[page, slot].copy_(source)
+        return tier
+
+    def _store(self, items: list[tuple[bytes, bytearray]]) -> None:
+        try:
+            for key, buf in items:
+                missing = self.chain.missing(key)
+                if missing:
+                    self.chain.store(key, buf, missing)
+        except Exception as e:
+            self._warn_once("store", e)
+        finally:
+            for key, _ in items:
+                self._pending.pop(key, None)
+            self.completions.put(StoreDone(tuple(key for key, _ in items)))
+
+    def _warn_once(self, what: str, e: BaseException) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning("KV offload %s failed: %s: %s (treated as a miss from now on)",
+                           what, type(e).__name__, e)
+
+    # ------------------------------------------------------------ lifetime
+    def flush(self) -> None:
+        """Wait until every queued load and store is done (a clean shutdown, benchmarks)."""
+        self._jobs.join()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self.flush()
+            self._jobs.put((_STOP, next(self._seq), None))
+            self._thread.join(timeout=60)
