@@ -235,6 +235,7 @@ class OffloadConnectorScheduler:
             if not load.done and not load.abandoned and now - load.started > self.load_timeout_s:
                 self._abandon(load)
                 self.stats.load_timeouts += 1
+                self._rounds[load.request_id] = MAX_LOAD_ROUNDS  # a slow tier: no retry
                 if not self._warned_timeout:
                     self._warned_timeout = True
                     logger.warning("a KV load took over %.1f s: its request recomputes those "

@@ -61,27 +61,37 @@ class OffloadConnectorWorker:
         self._jobs: queue.PriorityQueue[tuple[int, int, object]] = queue.PriorityQueue()
         self._seq = itertools.count()
         self._warned: set[str] = set()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="hybridkv-kv-offload",
                                         daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------ the step's calls
     def before_forward(self, meta: ConnectorMeta) -> None:
+        if self._closed:  # after close(): nothing moves, every load is a miss
+            for job in meta.loads:
+                self.completions.put(LoadDone(job.job_id, (-1,) * len(job.blocks), 0.0))
+            self._drop(meta.store_before)
+            return
         if meta.store_before:
             self._copy_out(meta.store_before)
         for job in meta.loads:
             self._jobs.put((_LOAD, next(self._seq), job))
 
+    def _drop(self, copies: Sequence[BlockCopy]) -> None:
+        if copies:
+            self.completions.put(StoreDone(tuple(c.key for c in copies)))
+
     def after_forward(self, meta: ConnectorMeta, ok: bool) -> None:
-        if not meta.store_after:
-            return
-        if ok:
+        if ok and not self._closed:
             self._copy_out(meta.store_after)
         else:
             # The step failed: these blocks hold no valid KV. Nothing is stored.
-            self.completions.put(StoreDone(tuple(c.key for c in meta.store_after)))
+            self._drop(meta.store_after)
 
     def _copy_out(self, copies: Sequence[BlockCopy]) -> None:
+        if not copies:
+            return
         items = []
         for copy in copies:
             group = self.groups[copy.group_id]
@@ -169,7 +179,9 @@ class OffloadConnectorWorker:
         self._jobs.join()
 
     def close(self) -> None:
+        """Stop the thread once the loads and stores queued so far are done (the stop
+        request sorts after them); a tier that hangs is not waited on past a minute."""
+        self._closed = True
         if self._thread.is_alive():
-            self.flush()
             self._jobs.put((_STOP, next(self._seq), None))
             self._thread.join(timeout=60)
