@@ -260,6 +260,12 @@ def test_disk_full(tmp_path: Path, caplog: pytest.LogCaptureFixture,
         def read(self, n: int = -1) -> bytes:
             return self._f.read(n)
 
+        def readinto(self, buf: bytearray) -> int:
+            return self._f.readinto(buf)
+
+        def fileno(self) -> int:
+            return self._f.fileno()
+
     import hybridkv.connector.offload.disk_tier as disk_tier
     monkeypatch.setattr(disk_tier, "open", FullFile, raising=False)
     with caplog.at_level(logging.WARNING):

@@ -107,6 +107,9 @@ class OffloadConnectorScheduler:
         self._new_jobs: list[LoadJob] = []
         self._next_job = 0
         self._rounds: dict[str, int] = {}
+        # Per request whose load was settled before its admission: (device tokens then,
+        # slowest tier read), to say where its hit came from.
+        self._served: dict[str, tuple[int, int]] = {}
         self._pending_store: dict[bytes, int] = {}  # keys queued for the tiers, not yet done
         self._store_before: list[BlockCopy] = []
         self.stats = ConnectorStats(tokens_by_tier={"device": 0, **{n: 0 for n in chain.names}})
@@ -297,38 +300,55 @@ class OffloadConnectorScheduler:
             self.pool.free(g, reversed(blocks))
         load.targets = []
 
+    def _settle(self, load: _Load) -> None:
+        """Drop a finished load's references (its loaded blocks stay cached, hit-able) and
+        remember where its tokens came from, for the request's admission."""
+        served = [t for t in load.served if t >= 0]
+        if served:
+            self._served[load.request_id] = (load.device_tokens, max(served))
+        self._release(load)
+
     def request_admitted(self, request: KVRequest, hit_tokens: int) -> dict[str, int]:
         """The request got its blocks (a device hit of `hit_tokens`, loaded blocks
         included): drop the load's references and say where the hit came from."""
         rid = request.request_id
         self._rounds.pop(rid, None)
-        by_tier = {"device": hit_tokens, **{name: 0 for name in self.chain.names}}
         load = self._loads.pop(rid, None)
         if load is not None:
-            served = [t for t in load.served if t >= 0]
-            self._release(load)
-            if served and hit_tokens > load.device_tokens:
-                # The tokens past the device hit count for the slowest tier the load read.
-                name = self.chain.names[max(served)]
-                extra = hit_tokens - load.device_tokens
-                by_tier["device"] = load.device_tokens
-                by_tier[name] = extra
-                self.chain.stats[max(served)].hit_tokens += extra
+            self._settle(load)
+        by_tier = {"device": hit_tokens, **{name: 0 for name in self.chain.names}}
+        served = self._served.pop(rid, None)
+        if served is not None and hit_tokens > served[0]:
+            # The tokens past the device hit count for the slowest tier the load read.
+            device_tokens, tier = served
+            by_tier["device"] = device_tokens
+            by_tier[self.chain.names[tier]] = hit_tokens - device_tokens
+            self.chain.stats[tier].hit_tokens += hit_tokens - device_tokens
         for name, tokens in by_tier.items():
             self.stats.tokens_by_tier[name] += tokens
         return by_tier
 
     def request_not_admitted(self, request: KVRequest) -> None:
         """Its blocks did not fit after all: drop the load's references (the loaded blocks
-        stay cached; a later admission looks them up again)."""
+        stay cached; its admission looks them up again)."""
         load = self._loads.pop(request.request_id, None)
         if load is not None:
-            self._release(load)
+            self._settle(load)
+
+    def release_done_loads(self) -> bool:
+        """Drop the references of every finished load whose request waits for admission:
+        memory is short, and blocks held for a request that cannot run yet must not block
+        the others (nor make one look as if it could never fit). True if any were held."""
+        done = [rid for rid, load in self._loads.items() if load.done]
+        for rid in done:
+            self._settle(self._loads.pop(rid))
+        return bool(done)
 
     def request_finished(self, request: KVRequest) -> None:
         """Finished or aborted while loading, or before its admission used the load."""
         rid = request.request_id
         self._rounds.pop(rid, None)
+        self._served.pop(rid, None)
         load = self._loads.pop(rid, None)
         if load is None:
             return
@@ -336,6 +356,15 @@ class OffloadConnectorScheduler:
             self._release(load)
         else:
             self._abandon(load)  # the job's blocks go when it ends
+
+    def store_all_cached(self) -> None:
+        """Queue every block in the device prefix cache for the tiers (store policy
+        "evict" at shutdown: the device cache is about to go, as if evicted)."""
+        if self.store_policy != "evict":
+            return  # "fill" stored each block when it was filled
+        for g, books in enumerate(self.pool.groups):
+            for block_hash, block in books.cached.items():
+                self._queue_store(self._store_before, g, block.block_id, block_hash)
 
     # ------------------------------------------------------------ stores
     def _drain_evictions(self) -> None:

@@ -20,9 +20,10 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import sys
 import threading
 import time
-import warnings
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -40,10 +41,6 @@ from hybridkv.connector.offload.store import Payload
 
 logger = logging.getLogger(__name__)
 
-# Tiers return immutable bytes; a load only reads them (copies them into the arena).
-warnings.filterwarnings("ignore", message="The given buffer is not writable",
-                        category=UserWarning)
-
 _LOAD, _STORE, _STOP = 0, 1, 2  # queue priorities: loads before stores
 
 
@@ -58,13 +55,16 @@ class OffloadConnectorWorker:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         # Copied out, not yet in a tier: a load of such a key is served from here.
         self._pending: dict[bytes, bytearray] = {}
-        self._jobs: queue.PriorityQueue[tuple[int, int, object]] = queue.PriorityQueue()
+        self._jobs: _Jobs = queue.PriorityQueue()
         self._seq = itertools.count()
         self._warned: set[str] = set()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="hybridkv-kv-offload",
-                                        daemon=True)
+        # The thread holds only a weak reference: dropping the engine frees its arena, and
+        # the finalizer stops the thread (at exit too, after the work queued so far).
+        self._thread = threading.Thread(target=_serve, args=(self._jobs, weakref.ref(self)),
+                                        name="hybridkv-kv-offload", daemon=True)
         self._thread.start()
+        self._finalizer = weakref.finalize(self, _stop, self._jobs, self._thread)
 
     # ------------------------------------------------------------ the step's calls
     def before_forward(self, meta: ConnectorMeta) -> None:
@@ -102,22 +102,7 @@ class OffloadConnectorWorker:
             items.append((copy.key, buf))
         self._jobs.put((_STORE, next(self._seq), items))
 
-    # ------------------------------------------------------------ the thread
-    def _run(self) -> None:
-        while True:
-            kind, _, job = self._jobs.get()
-            try:
-                if kind == _STOP:
-                    return
-                if kind == _LOAD:
-                    assert isinstance(job, LoadJob)
-                    self._load(job)
-                else:
-                    assert isinstance(job, list)
-                    self._store(job)
-            finally:
-                self._jobs.task_done()
-
+    # ------------------------------------------------------------ the thread's jobs
     def _load(self, job: LoadJob) -> None:
         started = time.perf_counter()
         served: list[int] = []
@@ -182,6 +167,34 @@ class OffloadConnectorWorker:
         """Stop the thread once the loads and stores queued so far are done (the stop
         request sorts after them); a tier that hangs is not waited on past a minute."""
         self._closed = True
-        if self._thread.is_alive():
-            self._jobs.put((_STOP, next(self._seq), None))
-            self._thread.join(timeout=60)
+        self._finalizer()
+
+
+_Jobs = queue.PriorityQueue[tuple[int, int, object]]
+
+
+def _serve(jobs: _Jobs, worker_ref: weakref.ref[OffloadConnectorWorker]) -> None:
+    while True:
+        kind, _, job = jobs.get()
+        try:
+            if kind == _STOP:
+                return
+            worker = worker_ref()
+            if worker is None:
+                continue  # its engine is gone: nothing to load into, nobody to tell
+            if kind == _LOAD:
+                assert isinstance(job, LoadJob)
+                worker._load(job)
+            else:
+                assert isinstance(job, list)
+                worker._store(job)
+            del worker
+        finally:
+            jobs.task_done()
+
+
+def _stop(jobs: _Jobs, thread: threading.Thread) -> None:
+    if thread.is_alive():
+        jobs.put((_STOP, sys.maxsize, None))  # sorts after every job queued before it
+        if thread is not threading.current_thread():
+            thread.join(timeout=60)

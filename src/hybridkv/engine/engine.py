@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import weakref
 from collections.abc import Mapping, Sequence
@@ -35,6 +36,12 @@ def check_token_ids(prompt: object) -> list[int]:
     hint = " (convert it with .tolist())" if hasattr(prompt, "tolist") else ""
     raise ValueError(f"a prompt must be {ACCEPTED_PROMPTS}, got {type(prompt).__name__}"
                      f"{hint}")
+
+
+def _close_at_exit(engine_ref: weakref.ref[LLMEngine]) -> None:
+    engine = engine_ref()
+    if engine is not None:
+        engine.close()
 
 
 def as_sampling_params(params: object) -> SamplingParams:
@@ -66,10 +73,12 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._next_index = 0
         self.connector = parts.scheduler.connector
-        worker = getattr(self.runner, "connector", None)
-        # Queued tier writes finish before the process exits (or this engine is dropped):
-        # a later process on the same disk directory finds them.
-        self._close = weakref.finalize(self, worker.close) if worker is not None else None
+        self._closed = False
+        if self.connector is not None:
+            # At exit, the device cache and the queued writes go to the tiers: a later
+            # process on the same disk directory finds them. (A weak reference: the exit
+            # hook must not keep a dropped engine's memory alive.)
+            atexit.register(_close_at_exit, weakref.ref(self))
 
     @classmethod
     def from_model_dir(cls, model_dir: str, config: EngineConfig) -> LLMEngine:
@@ -238,9 +247,18 @@ class LLMEngine:
         return self.connector.stats_summary() if self.connector is not None else None
 
     def close(self) -> None:
-        """Finish queued tier writes and stop the offload thread."""
-        if self._close is not None:
-            self._close()
+        """Write the device prefix cache to the tiers (store policy "evict": the device
+        cache goes away now), finish queued tier writes and stop the offload thread."""
+        worker = getattr(self.runner, "connector", None)
+        if self._closed or self.connector is None or worker is None:
+            return
+        self._closed = True
+        if not self.scheduler.running:
+            self.connector.store_all_cached()
+            meta = self.connector.build_meta()
+            if meta.has_work:
+                worker.before_forward(meta)
+        worker.close()
 
     def _forget(self, request_id: str) -> None:
         self._params.pop(request_id, None)

@@ -150,8 +150,10 @@ class Scheduler:
             req = self.running[index]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while (new := self.kv.allocate_slots(req, num_new)) is None:
+                if connector is not None and connector.release_done_loads():
+                    continue  # loaded prefixes of waiting requests held memory
                 position, victim = self._victim()
-                alone = victim is req and not self.running
+                alone = victim is req and not self.running and not self.loading
                 budget += self._preempt(victim, out)  # gives back what it was scheduled
                 if position < index:
                     index -= 1
@@ -189,9 +191,13 @@ class Scheduler:
                     break
                 num_new = budget
             new = self.kv.allocate_slots(req, num_new, hit.num_computed_tokens, hit.blocks)
+            if new is None and connector is not None:
+                connector.request_not_admitted(req)
+                if connector.release_done_loads():
+                    # Other waiting requests' loaded prefixes held memory: try again.
+                    new = self.kv.allocate_slots(req, num_new, hit.num_computed_tokens,
+                                                 hit.blocks)
             if new is None:
-                if connector is not None:
-                    connector.request_not_admitted(req)
                 if not self.running and not out.preempted_request_ids and not self.loading:
                     # Nothing holds memory and still no room: it can never be admitted.
                     # (After a preemption in this step, memory is freed: retry next step.)

@@ -78,7 +78,7 @@ class Header:
         return _HEADER.size + len(self.layout_fingerprint) + len(self.key) + self.payload_len
 
 
-def _unpack_fixed(data: bytes) -> tuple[int, int, int, int] | None:
+def _unpack_fixed(data: bytes | bytearray) -> tuple[int, int, int, int] | None:
     """(len(fp), len(key), len(payload), checksum) from the fixed part, or None if it is not
     a header of this format (too short, wrong magic or version)."""
     if len(data) < _HEADER.size:
@@ -89,7 +89,7 @@ def _unpack_fixed(data: bytes) -> tuple[int, int, int, int] | None:
     return fp_len, key_len, payload_len, checksum
 
 
-def decode_header(data: bytes) -> Header | None:
+def decode_header(data: bytes | bytearray) -> Header | None:
     """The header at the start of `data`, or None if there is none (or it is cut short)."""
     fixed = _unpack_fixed(data)
     if fixed is None:
@@ -168,7 +168,7 @@ class DiskTier:
 
     # -- reads ----------------------------------------------------------------------------------
 
-    def _load(self, key: bytes) -> bytes | None:
+    def _load(self, key: bytes) -> Payload | None:
         name = file_name(key)
         entry = self._index.get(name)
         if entry is None or not entry.live:
@@ -176,7 +176,10 @@ class DiskTier:
         path = self.directory / name
         try:
             with open(path, "rb") as f:
-                data = f.read()
+                # Read into a writable buffer: the payload is handed out as a view of it,
+                # without a second copy (and a connector can wrap it as a tensor).
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                del data[f.readinto(data):]  # shorter if the file shrank meanwhile
         except OSError as e:
             self._fault(e)
             if e.errno in (errno.ENOENT, errno.ENOTDIR):
@@ -192,13 +195,13 @@ class DiskTier:
             os.utime(path)  # recency for the next start-up's scan; best effort
         return payload
 
-    def _verify(self, data: bytes, key: bytes) -> bytes | None:
+    def _verify(self, data: bytearray, key: bytes) -> Payload | None:
         header = decode_header(data)
         if (header is None or header.key != key
                 or header.layout_fingerprint != self.layout_fingerprint
                 or header.file_bytes != len(data)):
             return None
-        payload = data[len(data) - header.payload_len:]
+        payload = memoryview(data)[len(data) - header.payload_len:]
         if xxhash.xxh3_64_intdigest(payload) != header.checksum:
             return None
         return payload

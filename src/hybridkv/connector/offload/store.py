@@ -22,8 +22,8 @@ from typing import NamedTuple, Protocol, runtime_checkable
 from hybridkv.kv.plan import parse_bytes
 
 # What a tier stores: a block's bytes, as the connector copied them out (a bytearray: no
-# second copy) or as read back.
-Payload = bytes | bytearray
+# second copy) or as read back (a view of the buffer a file was read into).
+Payload = bytes | bytearray | memoryview
 
 _KEY_PREFIX = struct.Struct(">H")
 _GROUP = struct.Struct(">I")
