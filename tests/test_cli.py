@@ -182,7 +182,8 @@ def test_every_option_has_help_showing_its_default():
     leaves = dict(leaf_parsers(cli.build_parser()))
     assert set(leaves) == {("plan",), ("generate",), ("demo-model",), ("bench", "kv"),
                            ("bench", "throughput"), ("bench", "capacity"),
-                           ("bench", "prefix"), ("bench", "fast-prefill")}
+                           ("bench", "prefix"), ("bench", "fast-prefill"),
+                           ("bench", "offload")}
     for path, parser in leaves.items():
         text = " ".join(parser.format_help().split())
         required_choice = {a for g in parser._mutually_exclusive_groups if g.required
@@ -218,3 +219,102 @@ assert not any(m == "torch" or m.startswith("torch.") for m in sys.modules)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "max concurrency" in out.stdout
+
+
+# KV offloading: plan shows what the tiers hold; generate passes its flags to the engine.
+
+def test_plan_shows_each_offload_tier_in_bytes_and_tokens(tmp_path, capsys):
+    disk = tmp_path / "kv"
+    assert main(["plan", "gpt-oss-20b", "--kv-offload-cpu", "8GiB",
+                 "--kv-offload-disk", f"{disk}:50GiB", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    # A tier holds every attention group's blocks: bytes per token summed over the groups.
+    per_token = sum(g["block_bytes"] / g["block_size"] for g in plan["groups"])
+    assert plan["offload_tiers"] == [
+        {"tier": "cpu", "path": None, "capacity_bytes": 8 << 30,
+         "capacity_tokens": int((8 << 30) // per_token), "capacity_state_checkpoints": None},
+        {"tier": "disk", "path": str(disk), "capacity_bytes": 50 << 30,
+         "capacity_tokens": int((50 << 30) // per_token),
+         "capacity_state_checkpoints": None}]
+    assert not disk.exists()  # plan only reads the spec
+    assert main(["plan", "gpt-oss-20b", "--kv-offload-cpu", "8GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "offload tier" in out and f"{int((8 << 30) // per_token):,}" in out
+
+
+def test_plan_says_a_tier_holds_state_as_checkpoints(capsys):
+    assert main(["plan", "Nemotron-H-8B-Base-8K", "--kv-offload-cpu", "8GiB", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    state = sum(g["block_bytes"] for g in plan["groups"] if g["kind"] == "mamba")
+    [cpu] = plan["offload_tiers"]
+    assert cpu["capacity_state_checkpoints"] == (8 << 30) // state
+    assert main(["plan", "Nemotron-H-8B-Base-8K", "--kv-offload-cpu", "8GiB"]) == 0
+    assert "holds their state as checkpoints" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--kv-offload-disk", "/mnt/kv"], "'/mnt/kv' has no size: write it as DIR:SIZE"),
+    (["--kv-offload-disk", ":8GiB"], "has an empty path"),
+    (["--kv-offload-disk", "/mnt/kv:0"], "the size must be more than 0 bytes"),
+    (["--kv-offload-disk", "/mnt/kv:lots"], "cannot read 'lots'"),
+    (["--kv-offload-cpu", "lots"], "cannot read 'lots' as a memory size"),
+])
+def test_plan_refuses_a_bad_tier_in_one_line(capsys, argv, expected):
+    assert_one_line_error(capsys, ["plan", "gpt-oss-20b", *argv], "hybridkv plan: error:",
+                          expected)
+
+
+def test_plan_with_tiers_runs_with_torch_blocked(tmp_path):
+    code = BLOCK_TORCH + f"""
+from hybridkv.cli import main
+assert main(["plan", "gpt-oss-20b", "--kv-offload-cpu", "1GiB",
+             "--kv-offload-disk", "{tmp_path}/kv:1GiB"]) == 0
+assert not any(m == "torch" or m.startswith("torch.") for m in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "offload tier" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    pytest.importorskip("torch")
+    from hybridkv.models.demo import DemoShape, write_demo_model
+
+    return str(write_demo_model(tmp_path_factory.mktemp("cli") / "llama", "llama", DemoShape(
+        layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, intermediate=128, vocab=300)))
+
+
+def test_generate_with_offload_tiers(tiny_model, tmp_path, capsys):
+    disk = tmp_path / "kv"
+    prompt = "the quick brown fox jumps over the lazy dog " * 8  # a few full blocks
+    argv = ["generate", tiny_model, "--prompt", prompt, "--max-tokens", "3",
+            "--kv-offload-cpu", "16MiB", "--kv-offload-disk", f"{disk}:64MiB", "--json"]
+    for store in ("evict", "fill"):
+        assert main([*argv, "--kv-offload-store", store]) == 0
+        [line] = capsys.readouterr().out.splitlines()
+        assert len(json.loads(line)["token_ids"]) == 3
+    # fill: the prompt's full blocks were written to the disk tier before the process ended.
+    assert any(p.suffix == ".kv" for p in disk.iterdir())
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--kv-offload-cpu", "lots"], "argument --kv-offload-cpu: cannot read 'lots'"),
+    (["--kv-offload-disk", "nosize"], "argument --kv-offload-disk: 'nosize' has no size"),
+    (["--kv-offload-store", "never"], "argument --kv-offload-store: invalid choice: 'never'"),
+])
+def test_generate_refuses_bad_offload_flags_in_one_line(tmp_path, capsys, argv, expected):
+    assert_one_line_error(capsys, ["generate", str(tmp_path), "--prompt", "hi", *argv],
+                          "hybridkv generate: error:", expected)
+
+
+def test_generate_refuses_offload_the_engine_cannot_run(tiny_model, tmp_path, capsys):
+    base = ["generate", tiny_model, "--prompt", "hi"]
+    assert_one_line_error(capsys, [*base, "--kv-offload-cpu", "10"],
+                          "CPU offload budget of 10 B is smaller than one block")
+    assert_one_line_error(capsys, [*base, "--kv-offload-cpu", "1GiB", "--no-prefix-caching"],
+                          "need enable_prefix_caching")
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    assert_one_line_error(capsys, [*base, "--kv-offload-disk", f"{blocker}/kv:1GiB"],
+                          "kv_offload_disk:", str(blocker), "Not a directory")

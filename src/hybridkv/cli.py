@@ -17,7 +17,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple, NoReturn, TypeVar
 
-from hybridkv.kv.plan import KVCachePlan, format_bytes, parse_bytes, plan_kv_cache
+from hybridkv.connector.offload.store import TierSpec, parse_tier_spec
+from hybridkv.connector.scheduler import STORE_POLICIES
+from hybridkv.kv.plan import KVCacheConfig, KVCachePlan, format_bytes, parse_bytes, plan_kv_cache
 from hybridkv.kv.spec import dtype_size
 from hybridkv.models.layer_mix import (
     kv_layout_from_config,
@@ -113,6 +115,15 @@ def memory(text: str) -> int:
     return value
 
 
+def tier_spec(text: str) -> str:
+    """A disk tier as DIR:SIZE, checked (the directory is neither read nor created here)."""
+    try:
+        parse_tier_spec(text, flag="")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).strip()) from None
+    return text
+
+
 def _dtype(text: str) -> str:
     try:
         dtype_size(text)
@@ -147,6 +158,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per engine step (sizes the state blocks in flight)")
     parser.add_argument("--no-hybrid", action="store_true",
                         help="treat sliding-window and chunked layers as full attention")
+    parser.add_argument("--kv-offload-cpu", type=memory, default=None, metavar="SIZE",
+                        help="also show what a CPU offload tier of this size holds "
+                             "(default: no CPU tier)")
+    parser.add_argument("--kv-offload-disk", type=tier_spec, default=None, metavar="DIR:SIZE",
+                        help="also show what a disk offload tier of this size holds (the "
+                             "directory is not touched; default: no disk tier)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -166,6 +183,8 @@ def run_plan(args: argparse.Namespace) -> int:
     other = plan_kv_cache(layout.layer_specs, args.memory, hybrid=args.no_hybrid, strict=False,
                           **common)
     hybrid, no_hybrid = (other, main) if args.no_hybrid else (main, other)
+    disk = parse_tier_spec(args.kv_offload_disk) if args.kv_offload_disk else None
+    tiers = offload_tiers(main.config, args.kv_offload_cpu, disk)
     # What KV sharing saves: the same plan with every layer keeping its own cache.
     unshared = plan_kv_cache(layout.layer_specs, args.memory, hybrid=not args.no_hybrid,
                              strict=False, **{**common, "kv_sharing": {}}) \
@@ -179,11 +198,66 @@ def run_plan(args: argparse.Namespace) -> int:
         if unshared is not None:
             summary["without_kv_sharing"] = {
                 k: v for k, v in unshared.summary().items() if k != "groups"}
+        if tiers:
+            summary["offload_tiers"] = [t._asdict() for t in tiers]
         print(json.dumps(summary))
     else:
-        print(_plan_table(args.model, layout.model_type, main, hybrid, no_hybrid, unshared,
-                          len(layout.kv_sharing)))
+        table = _plan_table(args.model, layout.model_type, main, hybrid, no_hybrid, unshared,
+                            len(layout.kv_sharing))
+        print("\n".join([table, *_tier_lines(tiers, main.config)]) if tiers else table)
     return 0
+
+
+class OffloadTier(NamedTuple):
+    """What one offload tier holds for a model (`hybridkv plan --kv-offload-*`)."""
+
+    tier: str
+    path: str | None
+    capacity_bytes: int
+    # A tier stores blocks as the device holds them: prompt tokens of the attention groups,
+    # and (models with state layers) state checkpoints of one block per state group.
+    capacity_tokens: int | None
+    capacity_state_checkpoints: int | None
+
+
+def offload_block_bytes(config: KVCacheConfig) -> tuple[float, int]:
+    """(bytes per token of the attention groups' blocks, bytes of one state checkpoint: one
+    block per state group, 0 without state layers). E.g. Llama 12 layers, fp32, 4 KV heads
+    of 64 -> (24576.0, 0); the medium demo NemotronH -> (2048.0, 2.37 MiB)."""
+    per_token = sum(g.block_bytes / g.block_size for g in config.groups if not g.spec.is_state)
+    state = sum(g.block_bytes for g in config.groups if g.spec.is_state)
+    return per_token, state
+
+
+def offload_tiers(config: KVCacheConfig, cpu_bytes: int | None,
+                  disk: TierSpec | None) -> list[OffloadTier]:
+    per_token, state = offload_block_bytes(config)
+    configured = [("cpu", None, cpu_bytes)] if cpu_bytes is not None else []
+    if disk is not None:
+        configured.append(("disk", disk.path, disk.capacity_bytes))
+    return [OffloadTier(name, path, capacity,
+                        int(capacity // per_token) if per_token else None,
+                        capacity // state if state else None)
+            for name, path, capacity in configured]
+
+
+def _tier_lines(tiers: list[OffloadTier], config: KVCacheConfig) -> list[str]:
+    per_token, state = offload_block_bytes(config)
+    lines = ["", f"{'offload tier':<21} {'capacity':>12} {'bytes':>18} {'tokens':>14}"]
+    for t in tiers:
+        name = t.tier if t.path is None else f"{t.tier} {t.path}"
+        tokens = f"{t.capacity_tokens:,}" if t.capacity_tokens is not None else "-"
+        lines.append(f"{name:<21} {format_bytes(t.capacity_bytes):>12} "
+                     f"{t.capacity_bytes:>18,} {tokens:>14}")
+    if per_token:
+        lines.append(f"(tokens: capacity / {per_token:,.1f} bytes per token of the attention "
+                     f"groups' blocks)")
+    if state:
+        lines.append(f"state layers: a tier holds their state as checkpoints, one per "
+                     f"cached prefix end, ~{format_bytes(state)} each (up to "
+                     f"{tiers[0].capacity_state_checkpoints:,} in the {tiers[0].tier} tier "
+                     f"if it held nothing else)")
+    return lines
 
 
 def _plan_table(model: str, model_type: str, main: KVCachePlan, hybrid: KVCachePlan,
@@ -271,7 +345,28 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="block hash for the prefix cache; its secret seed is random per "
                              f"process unless ${BLOCK_HASH_SEED_ENV} sets one (for processes "
                              "that must agree, e.g. a shared KV tier)")
+    add_offload_arguments(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
+
+
+def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The KV offload flags of every command that runs the engine (`generate`, the server)."""
+    parser.add_argument("--kv-offload-cpu", type=memory, default=None, metavar="SIZE",
+                        help="offload KV blocks to CPU memory within this budget, e.g. 8GiB "
+                             "(default: no CPU tier)")
+    parser.add_argument("--kv-offload-disk", type=tier_spec, default=None, metavar="DIR:SIZE",
+                        help="offload KV blocks to files in DIR within SIZE, e.g. "
+                             "/mnt/kv:50GiB; a later run on DIR reuses the blocks stored "
+                             "there (default: no disk tier)")
+    parser.add_argument("--kv-offload-store", choices=STORE_POLICIES, default="evict",
+                        help="when blocks are copied to the tiers: when the device evicts "
+                             "them, or as soon as a step fills them")
+
+
+def offload_options(args: argparse.Namespace) -> dict[str, object]:
+    """The engine options of `add_offload_arguments`' flags."""
+    return dict(kv_offload_cpu=args.kv_offload_cpu, kv_offload_disk=args.kv_offload_disk,
+                kv_offload_store=args.kv_offload_store)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -292,7 +387,8 @@ def run_generate(args: argparse.Namespace) -> int:
         block_hash_algo=args.block_hash_algo,
         # From the environment, not a flag: a secret on the command line is visible to
         # every user of the machine (ps).
-        block_hash_seed=os.environ.get(BLOCK_HASH_SEED_ENV) or None)
+        block_hash_seed=os.environ.get(BLOCK_HASH_SEED_ENV) or None,
+        **offload_options(args))
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
     try:
@@ -303,7 +399,10 @@ def run_generate(args: argparse.Namespace) -> int:
         raise CLIError(f"{args.model_dir}: config.json lacks the field {e}") from None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    outputs = llm.generate(prompts, params)
+    try:
+        outputs = llm.generate(prompts, params)
+    finally:
+        llm.close()  # queued tier writes land before the process exits
     if args.json:
         print("\n".join(json.dumps({"prompt": p, "text": o.text, "token_ids": o.token_ids,
                                     "finish_reason": o.finish_reason, "error": o.error})
@@ -357,11 +456,11 @@ def run_demo_model(args: argparse.Namespace) -> int:
 # bench
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from hybridkv.bench import engine, fast_prefill, kv_trace, prefix
+    from hybridkv.bench import engine, fast_prefill, kv_trace, offload, prefix
 
     suites = parser.add_subparsers(dest="suite", required=True, metavar="SUITE")
     for suite in (kv_trace.COMMAND, engine.THROUGHPUT, engine.CAPACITY, prefix.COMMAND,
-                  fast_prefill.COMMAND):
+                  fast_prefill.COMMAND, offload.COMMAND):
         add_command(suites, suite)
 
 
