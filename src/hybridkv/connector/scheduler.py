@@ -79,6 +79,8 @@ class ConnectorStats:
     load_timeouts: int = 0
     blocks_stored: int = 0  # copies queued for the tiers
     no_room_for_load: int = 0  # tier hits given up because the device had no free blocks
+    bytes_loaded: int = 0  # into the device, from any tier
+    load_job_seconds: float = 0.0  # the worker's time on load jobs (tier reads + copies)
     tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
 
@@ -226,6 +228,7 @@ class OffloadConnectorScheduler:
                 continue
             load = self._jobs.pop(message.job_id)
             load.served = message.tiers
+            self.stats.load_job_seconds += message.seconds
             self._register(load)
             if load.abandoned:
                 self._release(load)
@@ -278,6 +281,7 @@ class OffloadConnectorScheduler:
             if tier >= 0:
                 self.pool.cache(target.block, target.block_hash, value=target.value)
                 self.stats.blocks_loaded += 1
+                self.stats.bytes_loaded += self.kv.config.groups[target.group_id].block_bytes
             else:
                 self.stats.blocks_failed += 1
 
@@ -408,6 +412,7 @@ class OffloadConnectorScheduler:
         return {"store_policy": self.store_policy, "loads_started": s.loads_started,
                 "blocks_loaded": s.blocks_loaded, "blocks_failed": s.blocks_failed,
                 "load_timeouts": s.load_timeouts, "blocks_stored": s.blocks_stored,
-                "no_room_for_load": s.no_room_for_load,
+                "no_room_for_load": s.no_room_for_load, "bytes_loaded": s.bytes_loaded,
+                "load_job_seconds": round(s.load_job_seconds, 6),
                 "tokens_by_tier": dict(s.tokens_by_tier),
                 "tiers": [t.summary() for t in self.chain.stats]}
