@@ -33,9 +33,7 @@ pytest.importorskip("transformers")
 
 from hybridkv import LLM, SamplingParams  # noqa: E402
 from hybridkv.connector.offload import disk_tier  # noqa: E402
-from hybridkv.kv.plan import plan_kv_cache  # noqa: E402
-from hybridkv.models.layer_mix import kv_layout_from_config, load_hf_config  # noqa: E402
-from tests.models.tiny import ARCHS, build_tiny_model  # noqa: E402
+from tests.models.tiny import ARCHS, build_tiny_model, planner_minimum  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=6)
 COMMON = dict(dtype="float32", device="cpu", max_model_len=256)
@@ -218,19 +216,6 @@ def test_cpu_then_disk_a_cleared_cpu_tier_is_refilled_from_the_disk(model, refer
 # ---------------------------------------------------------------- memory pressure
 
 
-def planner_minimum(model_dir: Path, max_model_len: int, batch: int) -> int:
-    """The smallest KV budget (to 1 KiB) the planner accepts, prefix caching on."""
-    layout = kv_layout_from_config(load_hf_config(str(model_dir)), kv_dtype="float32")
-    for kib in range(1, 4096):
-        try:
-            plan_kv_cache(layout.layer_specs, kib * 1024, max_model_len=max_model_len,
-                          max_num_batched_tokens=batch, enable_caching=True)
-        except ValueError:
-            continue
-        return kib * 1024
-    raise AssertionError("no budget up to 4 MiB plans")
-
-
 @pytest.mark.parametrize(("arch", "scale"), [("llama", 1.25), ("gemma3", 1.25),
                                              ("nemotron_h", 1.0)])
 def test_preemption_and_chunked_prefill_under_a_tiny_budget(arch, scale, model, reference):
@@ -240,7 +225,7 @@ def test_preemption_and_chunked_prefill_under_a_tiny_budget(arch, scale, model, 
     prompts = make_prompts(5, (41, 75, 100, 57, 90, 66))
     options = dict(max_model_len=128, max_num_batched_tokens=32)
     expected = reference(arch, prompts, **options)
-    budget = int(planner_minimum(model(arch), 128, 32) * scale)
+    budget = int(planner_minimum(model(arch), max_model_len=128, batch=32) * scale)
     llm = offload_llm(model(arch), kv_cache_memory=budget, kv_offload_cpu="64MiB", **options)
     synchronous_loads(llm)
     assert tokens_of(llm.generate(prompts, GREEDY)) == expected
@@ -259,7 +244,7 @@ def test_a_device_cache_too_small_serves_old_prefixes_from_the_tier(model, refer
     again = many[:3]
     # Room for about two prompts at a time: the first ones are long evicted when they come
     # back (no reset here: the device simply could not keep them).
-    budget = planner_minimum(model(arch), 128, 128) * 2
+    budget = planner_minimum(model(arch), max_model_len=128, batch=128) * 2
     llm = offload_llm(model(arch), kv_cache_memory=budget, max_model_len=128,
                       max_num_batched_tokens=128, kv_offload_cpu="64MiB")
     synchronous_loads(llm)

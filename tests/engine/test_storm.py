@@ -14,9 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from hybridkv import LLM, SamplingParams  # noqa: E402
-from hybridkv.kv.plan import plan_kv_cache  # noqa: E402
-from hybridkv.models.layer_mix import kv_layout_from_config, load_hf_config  # noqa: E402
-from tests.models.tiny import build_tiny_model  # noqa: E402
+from tests.models.tiny import build_tiny_model, planner_minimum  # noqa: E402
 
 MAX_MODEL_LEN, BATCH = 96, 32
 PARAMS = SamplingParams(max_tokens=6)
@@ -42,26 +40,14 @@ def model(request, tmp_path_factory):
     return model_dir, prompts, expected
 
 
-def planner_minimum(model_dir, caching: bool) -> int:
-    """The smallest KV budget (to 1 KiB) the planner accepts for these options."""
-    layout = kv_layout_from_config(load_hf_config(str(model_dir)), kv_dtype="float32")
-    for kib in range(1, 4096):
-        try:
-            plan_kv_cache(layout.layer_specs, kib * 1024, max_model_len=MAX_MODEL_LEN,
-                          max_num_batched_tokens=BATCH, enable_caching=caching)
-        except ValueError:
-            continue
-        return kib * 1024
-    raise AssertionError("no budget up to 4 MiB plans")
-
-
 @pytest.mark.parametrize("caching", [True, False], ids=["caching", "no_caching"])
 @pytest.mark.parametrize("scale", [1.0, 1.5, 2.0])
 def test_storm_finishes_with_the_tokens_of_ample_memory(model, caching, scale):
     model_dir, prompts, expected = model
     llm = LLM(str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN,
               max_num_batched_tokens=BATCH, enable_prefix_caching=caching,
-              kv_cache_memory=int(planner_minimum(model_dir, caching) * scale))
+              kv_cache_memory=int(scale * planner_minimum(
+                  model_dir, max_model_len=MAX_MODEL_LEN, batch=BATCH, caching=caching)))
     outs = llm.generate(prompts, PARAMS)
     assert [o.finish_reason for o in outs] == ["length"] * len(prompts)
     assert [o.token_ids for o in outs] == expected

@@ -121,3 +121,21 @@ ARCHS["gemma4_text"] = ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
     attention_k_eq_v=True, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
     vocab_size_per_layer_input=256, enable_moe_block=True, num_experts=4, top_k_experts=2,
     moe_intermediate_size=32, final_logit_softcapping=30.0))
+
+
+def planner_minimum(model_dir: Path, *, max_model_len: int, batch: int,
+                    caching: bool = True) -> int:
+    """The smallest KV budget (to 1 KiB) the planner accepts for a saved model: tests that
+    want memory pressure scale it."""
+    from hybridkv.kv.plan import plan_kv_cache
+    from hybridkv.models.layer_mix import kv_layout_from_config, load_hf_config
+
+    layout = kv_layout_from_config(load_hf_config(str(model_dir)), kv_dtype="float32")
+    for kib in range(1, 4096):
+        try:
+            plan_kv_cache(layout.layer_specs, kib * 1024, max_model_len=max_model_len,
+                          max_num_batched_tokens=batch, enable_caching=caching)
+        except ValueError:
+            continue
+        return kib * 1024
+    raise AssertionError("no budget up to 4 MiB plans")
