@@ -556,3 +556,26 @@ def test_bad_offload_configuration_is_one_line(options, says, model, tmp_path):
         offload_llm(model("llama"), **options)
     assert says in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_another_model_on_the_same_directory_never_hits(model, reference, tmp_path):
+    """The keys carry the model's identity (its config and weights): the same architecture
+    with other weights finds none of the first model's blocks, and answers as itself."""
+    prompts = make_prompts(10)
+    disk = f"{tmp_path / 'kv'}:64MiB"
+    first = offload_llm(model("llama"), kv_offload_disk=disk, kv_offload_store="fill")
+    first.generate(prompts, GREEDY)
+    first.close()
+    assert list((tmp_path / "kv").glob("*.kv"))
+    other_dir = tmp_path / "other"
+    build_tiny_model("llama", other_dir)
+    weights = other_dir / "model.safetensors"
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(weights))
+    save_file({k: v * 1.01 for k, v in tensors.items()}, str(weights), metadata={"format": "pt"})
+    other = offload_llm(other_dir, kv_offload_disk=disk)
+    outputs = other.generate(prompts, GREEDY)
+    assert tier_tokens(outputs, "disk") == 0
+    expected = LLM(str(other_dir), **{**COMMON, "kv_cache_memory": "4MiB"},
+                   enable_prefix_caching=False).generate(prompts, GREEDY)
+    assert tokens_of(outputs) == tokens_of(expected)
