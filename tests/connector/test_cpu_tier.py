@@ -122,3 +122,26 @@ class CPUTierMachine(RuleBasedStateMachine):
 
 TestCPUTierMachine = CPUTierMachine.TestCase
 TestCPUTierMachine.settings = settings(max_examples=75, stateful_step_count=30, deadline=None)
+
+
+def test_buffers_of_dropped_entries_are_reused_never_live_ones():
+    """An evicted or overwritten entry's bytearray comes back from take_spare (already
+    mapped memory for the next copy-out); writing into it never changes a live entry."""
+    tier = CPUTier(3 * 8)
+    values = {bytes([i]): bytearray([i]) * 8 for i in range(5)}
+    for key, value in values.items():
+        tier.put([(key, value)])
+    assert tier.take_spare(7) is None  # no buffer of that size was dropped
+    spares = [tier.take_spare(8) for _ in range(2)]
+    assert spares[0] is not None and spares[1] is not None and tier.take_spare(8) is None
+    assert {id(s) for s in spares} == {id(values[b"\x00"]), id(values[b"\x01"])}
+    for spare in spares:
+        spare[:] = b"\xff" * 8  # the caller fills it for another key
+    assert tier.get([b"\x02", b"\x03", b"\x04"]) == [bytearray([i]) * 8 for i in (2, 3, 4)]
+    tier.put([(b"\x02", bytearray(b"z" * 8))])  # an overwrite drops the old buffer too
+    assert tier.take_spare(8) is values[b"\x02"]
+    tier.put([(b"\x05", memoryview(bytearray(8)))])  # evicts the LRU entry, b"\x03"
+    assert tier.take_spare(8) is values[b"\x03"]
+    tier.put([(b"\x05", bytearray(8))])  # a view may be shared: its buffer is never reused
+    assert tier.take_spare(8) is None
+    tier.check_integrity()

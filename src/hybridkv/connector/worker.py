@@ -96,7 +96,7 @@ class OffloadConnectorWorker:
         for copy in copies:
             group = self.groups[copy.group_id]
             page, slot = divmod(copy.block_id, group.blocks_per_page)
-            buf = bytearray(group.block_bytes)
+            buf = self.chain.buffer(group.block_bytes)
             torch.frombuffer(buf, dtype=torch.int8).copy_(group.blocks[page, slot])
             self._pending[copy.key] = buf
             items.append((copy.key, buf))

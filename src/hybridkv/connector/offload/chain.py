@@ -108,6 +108,17 @@ class TierChain:
         self.stats[index].store_seconds += time.perf_counter() - started
         return ok
 
+    def buffer(self, nbytes: int) -> bytearray:
+        """A buffer to copy a block into before `store`: one the first tier no longer uses
+        if it has one (already mapped: no page faults), else a new one."""
+        take = getattr(self.tiers[0], "take_spare", None)
+        if take is not None:
+            with self._lock:
+                spare: bytearray | None = take(nbytes)
+            if spare is not None:
+                return spare
+        return bytearray(nbytes)
+
     def clear(self, index: int) -> None:
         """Drop everything one tier holds that this chain can name (benchmarks: a cold tier)."""
         tier = self.tiers[index]
