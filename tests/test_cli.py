@@ -180,7 +180,7 @@ def leaf_parsers(parser, path=()):
 
 def test_every_option_has_help_showing_its_default():
     leaves = dict(leaf_parsers(cli.build_parser()))
-    assert set(leaves) == {("plan",), ("generate",), ("demo-model",), ("bench", "kv"),
+    assert set(leaves) == {("plan",), ("generate",), ("demo-model",), ("serve",), ("bench", "kv"),
                            ("bench", "throughput"), ("bench", "capacity"),
                            ("bench", "prefix"), ("bench", "fast-prefill"),
                            ("bench", "offload")}

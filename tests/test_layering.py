@@ -1,6 +1,6 @@
 """The floors of the package import only downward:
 
-    kv <- connector <- sched <- worker <- models <- engine <- bench / cli (and the server)
+    kv <- connector <- sched <- worker <- models <- engine <- server <- bench / cli
 
 A module may import its own floor and any floor below it; an import pointing up (the worker
 reaching for a model class, the scheduler for the engine) fails here with the line that does
@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "hybridkv"
 
 # Lowest first. A module outside these packages (cli.py, config.py, ...) gets the floor named
 # in TOP_LEVEL.
-FLOORS = ["kv", "connector", "sched", "worker", "models", "engine", "bench"]
+FLOORS = ["kv", "connector", "sched", "worker", "models", "engine", "server", "bench"]
 TOP_LEVEL = {"__init__": "engine", "config": "engine", "cli": "bench"}
 
 

@@ -1,4 +1,4 @@
-"""`hybridkv plan | generate | demo-model | bench`: the command line.
+"""`hybridkv plan | generate | demo-model | serve | bench`: the command line.
 
 Every subcommand is a `Command`: its name, a one-line help, the function that adds its
 arguments and the one that runs it, side by side. The bench suites keep theirs in their own
@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -453,6 +454,112 @@ def run_demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+# serve
+
+API_KEY_ENV = "HYBRIDKV_API_KEY"
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", nargs="?", default=None,
+                        help="a Hugging Face-format model directory (default: a small random "
+                             "demo model, written once to the cache directory; its text is "
+                             "noise)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=non_negative_int, default=8000, help="port")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model id in the API (default: the directory's name)")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require `Authorization: Bearer KEY` on /v1 (default: "
+                             f"${API_KEY_ENV}, else no key)")
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
+                        help="longest request in tokens (default: the model's, at most 8192)")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=64,
+                        help="requests in the running batch at most")
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
+                        help="tokens per engine step")
+    parser.add_argument("--kv-cache-memory", type=memory, default="256MiB",
+                        help="KV cache bytes, plain or with a unit")
+    parser.add_argument("--dtype", default="auto",
+                        help="weights and activations dtype (auto: the model's)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True, help="reuse the KV cache of shared prompt prefixes")
+    parser.add_argument("--max-waiting", type=positive_int, default=None,
+                        help="queued requests at most; more are refused with 503 and "
+                             "Retry-After (default: no limit)")
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template file, or the template itself (default: "
+                             "the model's)")
+    parser.add_argument("--shutdown-timeout", type=non_negative_float, default=10.0,
+                        help="seconds to let in-flight requests finish on SIGTERM/SIGINT")
+    parser.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug"],
+                        help="log level")
+    add_offload_arguments(parser)
+
+
+def demo_model_dir() -> Path:
+    """The demo model `serve` uses without a model directory, written on first use."""
+    from hybridkv.models.demo import demo_shape, write_demo_model
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    path = cache / "hybridkv" / "hybridkv-demo"
+    if not (path / "model.safetensors").is_file() or \
+            not (path / "tokenizer_config.json").is_file():
+        write_demo_model(path, "gemma3", demo_shape("small"))
+    return path
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    try:
+        import uvicorn
+
+        from hybridkv.server.app import ServerConfig, build_app
+    except ImportError as e:
+        raise CLIError(f"hybridkv serve needs the server extra (missing {e.name}): "
+                       f"pip install 'hybridkv[server]'") from None
+    from hybridkv.config import EngineConfig
+    from hybridkv.engine.engine import LLMEngine
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: "
+                                                             "%(message)s")
+    log = logging.getLogger("hybridkv.serve")
+    model_dir = args.model_dir
+    if model_dir is None:
+        model_dir = str(demo_model_dir())
+        log.warning("no model given: serving the built-in demo model at %s (random "
+                    "weights: its text is noise, the machinery is real)", model_dir)
+    options: dict[str, object] = dict(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
+        enable_prefix_caching=args.enable_prefix_caching,
+        block_hash_seed=os.environ.get(BLOCK_HASH_SEED_ENV) or None, **offload_options(args))
+    if args.max_model_len:
+        options["max_model_len"] = args.max_model_len
+    try:
+        engine = LLMEngine.from_model_dir(model_dir, EngineConfig.from_kwargs(options))
+    except UnicodeDecodeError:
+        raise CLIError(f"{model_dir}: a model file is not UTF-8 text") from None
+    except KeyError as e:
+        raise CLIError(f"{model_dir}: config.json lacks the field {e}") from None
+    name = args.served_model_name or Path(model_dir).resolve().name
+    app = build_app(engine, ServerConfig(
+        model_name=name, model_dir=str(model_dir),
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_waiting=args.max_waiting, chat_template=args.chat_template,
+        shutdown_timeout_s=args.shutdown_timeout))
+    log.info("serving %s as '%s' on http://%s:%d/v1", model_dir, name, args.host, args.port)
+    # uvicorn handles SIGTERM/SIGINT (stop accepting, let requests finish, stop the engine),
+    # then raises the signal again for the handler it found: a quiet one makes that exit 0.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=int(math.ceil(args.shutdown_timeout)))
+    return 0
+
+
 # bench
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -471,6 +578,8 @@ COMMANDS = (
             run_generate),
     Command("demo-model", "write a random model in Hugging Face format with a tokenizer",
             add_demo_model_arguments, run_demo_model),
+    Command("serve", "serve a model over an OpenAI-compatible HTTP API",
+            add_serve_arguments, run_serve),
     Command("bench", "benchmarks that print their figures", add_bench_arguments, None),
 )
 

@@ -22,6 +22,12 @@ TRAINING_TEXT = (
     "prefixes between requests and never recomputes what it already knows. "
     "Once upon a time, a small model learned to count: one, two, three, four, five. ")
 
+# A plain chat template (`hybridkv serve` renders chat messages with it): one line per
+# message, "role: content", then "assistant:" to prompt the reply.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
 ARCHS: dict[str, dict[str, Any]] = {
     "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
     "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]},
@@ -188,7 +194,8 @@ def nemotron_h_pattern(num_layers: int) -> str:
 
 
 def write_demo_model(out_dir: str | Path, arch: str, shape: DemoShape | None = None) -> Path:
-    """Write config.json, generation_config.json, model.safetensors and tokenizer.json."""
+    """Write config.json, generation_config.json, model.safetensors, tokenizer.json and
+    tokenizer_config.json (with a chat template)."""
     shape = shape or DemoShape()
     check_shape(arch, shape)
     config = demo_config(arch, shape, shape.vocab)
@@ -232,3 +239,5 @@ def _write_files(path: Path, config: dict[str, Any], shape: DemoShape) -> None:
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<eos>", "pad_token": "<pad>", "chat_template": CHAT_TEMPLATE}, indent=2))

@@ -1,0 +1,161 @@
+"""The FastAPI app: routes, the API key check, and the engine thread's lifetime.
+
+    app = build_app(engine, ServerConfig(model_name="demo", model_dir=...))
+    uvicorn.run(app, host=..., port=...)   # lifespan starts and stops the engine thread
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import hybridkv
+from hybridkv.engine.engine import LLMEngine
+from hybridkv.server import protocol as p
+from hybridkv.server.async_engine import AsyncEngine
+from hybridkv.server.chat import ChatTemplate, find_chat_template, special_tokens
+from hybridkv.server.errors import bad_request, error_response, install_error_handlers
+from hybridkv.server.metrics import ServerMetrics
+from hybridkv.server.serving import ServerState, create_chat_completion, create_completion
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    model_name: str
+    model_dir: str
+    api_key: str | None = None
+    max_waiting: int | None = None  # more queued requests than this: 503 + Retry-After
+    chat_template: str | None = None  # a file or the template itself; default: the model's
+    shutdown_timeout_s: float = 10.0
+
+
+def group_names(engine: LLMEngine) -> list[str]:
+    """A label per KV cache group: its kind and window, e.g. full, sliding_window_512."""
+    names: list[str] = []
+    for group in engine.plan.config.groups:
+        spec = group.spec
+        size = getattr(spec, "sliding_window", None) or getattr(
+            spec, "attention_chunk_size", None)
+        name = f"{spec.kind}_{size}" if size else spec.kind
+        if name in names:
+            name = f"{name}_{group.group_id}"
+        names.append(name)
+    return names
+
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer KEY` on /v1/... (health, metrics and version stay open, as in
+    vLLM). Checked before the body is read, so an unauthenticated client learns nothing."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") \
+                and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(401, "a valid API key is required "
+                                               "(Authorization: Bearer KEY)")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
+    template = find_chat_template(config.model_dir, config.chat_template)
+    chat_template = ChatTemplate(template, special_tokens(config.model_dir)) \
+        if template is not None else None
+    holder: dict[str, AsyncEngine] = {}
+    metrics = ServerMetrics(config.model_name, lambda: holder["engine"].snapshot,
+                            group_names(engine))
+    async_engine = AsyncEngine(engine, max_waiting=config.max_waiting,
+                               on_output=metrics.observe_output,
+                               on_scheduled=metrics.observe_queue_time)
+    holder["engine"] = async_engine
+    state = ServerState(engine=async_engine, metrics=metrics, model_name=config.model_name,
+                        model_dir=config.model_dir, tokenizer=engine.tokenizer,
+                        max_model_len=engine.max_model_len, chat_template=chat_template)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            logger.info("stopping the engine")
+            async_engine.shutdown(config.shutdown_timeout_s)
+
+    app = FastAPI(title="hybridkv", version=hybridkv.__version__, lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    add_routes(app, state)
+    return app
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: p.CompletionRequest, request: Request) -> Response:
+        return await create_completion(state, body, request)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(state, body, request)
+
+    @app.get("/v1/models")
+    async def models() -> p.ModelList:
+        return p.ModelList(data=[p.ModelCard(id=state.model_name, root=state.model_dir,
+                                             max_model_len=state.max_model_len)])
+
+    @app.get("/health", response_model=None)
+    async def health() -> Response:
+        if state.engine.alive:
+            return Response(status_code=200)
+        return error_response(503, state.engine.dead_reason())
+
+    @app.get("/version")
+    async def version() -> dict[str, Any]:
+        return {"version": hybridkv.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: p.TokenizeRequest) -> p.TokenizeResponse:
+        state.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
+        if body.messages is not None:
+            text = state.render_chat(body.messages, body.add_generation_prompt)
+            ids = state.encode(text, "messages")
+        else:
+            ids = state.encode(body.prompt or "")
+        return p.TokenizeResponse(count=len(ids), max_model_len=state.max_model_len,
+                                  tokens=ids)
+
+    @app.post("/detokenize")
+    async def detokenize(body: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        state.check_model(body.model)
+        if state.tokenizer is None:
+            raise bad_request("this model has no tokenizer", "tokens")
+        vocab = state.tokenizer.get_vocab_size()
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                              "tokens")
+        return p.DetokenizeResponse(prompt=state.decode(body.tokens))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,132 @@
+"""Prometheus metrics, named like vLLM's with a `hybridkv:` prefix so dashboards carry over.
+
+Per-request figures (tokens, finish reasons, latencies) are counted on the event loop as
+outputs arrive; engine-wide ones (running, waiting, KV usage, prefix cache, preemptions)
+are read from the engine thread's latest snapshot at scrape time. Each app has its own
+registry, so several servers can live in one process (the tests start several).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hybridkv.engine.outputs import RequestOutput
+from hybridkv.server.async_engine import EngineSnapshot, RequestStream
+
+P = "hybridkv:"
+# No `*_created` series next to each counter (vLLM turns them off too). Process-wide.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+               0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class EngineCollector(Collector):
+    """The engine snapshot as gauges and counters, read when scraped."""
+
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str,
+                 group_names: Sequence[str]) -> None:
+        self._snapshot = snapshot
+        self._model = model_name
+        self._groups = list(group_names)
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._snapshot()
+        labels = ["model_name"]
+        for name, doc, value in (
+                ("num_requests_running", "Requests in the running batch.", s.num_running),
+                ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+                ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
+                 s.kv_usage)):
+            gauge = GaugeMetricFamily(P + name, doc, labels=labels)
+            gauge.add_metric([self._model], value)
+            yield gauge
+        for name, doc, value in (
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 s.prefix_queried_tokens),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                 s.prefix_hit_tokens),
+                ("num_preemptions", "Requests preempted (recomputed later).",
+                 s.num_preemptions)):
+            counter = CounterMetricFamily(P + name, doc, labels=labels)
+            counter.add_metric([self._model], value)
+            yield counter
+        # Beyond vLLM: per KV cache group, labelled by its kind.
+        usage = GaugeMetricFamily(P + "kv_cache_usage_perc_per_group",
+                                  "Fraction of the arena's blocks a KV cache group holds.",
+                                  labels=[*labels, "group"])
+        hits = CounterMetricFamily(P + "prefix_cache_hits_per_group",
+                                   "Prompt tokens each KV cache group allowed to reuse.",
+                                   labels=[*labels, "group"])
+        for name, u, h in zip(self._groups, s.kv_usage_per_group, s.hit_tokens_per_group,
+                              strict=False):
+            usage.add_metric([self._model, name], u)
+            hits.add_metric([self._model, name], h)
+        yield usage
+        yield hits
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot],
+                 group_names: Sequence[str]) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r, labels = self.registry, ["model_name"]
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prefill tokens processed.",
+                                     labels, registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.",
+                                         labels, registry=r)
+        self.request_success = Counter(P + "request_success", "Requests finished, by reason.",
+                                       [*labels, "finished_reason"], registry=r)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token.",
+                              labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between tokens.",
+                             labels, buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to last token.",
+                             labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(P + "request_queue_time_seconds",
+                                    "Arrival to first scheduled.", labels,
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        r.register(EngineCollector(snapshot, model_name, group_names))
+        self._last_token: dict[str, float] = {}
+
+    def observe_output(self, stream: RequestStream, out: RequestOutput) -> None:
+        """Called on the event loop for each output the engine delivers."""
+        now = time.monotonic()
+        m = self.model_name
+        rid = out.request_id
+        if out.new_token_ids:
+            last = self._last_token.get(rid)
+            if last is None:
+                self.ttft.labels(m).observe(now - stream.arrival)
+                self.prompt_tokens.labels(m).inc(stream.num_prompt_tokens)
+            else:
+                self.itl.labels(m).observe(now - last)
+            self._last_token[rid] = now
+            self.generation_tokens.labels(m).inc(len(out.new_token_ids))
+        if out.finished:
+            self.finish(rid, out.finish_reason or "stop", stream)
+
+    def finish(self, rid: str, reason: str, stream: RequestStream) -> None:
+        """A request ended: by the engine, or by its client going away ("abort")."""
+        self._last_token.pop(rid, None)
+        self.request_success.labels(self.model_name, reason).inc()
+        self.e2e.labels(self.model_name).observe(time.monotonic() - stream.arrival)
+
+    def observe_queue_time(self, seconds: float) -> None:
+        self.queue_time.labels(self.model_name).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,263 @@
+"""Request and response bodies of the OpenAI-compatible API, as pydantic models.
+
+Requests forbid unknown fields (a typo is a 400 naming it, not a silent default) and are
+strict about types (`"max_tokens": "16"` or `true` is refused). Fields the API defines but the
+engine cannot honour yet are accepted by the schema and refused by `unsupported_fields` with
+a 400 naming them, so nothing is ever silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(Request):
+    """What completions and chat share: sampling, stopping, streaming."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored, as OpenAI's own servers log it
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of the next one
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+def unsupported_fields(body: SamplingFields) -> list[tuple[str, str]]:
+    """(field, why) for every field set to a value the engine cannot honour yet."""
+    found = []
+    if body.n != 1:
+        found.append(("n", "n other than 1"))
+    defaults: dict[str, object] = {"presence_penalty": 0.0, "frequency_penalty": 0.0,
+                                   "repetition_penalty": 1.0, "min_p": 0.0}
+    for name, neutral in defaults.items():
+        value = getattr(body, name)
+        if value is not None and value != neutral:
+            found.append((name, f"{name} other than {neutral}"))
+    if body.logit_bias:
+        found.append(("logit_bias", "logit_bias"))
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            found.append(("echo", "echo"))
+        if body.best_of not in (None, 1):
+            found.append(("best_of", "best_of other than 1"))
+        if body.suffix is not None:
+            found.append(("suffix", "suffix"))
+    if isinstance(body, ChatCompletionRequest):
+        if body.tools or body.tool_choice not in (None, "none"):
+            found.append(("tools", "tools and tool_choice"))
+        if body.response_format and body.response_format.get("type") != "text":
+            found.append(("response_format", "response_format other than text"))
+    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
+        found.append(("stream_options", "stream_options.continuous_usage_stats"))
+    return found
+
+
+# ------------------------------------------------------------------------ responses
+
+class PromptTokensDetails(Response):
+    cached_tokens: int = 0
+
+
+class Usage(Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    def add(self, prompt: int, completion: int, cached: int) -> None:
+        self.prompt_tokens += prompt
+        self.completion_tokens += completion
+        self.total_tokens += prompt + completion
+        self.prompt_tokens_details.cached_tokens += cached
+
+
+class CompletionLogprobs(Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(Response):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(Response):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class Delta(Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Response):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "hybridkv"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(Response):
+    prompt: str
+
+
+class ErrorInfo(Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(Response):
+    error: ErrorInfo

@@ -1,0 +1,418 @@
+"""/v1/completions and /v1/chat/completions: a request body in, engine requests out, and
+their outputs back as one response or as server-sent events.
+
+Every check that can fail runs before the first request is queued; a request whose client
+goes away (mid-stream, or while waiting for a whole response) is aborted at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from hybridkv.engine.outputs import RequestOutput
+from hybridkv.sched.sampling import SamplingParams, accepted_fields
+from hybridkv.server import protocol as p
+from hybridkv.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestStream,
+)
+from hybridkv.server.chat import NO_TEMPLATE, ChatTemplate, ChatTemplateError
+from hybridkv.server.errors import APIError, bad_request, error_body
+from hybridkv.server.metrics import ServerMetrics
+
+RETRY_AFTER_S = "1"
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    model_name: str
+    model_dir: str
+    tokenizer: Any | None  # tokenizers.Tokenizer
+    max_model_len: int
+    chat_template: ChatTemplate | None
+
+    # ------------------------------------------------------------ checks
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves "
+                                f"'{self.model_name}'", param="model")
+
+    def encode(self, text: str, param: str = "prompt") -> list[int]:
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer: send token ids", param)
+        return list(self.tokenizer.encode(text).ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(token_ids))) if self.tokenizer else ""
+
+    def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
+        if not token_ids:
+            raise bad_request(f"'{param}' is empty", param)
+        if len(token_ids) >= self.max_model_len:
+            raise bad_request(f"the prompt has {len(token_ids)} tokens; this model's maximum "
+                              f"context length is {self.max_model_len} tokens (prompt + at "
+                              f"least one generated token)", param)
+
+    def render_chat(self, messages: list[p.ChatMessage], add_generation_prompt: bool) -> str:
+        if self.chat_template is None:
+            raise bad_request(NO_TEMPLATE, "messages")
+        plain = [{"role": m.role, "content": m.text, **({"name": m.name} if m.name else {})}
+                 for m in messages]
+        try:
+            return self.chat_template.render(plain, add_generation_prompt=add_generation_prompt)
+        except ChatTemplateError as e:
+            raise bad_request(str(e), "messages") from None
+
+    # ------------------------------------------------------------ queueing
+    async def submit(self, base_id: str, prompts: list[list[int]],
+                     params: list[SamplingParams]) -> list[RequestStream]:
+        """Queue one engine request per prompt, all or none."""
+        streams: list[RequestStream] = []
+        try:
+            for i, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
+                streams.append(await self.engine.add(f"{base_id}-{i}", ids, sp))
+        except BaseException as e:
+            for stream in streams:
+                self.engine.abort(stream.request_id)
+            if isinstance(e, ValueError):
+                message = str(e).split(": ", 1)[-1] if str(e).startswith("request ") \
+                    else str(e)
+                raise bad_request(message, "prompt") from None
+            if isinstance(e, QueueFullError):
+                raise APIError(503, f"the server is busy ({e}); retry later",
+                               headers={"Retry-After": RETRY_AFTER_S}) from None
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, str(e)) from None
+            raise
+        return streams
+
+    def abort_unfinished(self, streams: Sequence[RequestStream]) -> None:
+        for stream in streams:
+            if not stream.ended:
+                stream.ended = True
+                self.engine.abort(stream.request_id)
+                self.metrics.finish(stream.request_id, "abort", stream)
+
+
+def sampling_params(body: p.SamplingFields, *, max_tokens: int, logprobs: int | None
+                    ) -> SamplingParams:
+    """The engine's params; a bad value is a 400 naming its field."""
+    unsupported = p.unsupported_fields(body)
+    if unsupported:
+        name, what = unsupported[0]
+        raise bad_request(f"{what} is not supported yet", name)
+    values: dict[str, Any] = dict(
+        max_tokens=max_tokens, temperature=1.0 if body.temperature is None
+        else body.temperature, ignore_eos=body.ignore_eos, logprobs=logprobs)
+    for name in ("top_p", "top_k", "seed", "stop", "stop_token_ids"):
+        value = getattr(body, name)
+        if value is not None:
+            values[name] = value
+    try:
+        return SamplingParams(**values)
+    except ValueError as e:
+        message = str(e)
+        param = next((f for f in accepted_fields() if message.startswith(f)), None)
+        raise bad_request(message, param) from None
+
+
+def completion_prompts(state: ServerState, prompt: object) -> list[list[int]]:
+    """str | list[str] | list[int] | list[list[int]] -> token ids per prompt, checked."""
+    if isinstance(prompt, str):
+        prompts = [state.encode(prompt)]
+    elif isinstance(prompt, list) and not prompt:
+        raise bad_request("'prompt' is an empty list", "prompt")
+    elif isinstance(prompt, list) and isinstance(prompt[0], str):
+        prompts = [state.encode(text) for text in prompt]
+    elif isinstance(prompt, list) and isinstance(prompt[0], int):
+        prompts = [list(prompt)]
+    else:
+        prompts = [list(ids) for ids in prompt]  # type: ignore[attr-defined]
+    for ids in prompts:
+        state.check_prompt(ids)
+    return prompts
+
+
+def max_tokens_for(requested: int | None, prompt: list[int], max_model_len: int,
+                   param: str) -> int:
+    if requested is None:
+        return max(max_model_len - len(prompt), 1)
+    if requested < 1:
+        raise bad_request(f"'{param}' must be >= 1, got {requested}", param)
+    return requested
+
+
+def sse(chunk: BaseModel | dict[str, Any]) -> str:
+    data = chunk.model_dump_json() if isinstance(chunk, BaseModel) else json.dumps(chunk)
+    return f"data: {data}\n\n"
+
+
+async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with their stream's index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((index, out))
+        except Exception as e:
+            queue.put_nowait((index, e))
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect(state: ServerState, request: Request, streams: list[RequestStream]
+                  ) -> list[RequestOutput] | None:
+    """Every stream's final output; None (all aborted) if the client went away first."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+
+    async def gather() -> None:
+        async for index, out in merged(streams):
+            if out.finished:
+                finals[index] = out
+
+    work = asyncio.ensure_future(gather())
+    watch = asyncio.ensure_future(until_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            state.abort_unfinished(streams)
+    if not work.done() or work.cancelled():
+        return None
+    work.result()  # the engine died: EngineDeadError
+    return [out for out in finals if out is not None]
+
+
+def engine_error(outputs: Sequence[RequestOutput]) -> str | None:
+    return next((o.error or "the request failed" for o in outputs
+                 if o.finish_reason == "error"), None)
+
+
+def usage_of(streams: Sequence[RequestStream], outputs: Sequence[RequestOutput]) -> p.Usage:
+    usage = p.Usage()
+    for stream, out in zip(streams, outputs, strict=True):
+        usage.add(stream.num_prompt_tokens, len(out.token_ids), out.num_cached_tokens)
+    return usage
+
+
+def streaming(state: ServerState, streams: list[RequestStream],
+              chunks: AsyncIterator[str]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except EngineDeadError as e:
+            yield sse(error_body(503, str(e)))
+        finally:
+            # The client went away (the response was cancelled) or we are done.
+            state.abort_unfinished(streams)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    return out.finish_reason if out.finished else None
+
+
+# ---------------------------------------------------------------- /v1/completions
+
+def completion_logprobs(state: ServerState, out: RequestOutput, token_ids: Sequence[int],
+                        first: int, offset: int, k: int) -> p.CompletionLogprobs:
+    """OpenAI's legacy logprobs for `token_ids`, the generated tokens from index `first`."""
+    result = p.CompletionLogprobs()
+    entries = (out.logprobs or [])[first:first + len(token_ids)]
+    for token, entry in zip(token_ids, entries, strict=False):
+        text = state.decode([token])
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+        result.tokens.append(text)
+        result.token_logprobs.append(entry.get(token))
+        result.top_logprobs.append({state.decode([t]): lp for t, lp in top})
+        result.text_offset.append(offset)
+        offset += len(text)
+    return result
+
+
+async def create_completion(state: ServerState, body: p.CompletionRequest,
+                            request: Request) -> Response:
+    state.check_model(body.model)
+    prompts = completion_prompts(state, body.prompt)
+    params = [sampling_params(body, logprobs=body.logprobs, max_tokens=max_tokens_for(
+        body.max_tokens, ids, state.max_model_len, "max_tokens")) for ids in prompts]
+    base_id = f"cmpl-{uuid.uuid4().hex}"
+    streams = await state.submit(base_id, prompts, params)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return streaming(state, streams, completion_chunks(state, body, base_id, streams,
+                                                           include_usage))
+    try:
+        finals = await collect(state, request, streams)
+    except EngineDeadError as e:
+        raise APIError(503, str(e)) from None
+    if finals is None:
+        return Response(status_code=499)
+    error = engine_error(finals)
+    if error is not None:
+        raise APIError(500, error)
+    choices = [p.CompletionChoice(
+        index=i, text=out.text, finish_reason=out.finish_reason,
+        logprobs=completion_logprobs(state, out, out.token_ids, 0, 0, body.logprobs)
+        if body.logprobs is not None else None) for i, out in enumerate(finals)]
+    response = p.CompletionResponse(id=base_id, model=state.model_name, choices=choices,
+                                    usage=usage_of(streams, finals))
+    return JSONResponse(response.model_dump())
+
+
+async def completion_chunks(state: ServerState, body: p.CompletionRequest, base_id: str,
+                            streams: list[RequestStream], include_usage: bool
+                            ) -> AsyncIterator[str]:
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    offsets = [0] * len(streams)
+    async for index, out in merged(streams):
+        if out.finished:
+            finals[index] = out
+        if out.error:
+            yield sse(error_body(500, out.error))
+            continue
+        logprobs = None
+        if body.logprobs is not None and out.new_token_ids:
+            first = len(out.token_ids) - len(out.new_token_ids)
+            logprobs = completion_logprobs(state, out, out.new_token_ids, first,
+                                           offsets[index], body.logprobs)
+        offsets[index] += len(out.new_text)
+        if not out.new_text and not out.finished and logprobs is None:
+            continue  # a token still being decoded (an incomplete UTF-8 sequence)
+        choice = p.CompletionChoice(index=index, text=out.new_text, logprobs=logprobs,
+                                    finish_reason=finish_reason(out))
+        yield sse(p.CompletionResponse(id=base_id, model=state.model_name, choices=[choice]))
+    if include_usage:
+        done = [out for out in finals if out is not None]
+        yield sse(p.CompletionResponse(id=base_id, model=state.model_name, choices=[],
+                                       usage=usage_of(streams, done)))
+
+
+# ---------------------------------------------------------------- /v1/chat/completions
+
+def chat_logprobs(state: ServerState, out: RequestOutput, token_ids: Sequence[int],
+                  first: int, k: int) -> p.ChatLogprobs:
+    content = []
+    entries = (out.logprobs or [])[first:first + len(token_ids)]
+    for token, entry in zip(token_ids, entries, strict=False):
+        text = state.decode([token])
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+        content.append(p.TokenLogprob(
+            token=text, logprob=entry.get(token, float("-inf")),
+            bytes=list(text.encode()), top_logprobs=[
+                p.TopLogprob(token=state.decode([t]), logprob=lp,
+                             bytes=list(state.decode([t]).encode())) for t, lp in top]))
+    return p.ChatLogprobs(content=content)
+
+
+async def create_chat_completion(state: ServerState, body: p.ChatCompletionRequest,
+                                 request: Request) -> Response:
+    state.check_model(body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    text = state.render_chat(body.messages, body.add_generation_prompt)
+    prompt = state.encode(text, "messages")
+    state.check_prompt(prompt, "messages")
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    k = body.top_logprobs or 0
+    params = sampling_params(body, logprobs=k if body.logprobs else None,
+                             max_tokens=max_tokens_for(requested, prompt,
+                                                       state.max_model_len, param))
+    base_id = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = await state.submit(base_id, [prompt], [params])
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return streaming(state, streams, chat_chunks(state, body, base_id, streams,
+                                                     include_usage))
+    try:
+        finals = await collect(state, request, streams)
+    except EngineDeadError as e:
+        raise APIError(503, str(e)) from None
+    if finals is None:
+        return Response(status_code=499)
+    error = engine_error(finals)
+    if error is not None:
+        raise APIError(500, error)
+    out = finals[0]
+    choice = p.ChatChoice(index=0, message=p.AssistantMessage(content=out.text),
+                          finish_reason=out.finish_reason,
+                          logprobs=chat_logprobs(state, out, out.token_ids, 0, k)
+                          if body.logprobs else None)
+    response = p.ChatCompletionResponse(id=base_id, model=state.model_name, choices=[choice],
+                                        usage=usage_of(streams, finals))
+    return JSONResponse(response.model_dump())
+
+
+async def chat_chunks(state: ServerState, body: p.ChatCompletionRequest, base_id: str,
+                      streams: list[RequestStream], include_usage: bool
+                      ) -> AsyncIterator[str]:
+    def chunk(delta: p.Delta, reason: str | None = None,
+              logprobs: p.ChatLogprobs | None = None) -> str:
+        return sse(p.ChatCompletionChunk(id=base_id, model=state.model_name, choices=[
+            p.ChatChunkChoice(index=0, delta=delta, finish_reason=reason, logprobs=logprobs)]))
+
+    yield chunk(p.Delta(role="assistant", content=""))
+    final = None
+    async for _, out in merged(streams):
+        if out.error:
+            yield sse(error_body(500, out.error))
+            continue
+        logprobs = None
+        if body.logprobs and out.new_token_ids:
+            first = len(out.token_ids) - len(out.new_token_ids)
+            logprobs = chat_logprobs(state, out, out.new_token_ids, first,
+                                     body.top_logprobs or 0)
+        if out.finished:
+            final = out
+        if out.new_text or out.finished or logprobs is not None:
+            yield chunk(p.Delta(content=out.new_text), finish_reason(out), logprobs)
+    if include_usage and final is not None:
+        yield sse(p.ChatCompletionChunk(id=base_id, model=state.model_name, choices=[],
+                                        usage=usage_of(streams, [final])))
