@@ -563,11 +563,11 @@ def run_serve(args: argparse.Namespace) -> int:
 # bench
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from hybridkv.bench import engine, fast_prefill, kv_trace, offload, prefix
+    from hybridkv.bench import engine, fast_prefill, kv_trace, offload, prefix, serve
 
     suites = parser.add_subparsers(dest="suite", required=True, metavar="SUITE")
     for suite in (kv_trace.COMMAND, engine.THROUGHPUT, engine.CAPACITY, prefix.COMMAND,
-                  fast_prefill.COMMAND, offload.COMMAND):
+                  fast_prefill.COMMAND, offload.COMMAND, serve.COMMAND):
         add_command(suites, suite)
 
 

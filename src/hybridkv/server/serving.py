@@ -152,6 +152,11 @@ def max_tokens_for(requested: int | None, prompt: list[int], max_model_len: int,
         return max(max_model_len - len(prompt), 1)
     if requested < 1:
         raise bad_request(f"'{param}' must be >= 1, got {requested}", param)
+    if len(prompt) + requested > max_model_len:
+        # Refused, as vLLM does, rather than cut short at max_model_len without a word.
+        raise bad_request(f"this model's maximum context length is {max_model_len} tokens; "
+                          f"the request asks for {len(prompt) + requested} ({len(prompt)} in "
+                          f"the prompt, {requested} in '{param}')", param)
     return requested
 
 
