@@ -16,7 +16,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NamedTuple, NoReturn, TypeVar
+from typing import Any, NamedTuple, NoReturn, TypeVar
 
 from hybridkv.connector.offload.store import TierSpec, parse_tier_spec
 from hybridkv.connector.scheduler import STORE_POLICIES
@@ -472,18 +472,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None,
                         help=f"require `Authorization: Bearer KEY` on /v1 (default: "
                              f"${API_KEY_ENV}, else no key)")
-    parser.add_argument("--max-model-len", type=positive_int, default=None,
-                        help="longest request in tokens (default: the model's, at most 8192)")
-    parser.add_argument("--max-num-seqs", type=positive_int, default=64,
-                        help="requests in the running batch at most")
-    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
-                        help="tokens per engine step")
-    parser.add_argument("--kv-cache-memory", type=memory, default="256MiB",
-                        help="KV cache bytes, plain or with a unit")
-    parser.add_argument("--dtype", default="auto",
-                        help="weights and activations dtype (auto: the model's)")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=True, help="reuse the KV cache of shared prompt prefixes")
+    add_server_engine_arguments(parser)
     parser.add_argument("--max-waiting", type=positive_int, default=None,
                         help="queued requests at most; more are refused with 503 and "
                              "Retry-After (default: no limit)")
@@ -496,6 +485,34 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="log level")
     add_offload_arguments(parser)
+
+
+def add_server_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
+    """The engine options of `serve` (and of `bench serve`'s in-process server), named as
+    vLLM names them."""
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
+                        help="longest request in tokens (default: the model's, at most 8192)")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=64,
+                        help="requests in the running batch at most")
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
+                        help="tokens per engine step")
+    parser.add_argument("--kv-cache-memory", type=memory, default="256MiB",
+                        help="KV cache bytes, plain or with a unit")
+    parser.add_argument("--dtype", default="auto",
+                        help="weights and activations dtype (auto: the model's)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True, help="reuse the KV cache of shared prompt prefixes")
+
+
+def server_engine_options(args: argparse.Namespace) -> dict[str, object]:
+    """The engine options of `add_server_engine_arguments`' flags."""
+    options: dict[str, object] = dict(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
+        enable_prefix_caching=args.enable_prefix_caching)
+    if args.max_model_len:
+        options["max_model_len"] = args.max_model_len
+    return options
 
 
 def demo_model_dir() -> Path:
@@ -531,13 +548,8 @@ def run_serve(args: argparse.Namespace) -> int:
         model_dir = str(demo_model_dir())
         log.warning("no model given: serving the built-in demo model at %s (random "
                     "weights: its text is noise, the machinery is real)", model_dir)
-    options: dict[str, object] = dict(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
-        enable_prefix_caching=args.enable_prefix_caching,
-        block_hash_seed=os.environ.get(BLOCK_HASH_SEED_ENV) or None, **offload_options(args))
-    if args.max_model_len:
-        options["max_model_len"] = args.max_model_len
+    options = dict(server_engine_options(args), **offload_options(args),
+                   block_hash_seed=os.environ.get(BLOCK_HASH_SEED_ENV) or None)
     try:
         engine = LLMEngine.from_model_dir(model_dir, EngineConfig.from_kwargs(options))
     except UnicodeDecodeError:

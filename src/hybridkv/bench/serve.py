@@ -29,7 +29,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridkv.cli import CLIError, Command, _bounded, memory, non_negative_int, positive_int
+from hybridkv.cli import (
+    CLIError,
+    Command,
+    _bounded,
+    add_server_engine_arguments,
+    non_negative_int,
+    positive_int,
+    server_engine_options,
+)
 
 DEFAULT_URL_VOCAB = 256  # token ids drawn below this with --url and no --model
 MAX_ERRORS_KEPT = 5
@@ -186,13 +194,7 @@ def summarize(results: list[RequestResult], elapsed: float, concurrency: int | N
 # ---------------------------------------------------------------- the server
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = dict(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
-        enable_prefix_caching=args.enable_prefix_caching)
-    if args.max_model_len:
-        options["max_model_len"] = args.max_model_len
-    return options
+    return dict(server_engine_options(args))
 
 
 @contextmanager
@@ -401,18 +403,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "LLM.generate with the same engine options (after the server "
                              "stopped) and report server / offline output tok/s")
     group = parser.add_argument_group("engine options (in-process server and offline run)")
-    group.add_argument("--max-model-len", type=positive_int, default=None,
-                       help="longest request in tokens (default: the model's, at most 8192)")
-    group.add_argument("--max-num-seqs", type=positive_int, default=64,
-                       help="requests in the running batch at most")
-    group.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
-                       help="tokens per engine step")
-    group.add_argument("--kv-cache-memory", type=memory, default="256MiB",
-                       help="KV cache bytes, plain or with a unit")
-    group.add_argument("--dtype", default="auto",
-                       help="weights and activations dtype (auto: the model's)")
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=True, help="reuse the KV cache of shared prompt prefixes")
+    add_server_engine_arguments(group)
     group.add_argument("--threads", type=positive_int, default=None,
                        help="torch threads of this process (default: torch's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -229,6 +229,21 @@ async def collect(state: ServerState, request: Request, streams: list[RequestStr
     return [out for out in finals if out is not None]
 
 
+async def finished_outputs(state: ServerState, request: Request,
+                           streams: list[RequestStream]) -> list[RequestOutput] | None:
+    """`collect`, with the engine's failures as API errors: 503 when it died, 500 when a
+    request failed inside a step."""
+    try:
+        finals = await collect(state, request, streams)
+    except EngineDeadError as e:
+        raise APIError(503, str(e)) from None
+    if finals is not None:
+        error = engine_error(finals)
+        if error is not None:
+            raise APIError(500, error)
+    return finals
+
+
 def engine_error(outputs: Sequence[RequestOutput]) -> str | None:
     return next((o.error or "the request failed" for o in outputs
                  if o.finish_reason == "error"), None)
@@ -292,15 +307,9 @@ async def create_completion(state: ServerState, body: p.CompletionRequest,
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return streaming(state, streams, completion_chunks(state, body, base_id, streams,
                                                            include_usage))
-    try:
-        finals = await collect(state, request, streams)
-    except EngineDeadError as e:
-        raise APIError(503, str(e)) from None
+    finals = await finished_outputs(state, request, streams)
     if finals is None:
-        return Response(status_code=499)
-    error = engine_error(finals)
-    if error is not None:
-        raise APIError(500, error)
+        return Response(status_code=499)  # the client went away: nobody to answer
     choices = [p.CompletionChoice(
         index=i, text=out.text, finish_reason=out.finish_reason,
         logprobs=completion_logprobs(state, out, out.token_ids, 0, 0, body.logprobs)
@@ -376,15 +385,9 @@ async def create_chat_completion(state: ServerState, body: p.ChatCompletionReque
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return streaming(state, streams, chat_chunks(state, body, base_id, streams,
                                                      include_usage))
-    try:
-        finals = await collect(state, request, streams)
-    except EngineDeadError as e:
-        raise APIError(503, str(e)) from None
+    finals = await finished_outputs(state, request, streams)
     if finals is None:
-        return Response(status_code=499)
-    error = engine_error(finals)
-    if error is not None:
-        raise APIError(500, error)
+        return Response(status_code=499)  # the client went away: nobody to answer
     out = finals[0]
     choice = p.ChatChoice(index=0, message=p.AssistantMessage(content=out.text),
                           finish_reason=out.finish_reason,
