@@ -106,3 +106,24 @@ def test_api_key_is_required_on_v1(demo_dir: Any) -> None:
         out = client(live, "sekret").completions.create(model="test-model", prompt="hi",
                                                         max_tokens=2)
         assert out.usage.completion_tokens == 2
+
+
+def test_stop_reason_names_the_stop_token_or_string(server: LiveServer, offline: Any) -> None:
+    """`stop_reason` says what ended a "stop" completion, as vLLM's does: the stop token id
+    or the stop string."""
+    [free] = greedy(offline, [[5, 6, 7, 8, 9]], 8)
+    stop_token = free.token_ids[3]
+    body = {"model": "test-model", "prompt": [5, 6, 7, 8, 9], "max_tokens": 8,
+            "temperature": 0}
+    by_token = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                          json={**body, "stop_token_ids": [stop_token]}).json()["choices"][0]
+    assert by_token["finish_reason"] == "stop"
+    assert by_token["stop_reason"] == stop_token
+    stop_text = free.text[len(free.text) // 2:][:2]
+    assert stop_text, "the free-running text is too short to cut"
+    by_text = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                         json={**body, "stop": [stop_text]}).json()["choices"][0]
+    assert by_text["finish_reason"] == "stop" and by_text["stop_reason"] == stop_text
+    length = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                        json=body).json()["choices"][0]
+    assert length["finish_reason"] == "length" and length["stop_reason"] is None

@@ -231,6 +231,7 @@ class LLMEngine:
             logprobs=list(request.output_logprobs) if request.sampling_params.logprobs
             is not None else None,
             new_token_ids=[request.token_ids[-1]] if new_token else [], new_text=new_text,
+            stop_reason=request.stop_reason if status is not None else None,
             num_cached_tokens=request.num_cached_tokens or 0,
             cached_tokens_by_tier={**NO_CACHED_TOKENS, **request.cached_tokens_by_tier})
 

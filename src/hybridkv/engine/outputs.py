@@ -17,6 +17,8 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)  # this step's (streaming)
     new_text: str = ""
     error: str | None = None  # what went wrong, when finish_reason is "error"
+    # What stopped a "stop" request: the stop string, or the token id (EOS, a stop token).
+    stop_reason: int | str | None = None
     # Prompt tokens reused instead of computed (from any place), and per place:
     # {"device": ..., "cpu": ..., "disk": ...}.
     num_cached_tokens: int = 0

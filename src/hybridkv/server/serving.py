@@ -311,7 +311,7 @@ async def create_completion(state: ServerState, body: p.CompletionRequest,
     if finals is None:
         return Response(status_code=499)  # the client went away: nobody to answer
     choices = [p.CompletionChoice(
-        index=i, text=out.text, finish_reason=out.finish_reason,
+        index=i, text=out.text, finish_reason=out.finish_reason, stop_reason=out.stop_reason,
         logprobs=completion_logprobs(state, out, out.token_ids, 0, 0, body.logprobs)
         if body.logprobs is not None else None) for i, out in enumerate(finals)]
     response = p.CompletionResponse(id=base_id, model=state.model_name, choices=choices,
@@ -339,7 +339,8 @@ async def completion_chunks(state: ServerState, body: p.CompletionRequest, base_
         if not out.new_text and not out.finished and logprobs is None:
             continue  # a token still being decoded (an incomplete UTF-8 sequence)
         choice = p.CompletionChoice(index=index, text=out.new_text, logprobs=logprobs,
-                                    finish_reason=finish_reason(out))
+                                    finish_reason=finish_reason(out),
+                                    stop_reason=out.stop_reason)
         yield sse(p.CompletionResponse(id=base_id, model=state.model_name, choices=[choice]))
     if include_usage:
         done = [out for out in finals if out is not None]
@@ -390,7 +391,7 @@ async def create_chat_completion(state: ServerState, body: p.ChatCompletionReque
         return Response(status_code=499)  # the client went away: nobody to answer
     out = finals[0]
     choice = p.ChatChoice(index=0, message=p.AssistantMessage(content=out.text),
-                          finish_reason=out.finish_reason,
+                          finish_reason=out.finish_reason, stop_reason=out.stop_reason,
                           logprobs=chat_logprobs(state, out, out.token_ids, 0, k)
                           if body.logprobs else None)
     response = p.ChatCompletionResponse(id=base_id, model=state.model_name, choices=[choice],
