@@ -139,3 +139,7 @@ def planner_minimum(model_dir: Path, *, max_model_len: int, batch: int,
             continue
         return kib * 1024
     raise AssertionError("no budget up to 4 MiB plans")
+
+# ---- issue 16: sliding + full attention families, dense and MoE decoders (add below) ----
+
+# ---- issue 16: linear attention, SSM, convolution and recurrence families (add below) ----
