@@ -143,3 +143,14 @@ def planner_minimum(model_dir: Path, *, max_model_len: int, batch: int,
 # ---- issue 16: sliding + full attention families, dense and MoE decoders (add below) ----
 
 # ---- issue 16: linear attention, SSM, convolution and recurrence families (add below) ----
+
+# Qwen3.5: Qwen3-Next's mix with the DeltaNet projections stored apart; dense MLPs.
+ARCHS["qwen3_5_text"] = ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+    num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=16))
+
+# Qwen3.5 MoE: top-2 of 4 experts with a gated shared expert in every layer.
+ARCHS["qwen3_5_moe_text"] = ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+    num_hidden_layers=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2))

@@ -34,7 +34,7 @@ SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3",
     "gemma3_text", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gpt_oss", "llama4",
     "llama4_text", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1", "jamba",
-    "qwen3_next")
+    "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 _LAYER_TYPE_WORDS = {
     "full_attention": FULL, "attention": FULL, "global": FULL, "global_attention": FULL,

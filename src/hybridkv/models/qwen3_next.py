@@ -1,7 +1,12 @@
-"""Qwen3-Next: Gated DeltaNet linear attention (a fixed-size state per request) on three of
-every four layers, gated full attention on the fourth (q_proj also yields a sigmoid output
-gate per head; q/k normalised per head; RoPE on part of each head), a top-k MoE with a
-sigmoid-gated shared expert after each. Norms are zero-centred: `x * (1 + w)`."""
+"""Qwen3-Next and Qwen3.5: Gated DeltaNet linear attention (a fixed-size state per request)
+on three of every four layers, gated full attention on the fourth (q_proj also yields a
+sigmoid output gate per head; q/k normalised per head; RoPE on part of each head), a top-k
+MoE with a sigmoid-gated shared expert after each (a dense MLP in Qwen3.5's dense models).
+Norms are zero-centred: `x * (1 + w)`.
+
+Qwen3.5 stores the DeltaNet projections apart (SplitGatedDeltaNet) and gives its attention
+multimodal RoPE sections; text tokens have equal temporal/height/width positions, where the
+sections all rotate by the same position and plain RoPE is the same numbers."""
 
 from __future__ import annotations
 
@@ -15,11 +20,14 @@ from hybridkv.models.layer_mix import FULL, LINEAR
 from hybridkv.models.layers.attention import Attention, AttentionShape
 from hybridkv.models.layers.decoder_layer import DecoderLayer, LayerNames
 from hybridkv.models.layers.gated_deltanet import GatedDeltaNet
+from hybridkv.models.layers.gated_deltanet_split import SplitGatedDeltaNet
 from hybridkv.models.layers.mlp import GatedMLP
 from hybridkv.models.layers.moe import ExpertMLPs, MoE, Routing
 from hybridkv.models.layers.rotary import Rotary
 from hybridkv.models.text_config import TextConfig
 from hybridkv.worker.attention import AttentionParams
+
+QWEN3_5_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 
 
 def sparse_moe(cfg: TextConfig) -> MoE:
@@ -37,7 +45,8 @@ def qwen3_next_layer(cfg: TextConfig, layer: int, kind: str | None) -> DecoderLa
     raw = cfg.raw
     mixer: nn.Module
     if kind == LINEAR:
-        name, mixer = "linear_attn", GatedDeltaNet(raw, layer)
+        split = cfg.model_type in QWEN3_5_TYPES
+        name, mixer = "linear_attn", (SplitGatedDeltaNet if split else GatedDeltaNet)(raw, layer)
     else:
         shape = AttentionShape.from_config(cfg, qk_norm=True, norm_offset=1.0,
                                            output_gate=True)
@@ -54,6 +63,10 @@ def qwen3_next_layer(cfg: TextConfig, layer: int, kind: str | None) -> DecoderLa
 
 
 class Qwen3NextForCausalLM(CausalLM):
+    # Qwen3.5 checkpoints hold a vision tower and multi-token-prediction layers beside the
+    # language model; text generation runs neither.
+    unused_prefixes = ("model.visual.", "mtp.")
+
     def __init__(self, config: Mapping[str, Any]) -> None:
         cfg = TextConfig.from_hf(config)
         super().__init__(cfg, (qwen3_next_layer(cfg, i, k) for i, k in enumerate(cfg.kinds)),

@@ -23,6 +23,8 @@ MODELS: dict[str, str] = {
     "jamba": "hybridkv.models.jamba:JambaForCausalLM",
     "falcon_h1": "hybridkv.models.falcon_h1:FalconH1ForCausalLM",
     "qwen3_next": "hybridkv.models.qwen3_next:Qwen3NextForCausalLM",
+    "qwen3_5_text": "hybridkv.models.qwen3_next:Qwen3NextForCausalLM",
+    "qwen3_5_moe_text": "hybridkv.models.qwen3_next:Qwen3NextForCausalLM",
     "gemma3n": "hybridkv.models.gemma3n:Gemma3nForCausalLM",
     "gemma3n_text": "hybridkv.models.gemma3n:Gemma3nForCausalLM",
     "gemma4": "hybridkv.models.gemma4:Gemma4ForCausalLM",
