@@ -346,6 +346,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="block hash for the prefix cache; its secret seed is random per "
                              f"process unless ${BLOCK_HASH_SEED_ENV} sets one (for processes "
                              "that must agree, e.g. a shared KV tier)")
+    add_threads_argument(parser)
     add_offload_arguments(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
 
@@ -385,7 +386,7 @@ def run_generate(args: argparse.Namespace) -> int:
         disable_hybrid_kv_cache=args.no_hybrid,
         kv_sharing_fast_prefill=args.kv_sharing_fast_prefill,
         allow_long_max_model_len=args.allow_long_max_model_len,
-        block_hash_algo=args.block_hash_algo,
+        block_hash_algo=args.block_hash_algo, threads=args.threads,
         # From the environment, not a flag: a secret on the command line is visible to
         # every user of the machine (ps).
         block_hash_seed=os.environ.get(BLOCK_HASH_SEED_ENV) or None,
@@ -502,6 +503,13 @@ def add_server_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
                         help="weights and activations dtype (auto: the model's)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True, help="reuse the KV cache of shared prompt prefixes")
+    add_threads_argument(parser)
+
+
+def add_threads_argument(parser: argparse.ArgumentParser | Any) -> None:
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="torch intra-op threads (default: the cores this process may "
+                             "run on, from its CPU affinity mask)")
 
 
 def server_engine_options(args: argparse.Namespace) -> dict[str, object]:
@@ -509,7 +517,7 @@ def server_engine_options(args: argparse.Namespace) -> dict[str, object]:
     options: dict[str, object] = dict(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
-        enable_prefix_caching=args.enable_prefix_caching)
+        enable_prefix_caching=args.enable_prefix_caching, threads=args.threads)
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
     return options

@@ -7,10 +7,11 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridkv.cli import Command, memory, positive_int
+from hybridkv.cli import Command, add_threads_argument, memory, positive_int
 
 
 def _prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -30,20 +31,51 @@ def model_vocab(model_dir: str) -> int:
         raise ValueError(f"{path}: not a model config with a vocab_size") from None
 
 
+@dataclass(frozen=True)
+class Case:
+    """One workload: `num_prompts` random prompts of `input_len` tokens, `output_len` out."""
+
+    name: str
+    num_prompts: int
+    input_len: int
+    output_len: int
+
+
+# Long prompts, few outputs: the run is mostly prefill.
+LONG_PROMPTS = Case("long prompts", 8, 2048, 16)
+
+
+@dataclass(frozen=True)
+class Timing:
+    input_tokens: int
+    output_tokens: int
+    seconds: float
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def input_tokens_per_s(self) -> float:
+        return self.input_tokens / self.seconds
+
+
 def _ours(model_dir: str, prompts: list[list[int]], output_len: int,
-          options: dict[str, Any]) -> tuple[float, Any]:
+          options: dict[str, Any]) -> Timing:
     from hybridkv import LLM, SamplingParams
 
     llm = LLM(model_dir, **options)
     llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm up
+    llm.reset_prefix_cache()
     start = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True),
                         use_tqdm=False)
     elapsed = time.perf_counter() - start
-    return sum(len(o.token_ids) for o in outs) / elapsed, llm
+    llm.close()
+    return Timing(sum(map(len, prompts)), sum(len(o.token_ids) for o in outs), elapsed)
 
 
-def _transformers(model_dir: str, prompts: list[list[int]], output_len: int) -> float:
+def _transformers(model_dir: str, prompts: list[list[int]], output_len: int) -> Timing:
     import torch
     import transformers
 
@@ -51,40 +83,90 @@ def _transformers(model_dir: str, prompts: list[list[int]], output_len: int) -> 
     model.eval()
     ids = torch.tensor(prompts)  # equal lengths: no padding needed
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
-    model.generate(ids[:2], max_new_tokens=2, **kwargs)  # warm up
+    model.generate(ids[:2, :16], max_new_tokens=2, **kwargs)  # warm up
     start = time.perf_counter()
     out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kwargs)
     elapsed = time.perf_counter() - start
-    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / elapsed
+    return Timing(ids.numel(), (out.shape[1] - ids.shape[1]) * ids.shape[0], elapsed)
+
+
+def _median(timings: list[Timing], attr: str) -> float:
+    return statistics.median(getattr(t, attr) for t in timings)
+
+
+def _run_case(model_dir: str, case: Case, *, repeat: int, with_transformers: bool,
+              threads: int | None, busy_neighbour: bool) -> dict[str, Any]:
+    from hybridkv.bench.neighbour import busy_neighbour as neighbour
+    from hybridkv.bench.neighbour import own_cores, split_cores
+
+    prompts = _prompts(case.num_prompts, case.input_len, model_vocab(model_dir))
+    options = dict(dtype="float32", max_model_len=case.input_len + case.output_len + 16,
+                   max_num_seqs=case.num_prompts, kv_cache_memory="256MiB",
+                   max_num_batched_tokens=max(2048, case.input_len), threads=threads)
+    ours: list[Timing] = []
+    theirs: list[Timing] = []
+    busy: list[Timing] = []
+    engine_cores, neighbour_core = split_cores() if busy_neighbour else (set(), -1)
+    for _ in range(repeat):  # interleaved, so every side sees the same machine load
+        if busy_neighbour:
+            with own_cores(engine_cores):
+                ours.append(_ours(model_dir, prompts, case.output_len, options))
+                with neighbour(neighbour_core):
+                    busy.append(_ours(model_dir, prompts, case.output_len, options))
+        else:
+            ours.append(_ours(model_dir, prompts, case.output_len, options))
+        if with_transformers:
+            theirs.append(_transformers(model_dir, prompts, case.output_len))
+    import torch
+
+    figures: dict[str, Any] = {
+        "case": case.name, "num_prompts": case.num_prompts, "input_len": case.input_len,
+        "output_len": case.output_len, "repeat": repeat, "threads": torch.get_num_threads(),
+        "output_tokens_per_s": _median(ours, "output_tokens_per_s"),
+        "input_tokens_per_s": _median(ours, "input_tokens_per_s")}
+    if theirs:
+        figures["transformers_output_tokens_per_s"] = _median(theirs, "output_tokens_per_s")
+        figures["transformers_input_tokens_per_s"] = _median(theirs, "input_tokens_per_s")
+        figures["ratio"] = statistics.median(
+            b.seconds / a.seconds for a, b in zip(ours, theirs, strict=True))
+    if busy:
+        figures["engine_cores"] = sorted(engine_cores)
+        figures["neighbour_core"] = neighbour_core
+        figures["busy_output_tokens_per_s"] = _median(busy, "output_tokens_per_s")
+        figures["busy_ratio"] = statistics.median(
+            q.seconds / b.seconds for q, b in zip(ours, busy, strict=True))
+    return figures
 
 
 def bench_throughput(model_dir: str, *, num_prompts: int, input_len: int, output_len: int,
                      repeat: int = 1, with_transformers: bool = True,
-                     as_json: bool = False) -> str:
-    prompts = _prompts(num_prompts, input_len, model_vocab(model_dir))
-    options = dict(dtype="float32", max_model_len=input_len + output_len + 16,
-                   max_num_seqs=num_prompts, kv_cache_memory="256MiB")
-    ours, theirs = [], []
-    for _ in range(repeat):  # interleaved, so both see the same machine load
-        ours.append(_ours(model_dir, prompts, output_len, options)[0])
-        if with_transformers:
-            theirs.append(_transformers(model_dir, prompts, output_len))
-    figures: dict[str, Any] = {
-        "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
-        "repeat": repeat, "output_tokens_per_s": statistics.median(ours),
-        "transformers_output_tokens_per_s": statistics.median(theirs) if theirs else None}
-    if theirs:
-        figures["ratio"] = figures["output_tokens_per_s"] / figures[
-            "transformers_output_tokens_per_s"]
+                     threads: int | None = None, busy_neighbour: bool = False,
+                     long_prompts: bool = False, as_json: bool = False) -> str:
+    cases = [Case("batch", num_prompts, input_len, output_len)]
+    if long_prompts:
+        cases.append(LONG_PROMPTS)
+    results = [_run_case(model_dir, case, repeat=repeat, with_transformers=with_transformers,
+                         threads=threads, busy_neighbour=busy_neighbour) for case in cases]
     if as_json:
-        return json.dumps(figures)
-    lines = [f"{num_prompts} prompts x {input_len} tokens in, {output_len} out, float32, "
-             f"medians of {repeat}",
-             f"hybridkv      {figures['output_tokens_per_s']:9.1f} output tokens/s"]
-    if theirs:
-        lines.append(f"transformers  {figures['transformers_output_tokens_per_s']:9.1f} output "
-                     f"tokens/s (generate, batch {num_prompts})")
-        lines.append(f"ratio         {figures['ratio']:9.2f}x")
+        return json.dumps(results[0] if len(results) == 1 else {"cases": results})
+    return "\n\n".join(map(_format_case, results))
+
+
+def _format_case(f: dict[str, Any]) -> str:
+    lines = [f"{f['case']}: {f['num_prompts']} prompts x {f['input_len']} tokens in, "
+             f"{f['output_len']} out, float32, {f['threads']} torch threads, medians of "
+             f"{f['repeat']}",
+             f"hybridkv      {f['output_tokens_per_s']:9.1f} output tokens/s "
+             f"{f['input_tokens_per_s']:11.1f} prompt tokens/s (whole run)"]
+    if "ratio" in f:
+        lines.append(f"transformers  {f['transformers_output_tokens_per_s']:9.1f} output "
+                     f"tokens/s {f['transformers_input_tokens_per_s']:11.1f} prompt tokens/s "
+                     f"(generate, batch {f['num_prompts']})")
+        lines.append(f"ratio         {f['ratio']:9.2f}x (paired runs, median)")
+    if "busy_ratio" in f:
+        lines.append(f"busy neighbour {f['busy_output_tokens_per_s']:8.1f} output tokens/s on "
+                     f"cores {f['engine_cores']} beside a Python loop on core "
+                     f"{f['neighbour_core']}: {f['busy_ratio']:.2f}x of quiet")
     return "\n".join(lines)
 
 
@@ -155,6 +237,15 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
                         help="runs, interleaved with transformers; medians reported")
     parser.add_argument("--no-transformers", action="store_true",
                         help="skip the transformers generate baseline")
+    parser.add_argument("--long-prompts", action="store_true",
+                        help=f"also run {LONG_PROMPTS.num_prompts} prompts x "
+                             f"{LONG_PROMPTS.input_len} tokens in, {LONG_PROMPTS.output_len} "
+                             f"out (mostly prefill)")
+    parser.add_argument("--busy-neighbour", action="store_true",
+                        help="also time each run beside a Python busy loop pinned to the last "
+                             "core of this process's affinity mask (the engine keeps to the "
+                             "others) and report busy / quiet")
+    add_threads_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -162,7 +253,8 @@ def run_throughput(args: argparse.Namespace) -> int:
     print(bench_throughput(args.model_dir, num_prompts=args.num_prompts,
                            input_len=args.input_len, output_len=args.output_len,
                            repeat=args.repeat, with_transformers=not args.no_transformers,
-                           as_json=args.json))
+                           threads=args.threads, busy_neighbour=args.busy_neighbour,
+                           long_prompts=args.long_prompts, as_json=args.json))
     return 0
 
 

@@ -403,9 +403,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "LLM.generate with the same engine options (after the server "
                              "stopped) and report server / offline output tok/s")
     group = parser.add_argument_group("engine options (in-process server and offline run)")
-    add_server_engine_arguments(group)
-    group.add_argument("--threads", type=positive_int, default=None,
-                       help="torch threads of this process (default: torch's)")
+    add_server_engine_arguments(group)  # --threads among them
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
