@@ -154,3 +154,16 @@ ARCHS["qwen3_5_moe_text"] = ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", di
     num_hidden_layers=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
     linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2))
+
+# Pure SSMs (no attention group at all). Mamba: 2 Mamba1 layers, dt rank 8.
+ARCHS["mamba"] = ("MambaConfig", "MambaForCausalLM", dict(
+    num_hidden_layers=2, state_size=16, time_step_rank=8, use_associative_scan=False))
+
+# Falcon-Mamba: Mamba1 with weightless RMS norms on dt, B and C.
+ARCHS["falcon_mamba"] = ("FalconMambaConfig", "FalconMambaForCausalLM", dict(
+    num_hidden_layers=2, state_size=16, time_step_rank=8, use_associative_scan=False))
+
+# Mamba2: 8 heads of 16 in 2 groups, chunks of 16.
+ARCHS["mamba2"] = ("Mamba2Config", "Mamba2ForCausalLM", dict(
+    num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, n_groups=2,
+    chunk_size=16))

@@ -13,6 +13,8 @@ PLAN_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers")
 MODEL_FIELDS = (*PLAN_FIELDS, "vocab_size", "intermediate_size")
 # Per-layer kinds; where present each must have one entry per layer.
 LAYER_LISTS = ("layer_types", "layers_block_type", "hybrid_override_pattern")
+# Pure state-space models: no attention layer, so no attention heads to read.
+ATTENTION_FREE = ("mamba", "mamba2", "falcon_mamba")
 # Positive integers where present.
 OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings",
                  "sliding_window", "attention_chunk_size")
@@ -33,6 +35,8 @@ def check_config(config: object, source: str, *, for_model: bool) -> None:
                 cfg.get(f) is not None for f in ("layers_block_type",
                                                  "hybrid_override_pattern")):
             continue  # NemotronH: its per-layer pattern alone says how many layers
+        if name == "num_attention_heads" and cfg.get("model_type") in ATTENTION_FREE:
+            continue
         if cfg.get(name) is None:
             raise ValueError(f"{where}{name} is missing")
         if name == "intermediate_size" and isinstance(cfg[name], list):
@@ -43,7 +47,7 @@ def check_config(config: object, source: str, *, for_model: bool) -> None:
     for name in OPTIONAL_INTS:
         if cfg.get(name) is not None:
             _positive_int(f"{where}{name}", cfg[name])
-    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads")
+    heads, kv_heads = cfg.get("num_attention_heads") or 1, cfg.get("num_key_value_heads")
     if kv_heads is not None and heads % kv_heads:
         raise ValueError(f"{where}num_attention_heads ({heads}) must be a multiple of "
                          f"num_key_value_heads ({kv_heads})")

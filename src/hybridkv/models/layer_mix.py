@@ -24,7 +24,7 @@ from hybridkv.kv.spec import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from hybridkv.models.config_check import check_config
+from hybridkv.models.config_check import ATTENTION_FREE, check_config
 
 # Layer kinds after reading the config.
 FULL, SLIDING, CHUNKED, MAMBA, MAMBA1, LINEAR, NONE = (
@@ -34,7 +34,9 @@ SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3",
     "gemma3_text", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gpt_oss", "llama4",
     "llama4_text", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1", "jamba",
-    "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+    "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
+    # issue 16: linear attention, SSM, convolution and recurrence families
+    "mamba", "mamba2", "falcon_mamba")
 
 _LAYER_TYPE_WORDS = {
     "full_attention": FULL, "attention": FULL, "global": FULL, "global_attention": FULL,
@@ -112,6 +114,8 @@ def layer_kinds(config: Mapping[str, Any]) -> list[tuple[str, ...]]:
     n = int(cfg.get("num_hidden_layers") or len(listed))
     if model_type == "falcon_h1":
         return [(FULL, MAMBA)] * n
+    if model_type in ATTENTION_FREE:
+        return [(MAMBA if model_type == "mamba2" else MAMBA1,)] * n
     kinds = _attention_kinds(cfg, model_type, n)
     if not cfg.get("linear_num_key_heads"):
         # transformers 5.x saves Mamba layers as "linear_attention"; only configs with Gated
@@ -310,8 +314,10 @@ def _spec_for(kind: str, cfg: Mapping[str, Any], block_size: int, dtype: str,
         return MambaSpec(block_size=block_size, shapes=((d_inner, d_conv - 1),
                                                         (d_inner, d_state)),
                          dtypes=(dtype, dtype))
-    n_heads = int(_first(cfg, "mamba_n_heads", "mamba_num_heads"))
-    d_head = int(_first(cfg, "mamba_d_head", "mamba_head_dim"))
+    # Pure Mamba2 names its SSM heads plainly (`num_heads`, `head_dim`); hybrids prefix them.
+    plain = ("num_heads", "head_dim") if cfg.get("model_type") == "mamba2" else ("", "")
+    n_heads = int(_first(cfg, "mamba_n_heads", "mamba_num_heads", plain[0]))
+    d_head = int(_first(cfg, "mamba_d_head", "mamba_head_dim", plain[1]))
     n_groups = int(_first(cfg, "mamba_n_groups", "n_groups", default=1))
     d_inner = int(_first(cfg, "mamba_d_ssm", default=n_heads * d_head))
     # Mamba2: conv over [x, B, C]; SSM state [heads, head_dim, state].

@@ -53,7 +53,8 @@ class TextConfig:
                 tied: bool = False) -> TextConfig:
         """`eps`, `act`, `tied`: the family's defaults for fields a config may leave out."""
         cfg = config.get("text_config") or config
-        heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+        # Attention-free models (Mamba) have no heads: one nominal head, never used.
+        heads, hidden = int(cfg.get("num_attention_heads") or 1), int(cfg["hidden_size"])
         kinds = layer_kinds(config)
         inter = cfg.get("intermediate_size") or 0
         sizes = [int(s) for s in inter] if isinstance(inter, list) else [int(inter)] * len(kinds)
