@@ -127,3 +127,74 @@ def test_stop_reason_names_the_stop_token_or_string(server: LiveServer, offline:
     length = httpx.post(f"{server.url}/v1/completions", timeout=30,
                         json=body).json()["choices"][0]
     assert length["finish_reason"] == "length" and length["stop_reason"] is None
+
+
+def test_n_samples_equal_offline_samples(server: LiveServer, offline: Any) -> None:
+    from hybridkv import SamplingParams
+
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=3, ignore_eos=True)
+    expected = offline.generate(PROMPTS[:2], sampled)
+    c = client(server)
+    response = c.completions.create(model="test-model", prompt=PROMPTS[:2], max_tokens=8,
+                                    temperature=1.0, seed=3, n=3,
+                                    extra_body={"ignore_eos": True})
+    # Prompt-major: prompt i's samples are choices 3i .. 3i+2.
+    assert [ch.index for ch in response.choices] == list(range(6))
+    assert [ch.text for ch in response.choices] == [o.text for o in expected]
+    assert len({ch.text for ch in response.choices[:3]}) > 1
+    assert response.usage.prompt_tokens == sum(len(o.prompt_token_ids)
+                                               for o in expected[::3])
+    assert response.usage.completion_tokens == 6 * 8
+    # Streamed, the chunks of the three samples interleave; each adds up to its text.
+    texts = [""] * 6
+    for chunk in c.completions.create(model="test-model", prompt=PROMPTS[:2], max_tokens=8,
+                                      temperature=1.0, seed=3, n=3, stream=True,
+                                      extra_body={"ignore_eos": True}):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [o.text for o in expected]
+    messages = [{"role": "user", "content": "say something"}]
+    chat = c.chat.completions.create(model="test-model", messages=messages,  # type: ignore[arg-type]
+                                     max_completion_tokens=6, temperature=1.0, seed=9, n=2)
+    [first, second] = offline.generate([chat_prompt(server, messages)], SamplingParams(
+        max_tokens=6, temperature=1.0, seed=9, n=2))
+    assert [ch.message.content for ch in chat.choices] == [first.text, second.text]
+    deltas = ["", ""]
+    roles = set()
+    for chunk in c.chat.completions.create(model="test-model", messages=messages,  # type: ignore[arg-type]
+                                           max_completion_tokens=6, temperature=1.0,
+                                           seed=9, n=2, stream=True):
+        for ch in chunk.choices:
+            deltas[ch.index] += ch.delta.content or ""
+            if ch.delta.role:
+                roles.add(ch.index)
+    assert deltas == [first.text, second.text] and roles == {0, 1}
+
+
+def test_echo_penalties_min_p_and_logit_bias(server: LiveServer, offline: Any) -> None:
+    from hybridkv import SamplingParams
+
+    c = client(server)
+    [plain] = greedy(offline, PROMPTS[:1], 6)
+    echoed = c.completions.create(model="test-model", prompt=PROMPTS[0], max_tokens=6,
+                                  temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPTS[0] + plain.text
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="test-model", prompt=PROMPTS[0], max_tokens=6, temperature=0, echo=True,
+        stream=True) if ch.choices)
+    assert streamed == PROMPTS[0] + plain.text
+    knobs = dict(presence_penalty=1.0, frequency_penalty=0.5)
+    expected = offline.generate(PROMPTS[:1], SamplingParams(
+        max_tokens=12, temperature=0.0, repetition_penalty=1.4, **knobs))[0]
+    got = c.completions.create(model="test-model", prompt=PROMPTS[0], max_tokens=12,
+                               temperature=0, extra_body={"repetition_penalty": 1.4}, **knobs)
+    assert got.choices[0].text == expected.text
+    sampled = offline.generate(PROMPTS[:1], SamplingParams(
+        max_tokens=12, temperature=1.0, min_p=0.2, seed=4))[0]
+    got = c.completions.create(model="test-model", prompt=PROMPTS[0], max_tokens=12,
+                               temperature=1.0, seed=4, extra_body={"min_p": 0.2})
+    assert got.choices[0].text == sampled.text
+    forced = c.completions.create(model="test-model", prompt=PROMPTS[0], max_tokens=4,
+                                  temperature=0, logit_bias={"65": 100},
+                                  extra_body={"ignore_eos": True})
+    assert offline.engine.tokenizer.encode(forced.choices[0].text).ids == [65] * 4

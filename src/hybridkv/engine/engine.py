@@ -22,7 +22,7 @@ from hybridkv.sched.request import Request, RequestStatus
 from hybridkv.sched.sampling import SamplingParams
 
 # Every tier a request's prompt can come from, in outputs even when unused.
-NO_CACHED_TOKENS = {"device": 0, "cpu": 0, "disk": 0}
+NO_CACHED_TOKENS = {"device": 0, "cpu": 0, "disk": 0, "remote": 0}
 ACCEPTED_PROMPTS = "a string or a list of token ids (ints)"
 
 
@@ -72,6 +72,11 @@ class LLMEngine:
         self._params: dict[str, SamplingParams] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._next_index = 0
+        # n > 1: request id -> its samples' engine ids, and back (id, index); samples held
+        # until the first (the key) has computed the prompt.
+        self._samples: dict[str, list[str]] = {}
+        self._sample_of: dict[str, tuple[str, int]] = {}
+        self._held: dict[str, list[Request]] = {}
         self.connector = parts.scheduler.connector
         self._closed = False
         if self.connector is not None:
@@ -97,12 +102,15 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | Mapping[str, Any] | None = None, *,
                     priority: int = 0) -> None:
-        """Validate and queue a request; a bad one raises ValueError and changes nothing."""
+        """Validate and queue a request; a bad one raises ValueError and changes nothing.
+        With `n` > 1 its samples are engine requests of their own ("{id}#{i}") whose outputs
+        carry the request's id and their `index`; the first computes the prompt, the others
+        wait until it has, and then reuse its blocks through the prefix cache."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         params = as_sampling_params(params)
         check_int("priority", priority, low=-(2**63), high=2**63 - 1, what="an integer")
-        if request_id in self._params:
+        if request_id in self._params or request_id in self._samples:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.encode(prompt)
         if not token_ids:
@@ -115,6 +123,32 @@ class LLMEngine:
         if bad:
             raise ValueError(f"request {request_id}: token id {bad[0]} is outside the "
                              f"vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"request {request_id}: logit_bias names token {bad[0]}, outside "
+                             f"the vocabulary [0, {self.vocab_size})")
+        if params.n == 1:
+            self._queue(self._request(request_id, token_ids, params, priority))
+            return
+        ids = [f"{request_id}#{i}" for i in range(params.n)]
+        taken = next((i for i in ids if i in self._params or i in self._samples), None)
+        if taken is not None:
+            raise ValueError(f"request id {taken!r} (a sample of {request_id!r}) is already "
+                             f"in use")
+        requests = [self._request(rid, token_ids, params.for_sample(i), priority)
+                    for i, rid in enumerate(ids)]
+        self._samples[request_id] = ids
+        for i, rid in enumerate(ids):
+            self._sample_of[rid] = (request_id, i)
+        self._queue(requests[0])
+        self._held[ids[0]] = requests[1:]
+
+    def num_samples(self, request_id: str) -> int:
+        """How many outputs finish for a queued request (its n)."""
+        return len(self._samples.get(request_id, [request_id]))
+
+    def _request(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                 priority: int) -> Request:
         request = Request(request_id, token_ids, params,
                           hash_block_size=self.plan.config.hash_block_size,
                           eos_token_ids=self.eos_token_ids, arrival_index=self._next_index,
@@ -123,20 +157,38 @@ class LLMEngine:
         self._params[request_id] = params
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        return request
+
+    def _queue(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
+    def _release_held(self) -> None:
+        """Queue the samples waiting on a first sample that has computed its prompt (or
+        ended): from here on its prompt blocks are in the prefix cache."""
+        for first, waiting in list(self._held.items()):
+            request = self.scheduler.requests.get(first)
+            if request is None or request.num_computed_tokens >= request.num_prompt_tokens:
+                del self._held[first]
+                for held in waiting:
+                    self._queue(held)
+
     def abort_request(self, request_id: str) -> None:
-        request = self.scheduler.requests.get(request_id)
-        if request is not None:
-            self.scheduler.finish([request], RequestStatus.FINISHED_ABORTED)
-            self._forget(request_id)
+        """Abort a request (all its samples when n > 1) and free its blocks."""
+        for rid in self._samples.pop(request_id, [request_id]):
+            self._held.pop(rid, None)
+            request = self.scheduler.requests.get(rid)
+            if request is not None:
+                self.scheduler.finish([request], RequestStatus.FINISHED_ABORTED)
+            self._forget(rid)
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._held)
 
     # ---------------------------------------------------------------- one step
     def step(self) -> list[RequestOutput]:
+        if self._held:
+            self._release_held()
         out = self.scheduler.schedule()
         outputs = [self._fail(request, "it does not fit in the KV cache even alone (raise "
                               "kv_cache_memory or lower max_model_len)")
@@ -190,8 +242,8 @@ class LLMEngine:
         this step's KV of the request was never written, so its blocks must not stay
         hit-able."""
         self.scheduler.finish([request], RequestStatus.FINISHED_ERROR, computed=computed)
-        self._forget(request.request_id)
         output = self._output(request, RequestStatus.FINISHED_ERROR, "", new_token=False)
+        self._forget(request.request_id)
         output.error = f"request {request.request_id}: {message}"
         return output
 
@@ -223,8 +275,9 @@ class LLMEngine:
                 new_text: str, *, new_token: bool = True) -> RequestOutput:
         rid = request.request_id
         detokenizer = self._detokenizers.get(rid)
+        parent, index = self._sample_of.get(rid, (rid, 0))
         return RequestOutput(
-            request_id=rid, prompt_token_ids=request.prompt_token_ids,
+            request_id=parent, index=index, prompt_token_ids=request.prompt_token_ids,
             token_ids=list(request.output_token_ids),
             text=detokenizer.text if detokenizer else "",
             finished=status is not None, finish_reason=status.value if status else None,
@@ -264,3 +317,9 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self._params.pop(request_id, None)
         self._detokenizers.pop(request_id, None)
+        sample = self._sample_of.pop(request_id, None)
+        if sample is not None:
+            parent = sample[0]
+            remaining = self._samples.get(parent)
+            if remaining is not None and not any(r in self._sample_of for r in remaining):
+                del self._samples[parent]

@@ -28,7 +28,8 @@ class LLM:
                  *, use_tqdm: bool | None = None,
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (a string or a list of token ids); outputs in prompt
-        order. Every argument is checked before any request is queued: a rejected call
+        order, and a prompt whose params ask for n > 1 samples gets n outputs in a row
+        (`index` 0..n-1). Every argument is checked before any request is queued: a rejected call
         leaves nothing behind. A request that fails while running comes back with
         finish_reason "error" and its `error`; the others are unaffected."""
         prompt_list = _prompt_list(prompts)
@@ -42,7 +43,7 @@ class LLM:
             raise ValueError(f"{len(priorities)} priorities for {len(prompt_list)} prompts")
         if use_tqdm is not None and not isinstance(use_tqdm, bool):
             raise ValueError(f"use_tqdm must be True, False or None, got {use_tqdm!r}")
-        ids = []
+        ids: list[tuple[str, int]] = []  # (request id, n)
         for index, (prompt, p, prio) in enumerate(zip(prompt_list, params, priorities,
                                                       strict=True)):
             rid = str(self._counter)
@@ -50,23 +51,24 @@ class LLM:
             try:
                 self.engine.add_request(rid, prompt, p, priority=prio)
             except ValueError as e:
-                for queued in ids:
+                for queued, _ in ids:
                     self.engine.abort_request(queued)
                 message = str(e).removeprefix(f"request {rid}: ")
                 raise ValueError(f"prompt {index}: {message}") from None
-            ids.append(rid)
-        results: dict[str, RequestOutput] = {}
-        show = use_tqdm if use_tqdm is not None else (len(ids) >= 8 and sys.stderr.isatty())
-        progress = _progress(len(ids)) if show else None
+            ids.append((rid, self.engine.num_samples(rid)))
+        results: dict[tuple[str, int], RequestOutput] = {}
+        total = sum(n for _, n in ids)
+        show = use_tqdm if use_tqdm is not None else (total >= 8 and sys.stderr.isatty())
+        progress = _progress(total) if show else None
         while self.engine.has_unfinished:
             for out in self.engine.step():
                 if out.finished:
-                    results[out.request_id] = out
+                    results[out.request_id, out.index] = out
                     if progress is not None:
                         progress.update(1)
         if progress is not None:
             progress.close()
-        return [results[rid] for rid in ids]
+        return [results[rid, i] for rid, n in ids for i in range(n)]
 
 
     def reset_prefix_cache(self) -> bool:

@@ -20,6 +20,7 @@ class RequestOutput:
     # What stopped a "stop" request: the stop string, or the token id (EOS, a stop token).
     stop_reason: int | str | None = None
     # Prompt tokens reused instead of computed (from any place), and per place:
-    # {"device": ..., "cpu": ..., "disk": ...}.
+    # {"device": ..., "cpu": ..., "disk": ..., "remote": ...}.
     num_cached_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    index: int = 0  # which of the request's n samples this is

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from hybridkv.sched.checks import check_bool, check_int, check_number
@@ -11,6 +11,7 @@ from hybridkv.sched.checks import check_bool, check_int, check_number
 # Below this a softmax over float32 logits is an argmax anyway, and dividing by it overflows
 # (vLLM treats it as greedy too).
 _MIN_TEMPERATURE = 1e-5
+MAX_N = 128  # samples per prompt
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,6 +25,18 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # return this many top logprobs per generated token
+    # n samples of one prompt: the prompt is computed once (the first sample's blocks are
+    # prefix-cache hits for the others); sample i draws with seed + i.
+    n: int = 1
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability
+    # Penalties on tokens already seen, as OpenAI and vLLM define them: presence and
+    # frequency (in [-2, 2]) subtract from the logits of generated tokens, once / per
+    # occurrence; repetition (> 0, 1 = off) divides positive and multiplies negative
+    # logits of tokens in the prompt or the output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict, hash=False)  # id -> added
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -47,6 +60,21 @@ class SamplingParams:
         if self.logprobs is not None:
             check_int("logprobs", self.logprobs, low=0, what="an integer >= 0 or None")
         check_bool("ignore_eos", self.ignore_eos)
+        check_int("n", self.n, low=1, high=MAX_N)
+        min_p = check_number("min_p", self.min_p, low=0.0)
+        if min_p > 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        object.__setattr__(self, "min_p", min_p)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = check_number(name, getattr(self, name), low=-2.0)
+            if value > 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+            object.__setattr__(self, name, value)
+        repetition = check_number("repetition_penalty", self.repetition_penalty, low=0.0)
+        if repetition == 0.0:
+            raise ValueError("repetition_penalty must be > 0 (1 = off), got 0")
+        object.__setattr__(self, "repetition_penalty", repetition)
+        object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
         stop_ids = self.stop_token_ids
         if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, Iterable):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {stop_ids!r}")
@@ -72,6 +100,22 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits change with the tokens seen so far."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def plain_argmax(self) -> bool:
+        """Greedy on the model's own logits: nothing to apply before the argmax."""
+        return self.greedy and not self.penalized and not self.logit_bias
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The params of sample `index` of n: one sample, its own seed."""
+        seed = None if self.seed is None else (self.seed + index) % 2**64
+        return replace(self, n=1, seed=seed)
+
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> SamplingParams:
         """From user input: unknown fields are an error naming the accepted ones."""
@@ -82,6 +126,23 @@ class SamplingParams:
         return cls(**{k: v for k, v in values.items() if k in known},
                    extra={k: v for k, v in values.items() if k not in known})
 
+
+
+def _check_logit_bias(bias: object) -> dict[int, float]:
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got "
+                         f"{type(bias).__name__}")
+    checked = {}
+    for token, value in bias.items():
+        # JSON object keys are strings: "50256" is token 50256, as OpenAI reads it.
+        if isinstance(token, str) and token.isdecimal():
+            token = int(token)
+        check_int("logit_bias", token, low=0, what="a dict whose keys are token ids >= 0")
+        number = check_number(f"logit_bias[{token}]", value, low=-100.0)
+        if number > 100.0:
+            raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {value!r}")
+        checked[token] = number
+    return checked
 
 
 def accepted_fields() -> list[str]:

@@ -49,6 +49,7 @@ class NewRequestData:
     block_ids: list[list[int]]  # per group
     num_computed_tokens: int
     sampling_params: SamplingParams
+    num_prompt_tokens: int  # of token_ids: the rest are outputs (penalties tell them apart)
 
 
 @dataclass(frozen=True)
@@ -218,7 +219,7 @@ class Scheduler:
             budget -= num_new
             out.new_requests.append(NewRequestData(
                 req.request_id, list(req.token_ids), self.kv.get_block_ids(req.request_id),
-                req.num_computed_tokens, req.sampling_params))
+                req.num_computed_tokens, req.sampling_params, req.num_prompt_tokens))
             self._num_sent_tokens[req.request_id] = req.num_tokens
             out.num_scheduled_tokens[req.request_id] = num_new
         if connector is not None:

@@ -55,17 +55,23 @@ class EngineSnapshot:
 class RequestStream:
     """One request's outputs, in order, on the event loop; ends after a finished output."""
 
-    def __init__(self, request_id: str, num_prompt_tokens: int) -> None:
+    def __init__(self, request_id: str, num_prompt_tokens: int, n: int = 1) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
+        self.n = n  # samples: the stream ends after n finished outputs (`index` 0..n-1)
         self.arrival = time.monotonic()
         self.finished = False  # the consumer has read the last output
         self.ended = False  # the last output (or a failure) was delivered, or it was aborted
+        self._delivered = 0  # finished outputs put, and read
+        self._read = 0
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        if isinstance(item, BaseException) or item.finished:
+        if isinstance(item, BaseException):
             self.ended = True
+        elif item.finished:
+            self._delivered += 1
+            self.ended = self._delivered == self.n
         self._queue.put_nowait(item)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -74,7 +80,9 @@ class RequestStream:
             if isinstance(item, BaseException):
                 self.finished = True
                 raise item
-            self.finished = item.finished
+            if item.finished:
+                self._read += 1
+                self.finished = self._read == self.n
             yield item
 
 
@@ -121,7 +129,7 @@ class AsyncEngine:
                 self.snapshot.num_waiting + self._num_pending_adds >= self.max_waiting:
             raise QueueFullError(f"{self.max_waiting} requests are already waiting")
         assert self._loop is not None
-        stream = RequestStream(request_id, len(token_ids))
+        stream = RequestStream(request_id, len(token_ids), params.n)
         done: asyncio.Future[None] = self._loop.create_future()
         self._streams[request_id] = stream
         self._num_pending_adds += 1
@@ -157,11 +165,11 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted meanwhile
-            if out.finished:
-                del self._streams[out.request_id]
             if self._on_output is not None:
                 self._on_output(stream, out)
             stream.put(out)
+            if stream.ended:
+                del self._streams[out.request_id]
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}

@@ -106,12 +106,13 @@ class ServerMetrics:
         """Called on the event loop for each output the engine delivers."""
         now = time.monotonic()
         m = self.model_name
-        rid = out.request_id
+        rid = f"{out.request_id}/{out.index}"  # one sample of the request
         if out.new_token_ids:
             last = self._last_token.get(rid)
             if last is None:
                 self.ttft.labels(m).observe(now - stream.arrival)
-                self.prompt_tokens.labels(m).inc(stream.num_prompt_tokens)
+                if out.index == 0:  # n samples share one prompt
+                    self.prompt_tokens.labels(m).inc(stream.num_prompt_tokens)
             else:
                 self.itl.labels(m).observe(now - last)
             self._last_token[rid] = now
@@ -120,8 +121,12 @@ class ServerMetrics:
             self.finish(rid, out.finish_reason or "stop", stream)
 
     def finish(self, rid: str, reason: str, stream: RequestStream) -> None:
-        """A request ended: by the engine, or by its client going away ("abort")."""
+        """A sample ended (`rid` "{request}/{index}"), or a whole request because its client
+        went away ("abort", `rid` the request's)."""
         self._last_token.pop(rid, None)
+        if rid == stream.request_id:
+            for i in range(stream.n):
+                self._last_token.pop(f"{rid}/{i}", None)
         self.request_success.labels(self.model_name, reason).inc()
         self.e2e.labels(self.model_name).observe(time.monotonic() - stream.arrival)
 

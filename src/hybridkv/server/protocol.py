@@ -102,19 +102,9 @@ class DetokenizeRequest(Request):
 def unsupported_fields(body: SamplingFields) -> list[tuple[str, str]]:
     """(field, why) for every field set to a value the engine cannot honour yet."""
     found = []
-    if body.n != 1:
-        found.append(("n", "n other than 1"))
-    defaults: dict[str, object] = {"presence_penalty": 0.0, "frequency_penalty": 0.0,
-                                   "repetition_penalty": 1.0, "min_p": 0.0}
-    for name, neutral in defaults.items():
-        value = getattr(body, name)
-        if value is not None and value != neutral:
-            found.append((name, f"{name} other than {neutral}"))
-    if body.logit_bias:
-        found.append(("logit_bias", "logit_bias"))
     if isinstance(body, CompletionRequest):
-        if body.echo:
-            found.append(("echo", "echo"))
+        if body.echo and body.logprobs is not None:
+            found.append(("echo", "echo with logprobs (the prompt's logprobs)"))
         if body.best_of not in (None, 1):
             found.append(("best_of", "best_of other than 1"))
         if body.suffix is not None:

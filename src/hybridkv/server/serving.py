@@ -90,7 +90,9 @@ class ServerState:
             if isinstance(e, ValueError):
                 message = str(e).split(": ", 1)[-1] if str(e).startswith("request ") \
                     else str(e)
-                raise bad_request(message, "prompt") from None
+                param = next((f for f in accepted_fields() if message.startswith(f)),
+                             "prompt")
+                raise bad_request(message, param) from None
             if isinstance(e, QueueFullError):
                 raise APIError(503, f"the server is busy ({e}); retry later",
                                headers={"Retry-After": RETRY_AFTER_S}) from None
@@ -117,7 +119,9 @@ def sampling_params(body: p.SamplingFields, *, max_tokens: int, logprobs: int | 
     values: dict[str, Any] = dict(
         max_tokens=max_tokens, temperature=1.0 if body.temperature is None
         else body.temperature, ignore_eos=body.ignore_eos, logprobs=logprobs)
-    for name in ("top_p", "top_k", "seed", "stop", "stop_token_ids"):
+    for name in ("top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "n",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "logit_bias"):
         value = getattr(body, name)
         if value is not None:
             values[name] = value
@@ -204,15 +208,22 @@ async def until_disconnect(request: Request) -> None:
             return
 
 
+def choice_index(streams: Sequence[RequestStream], stream_index: int,
+                 out: RequestOutput) -> int:
+    """Choices are prompt-major: prompt i's n samples are choices i*n .. i*n + n - 1."""
+    return stream_index * streams[stream_index].n + out.index
+
+
 async def collect(state: ServerState, request: Request, streams: list[RequestStream]
                   ) -> list[RequestOutput] | None:
-    """Every stream's final output; None (all aborted) if the client went away first."""
-    finals: list[RequestOutput | None] = [None] * len(streams)
+    """Every sample's final output, in choice order; None (all aborted) if the client went
+    away first."""
+    finals: list[RequestOutput | None] = [None] * sum(s.n for s in streams)
 
     async def gather() -> None:
         async for index, out in merged(streams):
             if out.finished:
-                finals[index] = out
+                finals[choice_index(streams, index, out)] = out
 
     work = asyncio.ensure_future(gather())
     watch = asyncio.ensure_future(until_disconnect(request))
@@ -250,9 +261,14 @@ def engine_error(outputs: Sequence[RequestOutput]) -> str | None:
 
 
 def usage_of(streams: Sequence[RequestStream], outputs: Sequence[RequestOutput]) -> p.Usage:
+    """A prompt counts once however many samples it has (as OpenAI counts it), its cached
+    tokens those of its first sample (the others reuse that sample's prompt blocks)."""
     usage = p.Usage()
-    for stream, out in zip(streams, outputs, strict=True):
-        usage.add(stream.num_prompt_tokens, len(out.token_ids), out.num_cached_tokens)
+    prompts = {s.request_id: s.num_prompt_tokens for s in streams}
+    for out in outputs:
+        first = out.index == 0
+        usage.add(prompts[out.request_id] if first else 0, len(out.token_ids),
+                  out.num_cached_tokens if first else 0)
     return usage
 
 
@@ -301,17 +317,22 @@ async def create_completion(state: ServerState, body: p.CompletionRequest,
     prompts = completion_prompts(state, body.prompt)
     params = [sampling_params(body, logprobs=body.logprobs, max_tokens=max_tokens_for(
         body.max_tokens, ids, state.max_model_len, "max_tokens")) for ids in prompts]
+    # echo: the prompt's text before each choice's (a prompt of token ids, decoded).
+    echoes = [prompt_text(state, body.prompt, i, ids) if body.echo else ""
+              for i, ids in enumerate(prompts)]
     base_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await state.submit(base_id, prompts, params)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return streaming(state, streams, completion_chunks(state, body, base_id, streams,
-                                                           include_usage))
+                                                           include_usage, echoes))
     finals = await finished_outputs(state, request, streams)
     if finals is None:
         return Response(status_code=499)  # the client went away: nobody to answer
+    n = streams[0].n
     choices = [p.CompletionChoice(
-        index=i, text=out.text, finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+        index=i, text=echoes[i // n] + out.text, finish_reason=out.finish_reason,
+        stop_reason=out.stop_reason,
         logprobs=completion_logprobs(state, out, out.token_ids, 0, 0, body.logprobs)
         if body.logprobs is not None else None) for i, out in enumerate(finals)]
     response = p.CompletionResponse(id=base_id, model=state.model_name, choices=choices,
@@ -319,12 +340,23 @@ async def create_completion(state: ServerState, body: p.CompletionRequest,
     return JSONResponse(response.model_dump())
 
 
+def prompt_text(state: ServerState, prompt: object, index: int, ids: list[int]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and isinstance(prompt[index], str):
+        return str(prompt[index])
+    return state.decode(ids)
+
+
 async def completion_chunks(state: ServerState, body: p.CompletionRequest, base_id: str,
-                            streams: list[RequestStream], include_usage: bool
-                            ) -> AsyncIterator[str]:
-    finals: list[RequestOutput | None] = [None] * len(streams)
-    offsets = [0] * len(streams)
-    async for index, out in merged(streams):
+                            streams: list[RequestStream], include_usage: bool,
+                            echoes: Sequence[str]) -> AsyncIterator[str]:
+    num_choices = sum(s.n for s in streams)
+    finals: list[RequestOutput | None] = [None] * num_choices
+    offsets = [0] * num_choices
+    pending_echo = [bool(echoes[i // streams[0].n]) for i in range(num_choices)]
+    async for stream_index, out in merged(streams):
+        index = choice_index(streams, stream_index, out)
         if out.finished:
             finals[index] = out
         if out.error:
@@ -336,9 +368,13 @@ async def completion_chunks(state: ServerState, body: p.CompletionRequest, base_
             logprobs = completion_logprobs(state, out, out.new_token_ids, first,
                                            offsets[index], body.logprobs)
         offsets[index] += len(out.new_text)
-        if not out.new_text and not out.finished and logprobs is None:
+        text = out.new_text
+        if pending_echo[index]:  # the prompt goes first, in the choice's first chunk
+            pending_echo[index] = False
+            text = echoes[stream_index] + text
+        if not text and not out.finished and logprobs is None:
             continue  # a token still being decoded (an incomplete UTF-8 sequence)
-        choice = p.CompletionChoice(index=index, text=out.new_text, logprobs=logprobs,
+        choice = p.CompletionChoice(index=index, text=text, logprobs=logprobs,
                                     finish_reason=finish_reason(out),
                                     stop_reason=out.stop_reason)
         yield sse(p.CompletionResponse(id=base_id, model=state.model_name, choices=[choice]))
@@ -389,12 +425,11 @@ async def create_chat_completion(state: ServerState, body: p.ChatCompletionReque
     finals = await finished_outputs(state, request, streams)
     if finals is None:
         return Response(status_code=499)  # the client went away: nobody to answer
-    out = finals[0]
-    choice = p.ChatChoice(index=0, message=p.AssistantMessage(content=out.text),
-                          finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                          logprobs=chat_logprobs(state, out, out.token_ids, 0, k)
-                          if body.logprobs else None)
-    response = p.ChatCompletionResponse(id=base_id, model=state.model_name, choices=[choice],
+    choices = [p.ChatChoice(index=out.index, message=p.AssistantMessage(content=out.text),
+                            finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                            logprobs=chat_logprobs(state, out, out.token_ids, 0, k)
+                            if body.logprobs else None) for out in finals]
+    response = p.ChatCompletionResponse(id=base_id, model=state.model_name, choices=choices,
                                         usage=usage_of(streams, finals))
     return JSONResponse(response.model_dump())
 
@@ -402,13 +437,15 @@ async def create_chat_completion(state: ServerState, body: p.ChatCompletionReque
 async def chat_chunks(state: ServerState, body: p.ChatCompletionRequest, base_id: str,
                       streams: list[RequestStream], include_usage: bool
                       ) -> AsyncIterator[str]:
-    def chunk(delta: p.Delta, reason: str | None = None,
+    def chunk(index: int, delta: p.Delta, reason: str | None = None,
               logprobs: p.ChatLogprobs | None = None) -> str:
         return sse(p.ChatCompletionChunk(id=base_id, model=state.model_name, choices=[
-            p.ChatChunkChoice(index=0, delta=delta, finish_reason=reason, logprobs=logprobs)]))
+            p.ChatChunkChoice(index=index, delta=delta, finish_reason=reason,
+                              logprobs=logprobs)]))
 
-    yield chunk(p.Delta(role="assistant", content=""))
-    final = None
+    for index in range(streams[0].n):
+        yield chunk(index, p.Delta(role="assistant", content=""))
+    finals: list[RequestOutput] = []
     async for _, out in merged(streams):
         if out.error:
             yield sse(error_body(500, out.error))
@@ -419,9 +456,10 @@ async def chat_chunks(state: ServerState, body: p.ChatCompletionRequest, base_id
             logprobs = chat_logprobs(state, out, out.new_token_ids, first,
                                      body.top_logprobs or 0)
         if out.finished:
-            final = out
+            finals.append(out)
         if out.new_text or out.finished or logprobs is not None:
-            yield chunk(p.Delta(content=out.new_text), finish_reason(out), logprobs)
-    if include_usage and final is not None:
+            yield chunk(out.index, p.Delta(content=out.new_text), finish_reason(out),
+                        logprobs)
+    if include_usage and finals:
         yield sse(p.ChatCompletionChunk(id=base_id, model=state.model_name, choices=[],
-                                        usage=usage_of(streams, [final])))
+                                        usage=usage_of(streams, finals)))

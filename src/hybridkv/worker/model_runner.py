@@ -80,6 +80,7 @@ class ModelRunner:
         self.tokens: dict[str, list[int]] = {}
         self.num_computed: dict[str, int] = {}
         self.params: dict[str, SamplingParams] = {}
+        self.num_prompt: dict[str, int] = {}
         self._new_this_step: set[str] = set()
 
     # ---------------------------------------------------------------- the diff
@@ -93,7 +94,7 @@ class ModelRunner:
             for table in self.block_tables:
                 table.move_row(last, row)
         self.rows.pop()
-        del self.tokens[rid], self.num_computed[rid], self.params[rid]
+        del self.tokens[rid], self.num_computed[rid], self.params[rid], self.num_prompt[rid]
         self.sampler.forget(rid)
 
     def _apply(self, out: SchedulerOutput) -> None:
@@ -108,6 +109,7 @@ class ModelRunner:
             self.tokens[new.request_id] = list(new.token_ids)
             self.num_computed[new.request_id] = new.num_computed_tokens
             self.params[new.request_id] = new.sampling_params
+            self.num_prompt[new.request_id] = new.num_prompt_tokens
             for table, block_ids in zip(self.block_tables, new.block_ids, strict=True):
                 table.set_row(row, block_ids)
         for cached in out.cached_requests:
@@ -116,6 +118,10 @@ class ModelRunner:
             self.num_computed[cached.request_id] = cached.num_computed_tokens
             for table, block_ids in zip(self.block_tables, cached.new_block_ids, strict=True):
                 table.append(row, block_ids)
+
+    def _history(self, rid: str) -> tuple[list[int], int]:
+        """A request's tokens so far and how many are its prompt (for penalties)."""
+        return self.tokens[rid], self.num_prompt[rid]
 
     def _state_metadata(self, group_id: int, table: BlockTable, blocks_per_page: int,
                         scheduled: list[str], query_start_loc: list[int],
@@ -249,5 +255,6 @@ class ModelRunner:
         if self.logits_hook is not None:
             self.logits_hook(inputs.sample_ids, logits)
         sampled = self.sampler.sample(logits, inputs.sample_ids,
-                                      [self.params[r] for r in inputs.sample_ids])
+                                      [self.params[r] for r in inputs.sample_ids],
+                                      self._history)
         return RunnerOutput(sampled.tokens, sampled.logprobs, sampled.errors)

@@ -1,7 +1,10 @@
-"""Greedy, temperature, top-k and top-p sampling with per-request seeds."""
+"""Sampling: logit bias and penalties, then greedy or temperature with top-k, min-p and
+top-p, with per-request seeds. Top logprobs are those of the model's own logits (before any
+of this), as vLLM returns them by default."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +19,10 @@ class SamplerOutput:
     errors: dict[str, str]  # per request whose sampling failed: what went wrong
 
 
+# rid -> (every token of the request so far, how many of them are the prompt's)
+History = Callable[[str], tuple[Sequence[int], int]]
+
+
 class Sampler:
     def __init__(self) -> None:
         # A seeded request draws from its own generator, so its tokens do not depend on
@@ -26,19 +33,26 @@ class Sampler:
         self.generators.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, request_ids: list[str],
-               params: list[SamplingParams]) -> SamplerOutput:
-        """logits [R, V] -> one token per row, plus top logprobs where asked. A row that
-        fails is reported in `errors` and gets no token: one request's failure must not take
-        its batch-mates down."""
+               params: list[SamplingParams], history: History | None = None
+               ) -> SamplerOutput:
+        """logits [R, V] -> one token per row, plus top logprobs where asked. `history`
+        gives a request's tokens (needed by penalties only). A row that fails is reported in
+        `errors` and gets no token: one request's failure must not take its batch-mates
+        down."""
         logits = logits.float()
         out = SamplerOutput({}, {}, {})
-        if all(p.greedy for p in params):  # the common case: one argmax for the batch
-            out.tokens.update(zip(request_ids, torch.argmax(logits, dim=-1).tolist(),
-                                  strict=True))
+        plain = [p.plain_argmax for p in params]
+        if any(plain):  # the common case, all greedy: one argmax for the batch
+            for rid, is_plain, token in zip(request_ids, plain,
+                                            torch.argmax(logits, dim=-1).tolist(),
+                                            strict=True):
+                if is_plain:
+                    out.tokens[rid] = token
         for row, (rid, p) in enumerate(zip(request_ids, params, strict=True)):
             try:
                 if rid not in out.tokens:
-                    out.tokens[rid] = self._sample_row(logits[row], rid, p)
+                    row_logits = self._adjust(logits[row], rid, p, history)
+                    out.tokens[rid] = self._sample_row(row_logits, rid, p)
                 if p.logprobs is not None:
                     out.logprobs[rid] = self._logprobs(logits[row], out.tokens[rid],
                                                        p.logprobs)
@@ -55,6 +69,37 @@ class Sampler:
         entry[token] = float(lp[token])
         return entry
 
+    @staticmethod
+    def _adjust(logits: torch.Tensor, rid: str, p: SamplingParams,
+                history: History | None) -> torch.Tensor:
+        """Logit bias, then the penalties on tokens seen so far (a new tensor)."""
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=logits.device)
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype,
+                                device=logits.device)
+            logits = logits.index_add(0, ids, bias)
+        if not p.penalized:
+            return logits
+        if history is None:
+            raise RuntimeError("penalties need the request's tokens, and none were given")
+        tokens, num_prompt = history(rid)
+        seen = torch.tensor(list(tokens), dtype=torch.int64, device=logits.device)
+        vocab = logits.shape[-1]
+        counts = torch.bincount(seen[num_prompt:], minlength=vocab)[:vocab].to(logits.dtype)
+        if p.repetition_penalty != 1.0:
+            # Prompt tokens count here too (as in vLLM and transformers); a positive logit
+            # is divided and a negative one multiplied, so both become less likely.
+            in_prompt = torch.bincount(seen[:num_prompt], minlength=vocab)[:vocab] > 0
+            hit = in_prompt | (counts > 0)
+            penalized = torch.where(logits > 0, logits / p.repetition_penalty,
+                                    logits * p.repetition_penalty)
+            logits = torch.where(hit, penalized, logits)
+        if p.frequency_penalty:
+            logits = logits - p.frequency_penalty * counts
+        if p.presence_penalty:
+            logits = logits - p.presence_penalty * (counts > 0).to(logits.dtype)
+        return logits
+
     def _sample_row(self, logits: torch.Tensor, rid: str, p: SamplingParams) -> int:
         if p.greedy:
             return int(torch.argmax(logits))
@@ -63,6 +108,11 @@ class Sampler:
             kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
+        if p.min_p > 0.0:
+            # Relative to the most likely token: a flat distribution keeps many tokens, a
+            # peaked one few (the top token always stays).
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+            probs = probs / probs.sum()  # top-p below reads cumulative mass
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             # Keep the smallest set whose mass reaches top_p (the top token always stays).
