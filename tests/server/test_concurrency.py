@@ -104,3 +104,56 @@ def test_metrics_count_what_was_served(demo_dir: Any, offline: Any) -> None:
     assert metrics["hybridkv:prefix_cache_queries_total"] >= usage["prompt_tokens"]
     assert metrics["hybridkv:num_preemptions_total"] == 0
     assert "hybridkv:kv_cache_usage_perc_per_group{group=full}" in metrics
+
+
+def test_offload_tiers_have_their_metrics_and_reset_moves_hits_to_the_cpu(
+        demo_dir: Any) -> None:
+    prompt = "the quick brown fox jumps over the lazy dog " * 8
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0}
+    with live_server(demo_dir, engine={"kv_offload_cpu": "64MiB"}) as live, \
+            live.client() as http:
+        first = http.post("/v1/completions", json=body).json()
+        # While a request runs the reset is refused; idle, it drops the device cache and
+        # (store policy "evict") hands its blocks to the CPU tier.
+        with http.stream("POST", "/v1/completions", json={
+                "prompt": "x", "max_tokens": 300, "ignore_eos": True, "stream": True}):
+            wait_for_running(live)
+            busy = http.post("/reset_prefix_cache")
+            assert busy.status_code == 409 and busy.json()["error"]["code"] == 409
+        settled(live, 2)
+        assert http.post("/reset_prefix_cache").status_code == 200
+        # The next step hands the blocks over; let the tier writes land, so that the load
+        # below reads the CPU tier (not the connector's queue of blocks still on their way).
+        http.post("/v1/completions", json={"prompt": "y", "max_tokens": 1})
+        wait_for_stores(live)
+        again = http.post("/v1/completions", json=body).json()
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached > 0
+        metrics = settled(live, 3)
+    assert metrics["hybridkv:kv_offload_hit_tokens_total{tier=cpu}"] == cached
+    assert metrics["hybridkv:kv_offload_hits_total{tier=cpu}"] > 0
+    assert metrics["hybridkv:kv_offload_bytes_stored_total{tier=cpu}"] > 0
+    assert metrics["hybridkv:kv_offload_bytes_loaded_total{tier=cpu}"] > 0
+    assert metrics["hybridkv:kv_offload_connector_blocks_loaded_total"] > 0
+
+
+def wait_for_running(live: LiveServer) -> None:
+    deadline = time.monotonic() + 30
+    while live.metrics()["hybridkv:num_requests_running"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def wait_for_stores(live: LiveServer) -> None:
+    """Until the CPU tier's stored bytes stop growing (and some were stored)."""
+    key = "hybridkv:kv_offload_bytes_stored_total{tier=cpu}"
+    deadline = time.monotonic() + 30
+    last = -1.0
+    while True:
+        stored = live.metrics()[key]
+        if stored > 0 and stored == last:
+            return
+        assert time.monotonic() < deadline
+        last = stored
+        time.sleep(0.2)

@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import hybridkv
 from hybridkv.engine.engine import LLMEngine
 from hybridkv.server import protocol as p
-from hybridkv.server.async_engine import AsyncEngine
+from hybridkv.server.async_engine import AsyncEngine, EngineDeadError
 from hybridkv.server.chat import ChatTemplate, find_chat_template, special_tokens
 from hybridkv.server.errors import bad_request, error_response, install_error_handlers
 from hybridkv.server.metrics import ServerMetrics
@@ -155,6 +155,19 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
                               "tokens")
         return p.DetokenizeResponse(prompt=state.decode(body.tokens))
+
+    @app.post("/reset_prefix_cache", response_model=None)
+    async def reset_prefix_cache() -> Response:
+        """Drop the device prefix cache (offload tiers keep theirs), as vLLM's endpoint of
+        that name; refused with a 409 while requests hold blocks."""
+        try:
+            done = await state.engine.call(lambda engine: engine.reset_prefix_cache())
+        except EngineDeadError as e:
+            return error_response(503, str(e))
+        if not done:
+            return error_response(409, "requests are running; reset the prefix cache when "
+                                       "the server is idle")
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -50,6 +50,7 @@ class EngineSnapshot:
     prefix_hit_tokens: int = 0
     hit_tokens_per_group: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    offload: dict[str, Any] | None = None  # LLMEngine.offload_stats(), with tiers
 
 
 class RequestStream:
@@ -146,6 +147,15 @@ class AsyncEngine:
             self._num_pending_adds -= 1
         return stream
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread between steps; its result (or error)."""
+        if not self.alive:
+            raise EngineDeadError(self.dead_reason())
+        assert self._loop is not None
+        done: asyncio.Future[Any] = self._loop.create_future()
+        self._commands.put(("call", fn, done))
+        return await done
+
     def abort(self, request_id: str) -> None:
         """Drop a request (a client went away); its blocks are freed by the next command
         the thread reads, before its next step."""
@@ -225,6 +235,14 @@ class AsyncEngine:
             self._unscheduled[rid] = time.monotonic()
             self.snapshot.num_waiting += 1  # until the next snapshot: back-pressure sees it
             self._call_soon(_settle, done, None)
+        elif kind == "call":
+            _, fn, done = command
+            try:
+                result = fn(self.engine)
+            except Exception as e:
+                self._call_soon(_settle, done, e)
+            else:
+                self._call_soon(_settle_value, done, result)
         elif kind == "abort":
             self._unscheduled.pop(command[1], None)
             self.engine.abort_request(command[1])
@@ -250,7 +268,8 @@ class AsyncEngine:
             prefix_queried_tokens=kv.stats.num_queried_tokens,
             prefix_hit_tokens=kv.stats.num_hit_tokens,
             hit_tokens_per_group=list(kv.stats.hit_tokens_per_group),
-            num_preemptions=scheduler.num_preemptions)
+            num_preemptions=scheduler.num_preemptions,
+            offload=self.engine.offload_stats())
 
     def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
         loop = self._loop
@@ -266,3 +285,8 @@ def _settle(done: asyncio.Future[None], error: BaseException | None) -> None:
         done.set_result(None)
     else:
         done.set_exception(error)
+
+
+def _settle_value(done: asyncio.Future[Any], value: Any) -> None:
+    if not done.done():
+        done.set_result(value)

@@ -18,7 +18,7 @@ from hybridkv.server.protocol import ErrorInfo, ErrorResponse
 logger = logging.getLogger(__name__)
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 413: "BadRequestError",
+               405: "MethodNotAllowedError", 409: "ConflictError", 413: "BadRequestError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -76,6 +77,30 @@ class EngineCollector(Collector):
             hits.add_metric([self._model, name], h)
         yield usage
         yield hits
+        if s.offload is not None:
+            yield from self._offload(s.offload)
+
+    def _offload(self, stats: dict[str, Any]) -> Iterator[Metric]:
+        """Per offload tier (label `tier`: cpu, disk, remote...), every counter the tier
+        keeps, as `hybridkv:kv_offload_<counter>`; the connector's own totals beside them."""
+        labels = ["model_name", "tier"]
+        tiers = [t for t in stats.get("tiers", []) if isinstance(t, dict)]
+        names = sorted({k for t in tiers for k, v in t.items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        for name in names:
+            family = CounterMetricFamily(P + "kv_offload_" + name,
+                                         f"Offload tier {name.replace('_', ' ')}.",
+                                         labels=labels)
+            for tier in tiers:
+                family.add_metric([self._model, str(tier["tier"])], float(tier.get(name, 0)))
+            yield family
+        for name, value in sorted(stats.items()):
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                family = CounterMetricFamily(P + "kv_offload_connector_" + name,
+                                             f"KV offload connector: {name.replace('_', ' ')}.",
+                                             labels=["model_name"])
+                family.add_metric([self._model], float(value))
+                yield family
 
 
 class ServerMetrics:
