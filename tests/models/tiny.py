@@ -167,3 +167,9 @@ ARCHS["falcon_mamba"] = ("FalconMambaConfig", "FalconMambaForCausalLM", dict(
 ARCHS["mamba2"] = ("Mamba2Config", "Mamba2ForCausalLM", dict(
     num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, n_groups=2,
     chunk_size=16))
+
+# LFM2: short convolutions (kernel 3) with attention on layers 1 and 3; the MLP width is
+# adjusted from intermediate_size (2/3, rounded up to a multiple of 32).
+ARCHS["lfm2"] = ("Lfm2Config", "Lfm2ForCausalLM", dict(
+    num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"],
+    conv_L_cache=3, block_multiple_of=32))

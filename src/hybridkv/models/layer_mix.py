@@ -29,6 +29,8 @@ from hybridkv.models.config_check import ATTENTION_FREE, check_config
 # Layer kinds after reading the config.
 FULL, SLIDING, CHUNKED, MAMBA, MAMBA1, LINEAR, NONE = (
     "full", "sliding", "chunked", "mamba", "mamba1", "linear_attention", "none")
+CONV = "conv"  # a gated short convolution (LFM2): its last inputs are its state
+STATE_KINDS = (MAMBA, MAMBA1, LINEAR, CONV)
 
 SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3",
@@ -36,13 +38,13 @@ SUPPORTED_MODEL_TYPES = (
     "llama4_text", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1", "jamba",
     "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
     # issue 16: linear attention, SSM, convolution and recurrence families
-    "mamba", "mamba2", "falcon_mamba")
+    "mamba", "mamba2", "falcon_mamba", "lfm2", "lfm2_moe")
 
 _LAYER_TYPE_WORDS = {
     "full_attention": FULL, "attention": FULL, "global": FULL, "global_attention": FULL,
     "sliding_attention": SLIDING, "sliding": SLIDING, "local": SLIDING,
     "chunked_attention": CHUNKED, "chunked": CHUNKED,
-    "mamba": MAMBA, "mamba2": MAMBA, "linear_attention": LINEAR,
+    "mamba": MAMBA, "mamba2": MAMBA, "linear_attention": LINEAR, "conv": CONV,
     "mlp": NONE, "moe": NONE,
 }
 _PATTERN_CHARS = {"M": MAMBA, "*": FULL, "-": NONE, "E": NONE}
@@ -139,6 +141,9 @@ def _attention_kinds(cfg: Mapping[str, Any], model_type: str, n: int) -> list[st
     if cfg.get("attn_layer_period"):
         period, offset = int(cfg["attn_layer_period"]), int(cfg.get("attn_layer_offset", 0))
         return [FULL if i % period == offset else MAMBA for i in range(n)]
+    if isinstance(cfg.get("full_attn_idxs"), list):  # LFM2 configs without layer_types
+        indices = set(cfg["full_attn_idxs"])
+        return [FULL if i in indices else CONV for i in range(n)]
     if isinstance(cfg.get("attn_layer_indices"), list):
         indices = set(cfg["attn_layer_indices"])
         return [FULL if i in indices else MAMBA for i in range(n)]
@@ -192,7 +197,7 @@ def kv_layout_from_config(config: Mapping[str, Any], *, block_size: int = 16,
     specs: dict[str, KVCacheSpec] = {}
     for i, parts in enumerate(kinds):
         for kind in parts:
-            name = f"model.layers.{i}." + ("mamba" if kind in (MAMBA, MAMBA1, LINEAR)
+            name = f"model.layers.{i}." + ("mamba" if kind in STATE_KINDS
                                            else "self_attn")
             specs[name] = _spec_for(kind, cfg, block_size, dtype, i)
     return ModelKVLayout(
@@ -250,7 +255,7 @@ def _explicit_kv_sharing(explicit: object, kinds: list[tuple[str, ...]]) -> dict
             raise ValueError(f"kv_sharing_target_layers: layer {layer} -> {target}: a layer "
                              f"may read only an earlier layer's KV (layers 0..{len(kinds) - 1})")
         if kinds[layer] != kinds[target] or not kinds[layer] or \
-                any(k in (MAMBA, MAMBA1, LINEAR) for k in kinds[layer]):
+                any(k in STATE_KINDS for k in kinds[layer]):
             raise ValueError(f"kv_sharing_target_layers: layer {layer} ({'/'.join(kinds[layer])}"
                              f") cannot read layer {target} ({'/'.join(kinds[target])}): both "
                              f"must be attention layers of the same kind")
@@ -299,6 +304,10 @@ def _spec_for(kind: str, cfg: Mapping[str, Any], block_size: int, dtype: str,
             return ChunkedLocalAttentionSpec(
                 attention_chunk_size=int(cfg["attention_chunk_size"]), **attn)
         return FullAttentionSpec(**attn)
+    if kind == CONV:
+        # The last `conv_L_cache - 1` inputs of a depthwise conv over the hidden channels.
+        return MambaSpec(block_size=block_size, shapes=((hidden, int(cfg["conv_L_cache"]) - 1),),
+                         dtypes=(dtype,))
     if kind == LINEAR:
         # Gated DeltaNet: conv over [q, k, v] and a [v_heads, k_dim, v_dim] recurrent state.
         nk, dk = int(cfg["linear_num_key_heads"]), int(cfg["linear_key_head_dim"])
