@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -172,3 +174,30 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def run_server(app: FastAPI, *, host: str, port: int, log_level: str,
+               shutdown_timeout_s: float) -> None:
+    """uvicorn on `app`, with a shutdown that never leaves a client hanging: on SIGTERM or
+    SIGINT it stops accepting, lets in-flight requests finish for `shutdown_timeout_s`, then
+    ends the rest (a last error event on a stream, a 503 otherwise) before uvicorn would
+    cancel them mid-response, and stops the engine."""
+    import uvicorn
+
+    async_engine = app.state.server.engine
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            timer = asyncio.get_running_loop().call_later(
+                shutdown_timeout_s, async_engine.end_all,
+                f"the server is shutting down (requests get {shutdown_timeout_s:g} s to "
+                f"finish)")
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    # uvicorn's own limit comes later: the ended responses need a moment to be sent.
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=int(math.ceil(shutdown_timeout_s)) + 5)
+    Server(config).run()

@@ -162,6 +162,14 @@ class AsyncEngine:
         self._streams.pop(request_id, None)
         self._commands.put(("abort", request_id))
 
+    def end_all(self, reason: str) -> None:
+        """End every request now (the shutdown timeout passed): each stream gets
+        `EngineDeadError(reason)`, which its response turns into a last error event; the
+        engine frees their blocks."""
+        for rid in list(self._streams):
+            self._commands.put(("abort", rid))
+        self._fail_all(EngineDeadError(reason))
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._commands.put(("wake",))
