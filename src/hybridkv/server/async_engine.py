@@ -75,6 +75,11 @@ class RequestStream:
             self.ended = self._delivered == self.n
         self._queue.put_nowait(item)
 
+    @property
+    def has_more(self) -> bool:
+        """Whether the next output is already here (a reader may batch its writes)."""
+        return not self._queue.empty()
+
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
             item = await self._queue.get()

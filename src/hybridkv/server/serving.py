@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -169,11 +170,20 @@ def sse(chunk: BaseModel | dict[str, Any]) -> str:
     return f"data: {data}\n\n"
 
 
-async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several streams as they come, tagged with their stream's index."""
+def sse_json(data: dict[str, Any]) -> str:
+    """`sse` for a plain dict: the per-token path, without a pydantic model per chunk."""
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def merged(streams: Sequence[RequestStream]
+                 ) -> AsyncIterator[tuple[int, RequestOutput, bool]]:
+    """Outputs of several streams as they come: (stream index, output, whether another
+    output is already waiting). Writers gather the chunks of waiting outputs into one write:
+    a server behind on a busy step catches up in one send per stream, not one per token."""
     if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
+        stream = streams[0]
+        async for out in stream:
+            yield 0, out, stream.has_more
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
@@ -195,7 +205,7 @@ async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, R
             elif isinstance(item, BaseException):
                 raise item
             else:
-                yield index, item
+                yield index, item, not queue.empty()
     finally:
         for task in tasks:
             task.cancel()
@@ -221,7 +231,7 @@ async def collect(state: ServerState, request: Request, streams: list[RequestStr
     finals: list[RequestOutput | None] = [None] * sum(s.n for s in streams)
 
     async def gather() -> None:
-        async for index, out in merged(streams):
+        async for index, out, _ in merged(streams):
             if out.finished:
                 finals[choice_index(streams, index, out)] = out
 
@@ -355,29 +365,40 @@ async def completion_chunks(state: ServerState, body: p.CompletionRequest, base_
     finals: list[RequestOutput | None] = [None] * num_choices
     offsets = [0] * num_choices
     pending_echo = [bool(echoes[i // streams[0].n]) for i in range(num_choices)]
-    async for stream_index, out in merged(streams):
+    # Every chunk has the same head; only the choice changes (built as a dict: this runs
+    # once per token of every stream).
+    head = {"id": base_id, "object": "text_completion", "created": int(time.time()),
+            "model": state.model_name}
+    batch: list[str] = []
+    async for stream_index, out, more in merged(streams):
         index = choice_index(streams, stream_index, out)
         if out.finished:
             finals[index] = out
         if out.error:
-            yield sse(error_body(500, out.error))
-            continue
-        logprobs = None
-        if body.logprobs is not None and out.new_token_ids:
-            first = len(out.token_ids) - len(out.new_token_ids)
-            logprobs = completion_logprobs(state, out, out.new_token_ids, first,
-                                           offsets[index], body.logprobs)
-        offsets[index] += len(out.new_text)
-        text = out.new_text
-        if pending_echo[index]:  # the prompt goes first, in the choice's first chunk
-            pending_echo[index] = False
-            text = echoes[stream_index] + text
-        if not text and not out.finished and logprobs is None:
-            continue  # a token still being decoded (an incomplete UTF-8 sequence)
-        choice = p.CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                    finish_reason=finish_reason(out),
-                                    stop_reason=out.stop_reason)
-        yield sse(p.CompletionResponse(id=base_id, model=state.model_name, choices=[choice]))
+            batch.append(sse(error_body(500, out.error)))
+        else:
+            logprobs = None
+            if body.logprobs is not None and out.new_token_ids:
+                first = len(out.token_ids) - len(out.new_token_ids)
+                logprobs = completion_logprobs(state, out, out.new_token_ids, first,
+                                               offsets[index], body.logprobs).model_dump()
+            offsets[index] += len(out.new_text)
+            text = out.new_text
+            if pending_echo[index]:  # the prompt goes first, in the choice's first chunk
+                pending_echo[index] = False
+                text = echoes[stream_index] + text
+            # Nothing to send for a token still being decoded (an incomplete UTF-8
+            # sequence).
+            if text or out.finished or logprobs is not None:
+                batch.append(sse_json({**head, "choices": [{
+                    "index": index, "text": text, "logprobs": logprobs,
+                    "finish_reason": finish_reason(out), "stop_reason": out.stop_reason}],
+                    "usage": None}))
+        if batch and not more:
+            yield "".join(batch)
+            batch.clear()
+    if batch:
+        yield "".join(batch)
     if include_usage:
         done = [out for out in finals if out is not None]
         yield sse(p.CompletionResponse(id=base_id, model=state.model_name, choices=[],
@@ -446,20 +467,26 @@ async def chat_chunks(state: ServerState, body: p.ChatCompletionRequest, base_id
     for index in range(streams[0].n):
         yield chunk(index, p.Delta(role="assistant", content=""))
     finals: list[RequestOutput] = []
-    async for _, out in merged(streams):
+    batch: list[str] = []
+    async for _, out, more in merged(streams):
         if out.error:
-            yield sse(error_body(500, out.error))
-            continue
-        logprobs = None
-        if body.logprobs and out.new_token_ids:
-            first = len(out.token_ids) - len(out.new_token_ids)
-            logprobs = chat_logprobs(state, out, out.new_token_ids, first,
-                                     body.top_logprobs or 0)
-        if out.finished:
-            finals.append(out)
-        if out.new_text or out.finished or logprobs is not None:
-            yield chunk(out.index, p.Delta(content=out.new_text), finish_reason(out),
-                        logprobs)
+            batch.append(sse(error_body(500, out.error)))
+        else:
+            logprobs = None
+            if body.logprobs and out.new_token_ids:
+                first = len(out.token_ids) - len(out.new_token_ids)
+                logprobs = chat_logprobs(state, out, out.new_token_ids, first,
+                                         body.top_logprobs or 0)
+            if out.finished:
+                finals.append(out)
+            if out.new_text or out.finished or logprobs is not None:
+                batch.append(chunk(out.index, p.Delta(content=out.new_text),
+                                   finish_reason(out), logprobs))
+        if batch and not more:  # outputs already waiting go out in one write
+            yield "".join(batch)
+            batch.clear()
+    if batch:
+        yield "".join(batch)
     if include_usage and finals:
         yield sse(p.ChatCompletionChunk(id=base_id, model=state.model_name, choices=[],
                                         usage=usage_of(streams, finals)))
