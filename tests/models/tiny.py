@@ -173,3 +173,11 @@ ARCHS["mamba2"] = ("Mamba2Config", "Mamba2ForCausalLM", dict(
 ARCHS["lfm2"] = ("Lfm2Config", "Lfm2ForCausalLM", dict(
     num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"],
     conv_L_cache=3, block_multiple_of=32))
+
+# LFM2-MoE: a dense first layer, then top-2 of 4 experts chosen by sigmoid scores plus a
+# selection bias (perturbed from its zero start, so that ignoring it could not pass).
+ARCHS["lfm2_moe"] = ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", dict(
+    num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3,
+    num_dense_layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    routed_scaling_factor=1.5))
+PERTURB_CONSTANTS.add("lfm2_moe")

@@ -17,8 +17,10 @@ from hybridkv.models.layer_mix import CONV, FULL
 from hybridkv.models.layers.attention import Attention, AttentionShape
 from hybridkv.models.layers.decoder_layer import DecoderLayer, LayerNames
 from hybridkv.models.layers.mlp import GatedMLP
+from hybridkv.models.layers.moe import ExpertMLPs
 from hybridkv.models.layers.rotary import Rotary
 from hybridkv.models.layers.short_conv import ShortConv
+from hybridkv.models.layers.sigmoid_moe import SigmoidBiasMoE
 from hybridkv.models.text_config import TextConfig
 from hybridkv.worker.attention import AttentionParams
 
@@ -31,9 +33,10 @@ RENAMES = ((".self_attn.out_proj.", ".self_attn.o_proj."),
 
 def mlp_size(raw: Mapping[str, Any]) -> int:
     """LFM2's dense MLP width: with `block_auto_adjust_ff_dim`, 2/3 of the configured size
-    times `block_ffn_dim_multiplier`, rounded up to `block_multiple_of` (as the reference)."""
+    times `block_ffn_dim_multiplier`, rounded up to `block_multiple_of` (as the reference);
+    LFM2-MoE's dense layers take the size as it is."""
     size = int(raw.get("intermediate_size") or raw["block_ff_dim"])
-    if raw.get("block_auto_adjust_ff_dim", True):
+    if raw.get("model_type") == "lfm2" and raw.get("block_auto_adjust_ff_dim", True):
         size = int(2 * size / 3)
         multiplier = raw.get("block_ffn_dim_multiplier", 1.0)
         if multiplier is not None:
@@ -58,8 +61,20 @@ def lfm2_layer(cfg: TextConfig, layer: int, kind: str | None) -> DecoderLayer:
                                   f"supported")
     names = LayerNames(name, mixer_norm="operator_norm", ffn_norm="ffn_norm",
                        ffns=("feed_forward",))
-    return DecoderLayer(names, mixer, [GatedMLP(hidden, mlp_size(raw), "silu")], hidden,
+    return DecoderLayer(names, mixer, [feed_forward(raw, hidden, layer)], hidden,
                         cfg.rms_norm_eps)
+
+
+def feed_forward(raw: Mapping[str, Any], hidden: int, layer: int) -> nn.Module:
+    """A SwiGLU MLP; for LFM2-MoE from layer `num_dense_layers` on, a sigmoid-routed MoE."""
+    if raw.get("model_type") != "lfm2_moe" or layer < int(raw.get("num_dense_layers", 2)):
+        return GatedMLP(hidden, mlp_size(raw), "silu")
+    experts = ExpertMLPs(int(raw["num_experts"]), hidden, int(raw["moe_intermediate_size"]),
+                         "silu")
+    return SigmoidBiasMoE(hidden, experts, int(raw["num_experts_per_tok"]), router_name="gate",
+                          expert_bias=bool(raw.get("use_expert_bias", True)),
+                          renormalize=bool(raw.get("norm_topk_prob", True)),
+                          scaling=float(raw.get("routed_scaling_factor", 1.0)))
 
 
 class Lfm2ForCausalLM(CausalLM):
