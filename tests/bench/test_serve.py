@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 
@@ -36,7 +37,8 @@ def test_prompts_share_the_prefix_and_percentiles_interpolate():
 def test_bench_serve_in_process_every_request_streams_its_tokens(model_dir, capsys):
     assert main(["bench", "serve", "--model", model_dir, "--num-prompts", "3",
                  "--concurrency", "1", "2", "--input-len", "12", "--output-len", "4",
-                 "--shared-prefix-len", "8", "--compare-offline", "--json", *ENGINE]) == 0
+                 "--shared-prefix-len", "8", "--compare-offline", "--json",
+                 "--offline-cpus", str(min(os.sched_getaffinity(0))), *ENGINE]) == 0
     figures = json.loads(capsys.readouterr().out)
     assert [r["concurrency"] for r in figures["runs"]] == [1, 2]
     for run in figures["runs"]:
@@ -57,6 +59,11 @@ def test_bench_serve_in_process_every_request_streams_its_tokens(model_dir, caps
     assert figures["offline"]["compared_run"] == 1
     assert figures["server_overhead"] == pytest.approx(
         figures["runs"][1]["output_throughput"] / figures["offline"]["output_throughput"])
+    # Offline held to the server's 2 requests in flight, on the CPUs asked for.
+    assert figures["offline_same_batch"]["total_output_tokens"] == 12
+    assert figures["server_overhead_same_batch"] == pytest.approx(
+        figures["runs"][1]["output_throughput"]
+        / figures["offline_same_batch"]["output_throughput"])
 
 
 def test_bench_serve_against_a_url_with_poisson_arrivals(model_dir, capsys):

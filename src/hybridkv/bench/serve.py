@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import threading
 import time
@@ -41,6 +42,36 @@ from hybridkv.cli import (
 
 DEFAULT_URL_VOCAB = 256  # token ids drawn below this with --url and no --model
 MAX_ERRORS_KEPT = 5
+
+@contextmanager
+def pinned(cpus: set[int] | None, threads: int | None) -> Iterator[None]:
+    """Run on `cpus` (where a server in another process was pinned), then as before."""
+    if not cpus:
+        yield
+        return
+    import torch
+
+    before, before_threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(threads or len(cpus))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+        torch.set_num_threads(before_threads)
+
+
+def cpu_list(text: str) -> set[int]:
+    try:
+        cpus = {int(part) for part in text.split(",")}
+    except ValueError:
+        cpus = set()
+    if not cpus or min(cpus) < 0 or not cpus <= os.sched_getaffinity(0):
+        raise argparse.ArgumentTypeError(
+            f"expected CPU numbers separated by commas, among "
+            f"{','.join(map(str, sorted(os.sched_getaffinity(0))))}; got {text!r}")
+    return cpus
+
 
 request_rate = _bounded(float, lambda v: v > 0, "a number > 0, or inf")
 
@@ -320,12 +351,25 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
         busiest = max(range(len(runs)), key=lambda i: (
             min(runs[i]["concurrency"] or args.num_prompts, args.num_prompts),
             runs[i]["request_rate"] or math.inf, i))
-        offline = offline_throughput(model_dir, options, prompts_of[busiest], args.output_len)
+        with pinned(args.offline_cpus, args.threads):
+            offline = offline_throughput(model_dir, options, prompts_of[busiest],
+                                         args.output_len)
         offline["compared_run"] = busiest
         figures["offline"] = offline
         server_tps = runs[busiest]["output_throughput"]
         figures["server_overhead"] = (server_tps / offline["output_throughput"]
                                       if server_tps and offline["output_throughput"] else None)
+        # Offline batches up to max_num_seqs requests; the server only has `concurrency` in
+        # flight. The same figure with offline held to that batch isolates the serving path.
+        concurrency = runs[busiest]["concurrency"]
+        if concurrency is not None and concurrency < int(options.get("max_num_seqs", 64)):
+            with pinned(args.offline_cpus, args.threads):
+                same = offline_throughput(model_dir, {**options, "max_num_seqs": concurrency},
+                                          prompts_of[busiest], args.output_len)
+            figures["offline_same_batch"] = same
+            figures["server_overhead_same_batch"] = (
+                server_tps / same["output_throughput"]
+                if server_tps and same["output_throughput"] else None)
     return figures
 
 
@@ -366,6 +410,11 @@ def format_figures(f: dict[str, Any]) -> str:
                       f"{run['concurrency'] or '-'}: {run['output_throughput'] or 0:.1f} "
                       f"({ratio:.2f}x offline)" if ratio is not None else
                       f"offline: {off['output_throughput']:.1f} output tok/s"]
+        same_ratio = f.get("server_overhead_same_batch")
+        if same_ratio is not None:
+            lines.append(f"offline with max_num_seqs = that concurrency: "
+                         f"{f['offline_same_batch']['output_throughput']:.1f} output tok/s "
+                         f"(server {same_ratio:.2f}x)")
     return "\n".join(lines)
 
 
@@ -402,6 +451,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time the busiest run's prompts through offline "
                              "LLM.generate with the same engine options (after the server "
                              "stopped) and report server / offline output tok/s")
+    parser.add_argument("--offline-cpus", type=cpu_list, default=None, metavar="LIST",
+                        help="run the --compare-offline run on these CPUs (e.g. 0, or 0,1): "
+                             "those a server in another process was pinned to")
     group = parser.add_argument_group("engine options (in-process server and offline run)")
     add_server_engine_arguments(group)  # --threads among them
     parser.add_argument("--json", action="store_true", help="print one JSON object")
