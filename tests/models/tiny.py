@@ -181,3 +181,8 @@ ARCHS["lfm2_moe"] = ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", dict(
     num_dense_layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
     routed_scaling_factor=1.5))
 PERTURB_CONSTANTS.add("lfm2_moe")
+
+# LFM3: conv layers with a full (layer 2) and a sliding (layer 4, window 16) attention
+# layer, per-head sigmoid gates, sandwich norms and proportional RoPE on the full layer.
+ARCHS["lfm3"] = ("Lfm3Config", "Lfm3ForCausalLM", dict(
+    num_hidden_layers=6, conv_L_cache=4, sliding_window=16))

@@ -38,7 +38,7 @@ SUPPORTED_MODEL_TYPES = (
     "llama4_text", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1", "jamba",
     "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
     # issue 16: linear attention, SSM, convolution and recurrence families
-    "mamba", "mamba2", "falcon_mamba", "lfm2", "lfm2_moe")
+    "mamba", "mamba2", "falcon_mamba", "lfm2", "lfm2_moe", "lfm3")
 
 _LAYER_TYPE_WORDS = {
     "full_attention": FULL, "attention": FULL, "global": FULL, "global_attention": FULL,

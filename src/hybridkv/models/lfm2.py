@@ -2,7 +2,11 @@
 attention with q/k norms and RoPE on the others, a SwiGLU MLP after each (LFM2-MoE: a
 sigmoid-routed MoE from layer `num_dense_layers` on). The final norm is called
 `embedding_norm`; checkpoint names differ from the kit's (`out_proj`, `q_layernorm`,
-`feed_forward.w1/w3/w2`) and are renamed on load."""
+`feed_forward.w1/w3/w2`) and are renamed on load.
+
+LFM3 adds sliding-window attention layers (RoPE per layer type: proportional RoPE on half
+of the full layers' angles), a sigmoid gate per head (`g_proj`), sandwich norms
+(`post_operator_norm`, `post_ffn_norm`) and Qwen3's attention names (`o_proj`, `q_norm`)."""
 
 from __future__ import annotations
 
@@ -13,9 +17,10 @@ import torch
 from torch import nn
 
 from hybridkv.models.base import CausalLM
-from hybridkv.models.layer_mix import CONV, FULL
+from hybridkv.models.layer_mix import CONV, FULL, SLIDING
 from hybridkv.models.layers.attention import Attention, AttentionShape
 from hybridkv.models.layers.decoder_layer import DecoderLayer, LayerNames
+from hybridkv.models.layers.head_gated_attention import HeadGatedAttention
 from hybridkv.models.layers.mlp import GatedMLP
 from hybridkv.models.layers.moe import ExpertMLPs
 from hybridkv.models.layers.rotary import Rotary
@@ -28,6 +33,7 @@ from hybridkv.worker.attention import AttentionParams
 RENAMES = ((".self_attn.out_proj.", ".self_attn.o_proj."),
            (".self_attn.q_layernorm.", ".self_attn.q_norm."),
            (".self_attn.k_layernorm.", ".self_attn.k_norm."),
+           (".self_attn.gate_proj.", ".self_attn.g_proj."),  # LFM3's per-head gate
            (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
 
 
@@ -51,16 +57,21 @@ def lfm2_layer(cfg: TextConfig, layer: int, kind: str | None) -> DecoderLayer:
     if kind == CONV:
         name, mixer = "conv", ShortConv(hidden, int(raw["conv_L_cache"]), layer,
                                         bias=bool(raw.get("conv_bias", False)))
-    elif kind == FULL:
-        name, mixer = "self_attn", Attention(
-            layer, AttentionShape.from_config(cfg, qk_norm=True, bias=False),
-            AttentionParams(scale=cfg.head_dim ** -0.5),
-            rotary=Rotary.from_config(raw, cfg.head_dim, FULL))
+    elif kind in (FULL, SLIDING):
+        gated = bool(raw.get("use_attention_gate", False))
+        name, mixer = "self_attn", (HeadGatedAttention if gated else Attention)(
+            layer, AttentionShape.from_config(cfg, qk_norm=True),
+            AttentionParams(scale=cfg.head_dim ** -0.5,
+                            sliding_window=cfg.sliding_window if kind == SLIDING else None),
+            rotary=Rotary.from_config(raw, cfg.head_dim, kind))
     else:
         raise NotImplementedError(f"{cfg.model_type} layer {layer}: {kind} layers are not "
                                   f"supported")
+    sandwich = bool(raw.get("use_sandwich_norm", False))
     names = LayerNames(name, mixer_norm="operator_norm", ffn_norm="ffn_norm",
-                       ffns=("feed_forward",))
+                       ffns=("feed_forward",),
+                       post_mixer_norm="post_operator_norm" if sandwich else None,
+                       post_ffn_norm="post_ffn_norm" if sandwich else None)
     return DecoderLayer(names, mixer, [feed_forward(raw, hidden, layer)], hidden,
                         cfg.rms_norm_eps)
 

@@ -30,6 +30,7 @@ MODELS: dict[str, str] = {
     "mamba2": "hybridkv.models.mamba:MambaForCausalLM",
     "lfm2": "hybridkv.models.lfm2:Lfm2ForCausalLM",
     "lfm2_moe": "hybridkv.models.lfm2:Lfm2ForCausalLM",
+    "lfm3": "hybridkv.models.lfm2:Lfm2ForCausalLM",
     "gemma3n": "hybridkv.models.gemma3n:Gemma3nForCausalLM",
     "gemma3n_text": "hybridkv.models.gemma3n:Gemma3nForCausalLM",
     "gemma4": "hybridkv.models.gemma4:Gemma4ForCausalLM",
