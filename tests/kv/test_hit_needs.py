@@ -51,7 +51,9 @@ def specs(draw: st.DrawFn) -> KVCacheSpec:
         window = draw(st.sampled_from([1, 2, 5, 8, 13, 20]))
         return SlidingWindowSpec(sliding_window=window, **attn(block_size))
     if kind == "chunked_local":
-        chunk = block_size * draw(st.sampled_from([1, 2, 3]))
+        # Multiples of the block size and not (a chunk boundary inside a block).
+        chunk = draw(st.sampled_from([block_size, 2 * block_size, 3 * block_size,
+                                      block_size + block_size // 2, 5 * block_size // 4]))
         return ChunkedLocalAttentionSpec(attention_chunk_size=chunk, **attn(block_size))
     return MambaSpec(block_size=block_size, shapes=((8,),), dtypes=("fp32",))  # 32 bytes
 

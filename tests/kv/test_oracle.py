@@ -42,7 +42,9 @@ specs_st = st.lists(
         st.just(FullAttentionSpec(**ATTN)),
         st.sampled_from([2, 5, 8, 13]).map(
             lambda w: SlidingWindowSpec(sliding_window=w, **ATTN)),
-        st.sampled_from([4, 8, 12]).map(
+        # Chunks that are and are not multiples of the block size (Llama 4's 8192 on
+        # blocks of 16 and, say, 20 on 16: a boundary inside a block).
+        st.sampled_from([4, 6, 8, 10, 12]).map(
             lambda c: ChunkedLocalAttentionSpec(attention_chunk_size=c, **ATTN)),
         st.just(MambaSpec(block_size=BS, shapes=((8,),), dtypes=("fp32",))),
     ),

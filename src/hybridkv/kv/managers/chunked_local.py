@@ -1,7 +1,9 @@
 """Chunked local attention: a token attends only to tokens of its own chunk.
 
 A hit at a chunk boundary needs no cached block at all; inside a chunk it needs the blocks
-from the chunk's start, so only the current chunk is ever searched.
+from the chunk's start. A chunk need not be a multiple of the block size (Llama 4 style
+chunks of 20 on blocks of 16): the block a chunk boundary cuts holds tokens of both chunks
+and stays with the later one; only blocks wholly before the current chunk are dropped.
 """
 
 from __future__ import annotations
@@ -20,19 +22,21 @@ class ChunkedLocalManager(SingleTypeManager):
         super().__init__(group, pool, hash_block_size)
         assert isinstance(self.spec, ChunkedLocalAttentionSpec)
         self.chunk = self.spec.attention_chunk_size
-        if self.chunk % self.block_size:
-            raise ValueError(f"attention_chunk_size {self.chunk} must be a multiple of the "
-                             f"block size {self.block_size} for hybrid KV management")
 
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        # Blocks wholly before this chunk's start (the base floors to whole blocks).
         return num_computed_tokens // self.chunk * self.chunk
 
     def next_drop(self, num_computed_tokens: int) -> int:
         return (num_computed_tokens // self.chunk + 1) * self.chunk
 
+    def chunk_start_block(self, num_blocks: int) -> int:
+        """The first block a hit ending after `num_blocks` blocks needs: the one holding the
+        start of the chunk of the next token (position num_blocks * block_size)."""
+        return num_blocks * self.block_size // self.chunk * self.chunk // self.block_size
+
     def hit_needs(self, num_blocks: int) -> tuple[int, int] | None:
-        chunk_blocks = self.chunk // self.block_size
-        return num_blocks // chunk_blocks * chunk_blocks, num_blocks
+        return self.chunk_start_block(num_blocks), num_blocks
 
     @classmethod
     def find_longest_cache_hit(cls, managers: Sequence[SingleTypeManager],
@@ -40,22 +44,24 @@ class ChunkedLocalManager(SingleTypeManager):
                                alignment: int) -> list[list[Block]]:
         first = managers[0]
         assert isinstance(first, ChunkedLocalManager)
-        block_size = first.block_size
         hashes, limit, align_blocks = first.hit_bounds(block_hashes, max_length, alignment)
-        chunk_blocks = first.chunk // block_size
-        start = limit // chunk_blocks * chunk_blocks  # first block of the last chunk
-        while True:
-            found_blocks: list[list[Block]] = [[] for _ in managers]
-            for i in range(start, limit):
-                found = first._lookup(managers, hashes[i])
-                if found is None:
-                    break
-                for blocks, block in zip(found_blocks, found, strict=True):
-                    blocks.append(block)
-            end = (start + len(found_blocks[0])) // align_blocks * align_blocks
-            if end >= start:
-                return [[m.null_block] * start + blocks[:end - start]
-                        for m, blocks in zip(managers, found_blocks, strict=True)]
-            # No aligned end in this chunk: try the previous one, ending before this chunk.
-            limit = start - 1
-            start -= chunk_blocks
+        looked_up: dict[int, list[Block] | None] = {}
+
+        def lookup(i: int) -> list[Block] | None:
+            if i not in looked_up:
+                looked_up[i] = first._lookup(managers, hashes[i])
+            return looked_up[i]
+
+        end = limit // align_blocks * align_blocks
+        while end > 0:
+            start = first.chunk_start_block(end)
+            missing = next((i for i in range(end - 1, start - 1, -1) if lookup(i) is None),
+                           None)
+            if missing is None:
+                rows = [row for i in range(start, end) if (row := lookup(i)) is not None]
+                return [[m.null_block] * start + [row[k] for row in rows]
+                        for k, m in enumerate(managers)]
+            # Every end past the missing block needs it (its chunk starts at or before it,
+            # as chunk starts only grow with the end): try the aligned ends before it.
+            end = missing // align_blocks * align_blocks
+        return [[] for _ in managers]
