@@ -82,9 +82,11 @@ class KVCacheManager:
         self.coordinator = make_coordinator(config, self.pool, enable_caching=enable_caching)
         self.managers = self.coordinator.managers
         if enable_caching:
+            state_only = all(g.spec.is_state for g in config.groups)
             for m in self.managers:
                 m.set_checkpoint_policy(interval=checkpoint_interval,
-                                        branch_points=checkpoint_branch_points)
+                                        branch_points=checkpoint_branch_points,
+                                        remember_blocks=state_only)
         self.stats = PrefixCacheStats(hit_tokens_per_group=[0] * len(self.managers))
         self._no_blocks = KVCacheBlocks(tuple([] for _ in self.managers))
         # Per request: token counts below which allocate_slots has nothing to do.

@@ -179,9 +179,12 @@ class SingleTypeManager:
         """A lookup found the request's tokens cached up to `matched_tokens` in some group
         (its branch point). State kinds save a checkpoint there."""
 
-    def set_checkpoint_policy(self, *, interval: int, branch_points: bool) -> None:
+    def set_checkpoint_policy(self, *, interval: int, branch_points: bool,
+                              remember_blocks: bool = False) -> None:
         """Turn state checkpoints on (the prefix cache is on): at prompt ends, every
-        `interval` blocks too (0: never), and at branch points or not (state kinds only)."""
+        `interval` blocks too (0: never), and at branch points or not (state kinds only).
+        `remember_blocks`: no attention group finds branch points, so the state groups keep
+        the hashes of computed blocks to find them."""
 
     def take_checkpoints(self, request_id: str) -> list[tuple[int, Block]]:
         """State checkpoints (position, block) the last allocation asked the runner to

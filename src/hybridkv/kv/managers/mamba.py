@@ -12,10 +12,16 @@ diverged: the next request with that prefix hits there) and, optionally, every
 the block is registered under the prefix hash at once (like attention blocks, it is written
 in this very step) and held until the next step, so that nothing reuses it before the model
 runner has written it.
+
+Branch points come from the other groups' lookups (how far attention blocks matched). A
+model with no attention group (pure Mamba) has none: there the state groups remember the
+hashes of the blocks recent requests computed (hashes only, `SEEN_CAPACITY` at most, least
+recently seen forgotten first) and measure the match against those.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from itertools import chain
 
@@ -25,6 +31,9 @@ from hybridkv.kv.managers.base import NEVER, SingleTypeManager
 from hybridkv.kv.plan import KVCacheGroup
 from hybridkv.kv.request import KVRequest
 from hybridkv.kv.spec import MambaSpec
+
+# Block hashes a state-only model remembers for branch points (~100 bytes each).
+SEEN_CAPACITY = 1 << 16
 
 
 class MambaManager(SingleTypeManager):
@@ -37,6 +46,10 @@ class MambaManager(SingleTypeManager):
         self.checkpoint_interval = 0  # in blocks; 0 = only prompt ends and branch points
         self.checkpoint_branch_points = True
         self.branch_points: dict[str, int] = {}  # tokens matched before diverging
+        # Hashes of blocks computed lately, when no other group tells where requests match
+        # (None otherwise); per request, how many of its blocks are in there.
+        self.seen: OrderedDict[BlockHash, None] | None = None
+        self._seen_blocks: dict[str, int] = {}
         self._planned: dict[str, list[int]] = {}  # positions this allocation saves
         self._step_end: dict[str, int] = {}
         self._pending: dict[str, list[Block]] = {}  # checkpoint blocks being written
@@ -81,12 +94,26 @@ class MambaManager(SingleTypeManager):
 
     def note_lookup(self, request: KVRequest, matched_tokens: int) -> None:
         if self.checkpoint_branch_points:
+            if self.seen is not None:
+                matched_tokens = max(matched_tokens, self._seen_prefix(request))
             self.branch_points[request.request_id] = matched_tokens
 
-    def set_checkpoint_policy(self, *, interval: int, branch_points: bool) -> None:
+    def set_checkpoint_policy(self, *, interval: int, branch_points: bool,
+                              remember_blocks: bool = False) -> None:
         self.save_checkpoints = True
         self.checkpoint_interval = interval
         self.checkpoint_branch_points = branch_points
+        self.seen = OrderedDict() if remember_blocks and branch_points else None
+
+    def _seen_prefix(self, request: KVRequest) -> int:
+        """Tokens of the request's longest block-aligned prefix seen before. A block hash
+        covers its whole prefix, so the first unseen block ends the match."""
+        assert self.seen is not None
+        hashes, stride = request.block_hashes, self.stride
+        n = 0
+        while (n + 1) * stride <= len(hashes) and hashes[(n + 1) * stride - 1] in self.seen:
+            n += 1
+        return n * self.block_size
 
     def checkpoint_positions(self, request: KVRequest, start: int, end: int) -> list[int]:
         """Block-aligned positions in (start, end] whose state this request should save
@@ -149,6 +176,7 @@ class MambaManager(SingleTypeManager):
         rid = request.request_id
         self.has_live_state.discard(rid)
         self.branch_points.pop(rid, None)
+        self._seen_blocks.pop(rid, None)
         self._handed_out.pop(rid, None)
         self._planned.pop(rid, None)
         self._step_end.pop(rid, None)
@@ -181,4 +209,16 @@ class MambaManager(SingleTypeManager):
         return min((p for p in candidates if p > after), default=NEVER)
 
     def cache_blocks(self, request: KVRequest, num_tokens: int) -> None:
-        return  # checkpoints are saved by copy, not by registering the live state
+        # Checkpoints are saved by copy, not by registering the live state; only a model
+        # without attention remembers which blocks were computed (for branch points).
+        if self.seen is None:
+            return
+        rid, hashes, stride = request.request_id, request.block_hashes, self.stride
+        done = self._seen_blocks.get(rid, 0)
+        upto = min(num_tokens // self.block_size, len(hashes) // stride)
+        for n in range(done + 1, upto + 1):
+            self.seen[hashes[n * stride - 1]] = None
+            self.seen.move_to_end(hashes[n * stride - 1])
+        self._seen_blocks[rid] = max(done, upto)
+        while len(self.seen) > SEEN_CAPACITY:
+            self.seen.popitem(last=False)
