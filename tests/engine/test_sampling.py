@@ -140,3 +140,21 @@ def test_bad_values_are_refused_with_their_name(llm, bad, match):
         llm.generate(PROMPTS[:1], SamplingParams(**bad))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate(PROMPTS[:1], SamplingParams(logit_bias={10**6: 1.0}))
+
+
+@pytest.mark.parametrize("arch", ["nemotron_h", "gemma3"])
+def test_n_samples_share_the_prompt_on_hybrid_models(tmp_path, arch):
+    """Mamba state (a checkpoint where the first sample's prompt blocks end) and sliding
+    windows serve the other samples' hits too."""
+    llm = LLM(str(build_tiny_model(arch, tmp_path / arch)), dtype="float32",
+              max_model_len=128, kv_cache_memory="8MiB")
+    prompt = PROMPTS[0]
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=2, n=3)
+    outs = llm.generate([prompt], params)
+    block = llm.engine.plan.config.hash_block_size
+    assert [o.num_cached_tokens for o in outs] == [0] + [(len(prompt) - 1) // block * block] * 2
+    llm.reset_prefix_cache()
+    for i, out in enumerate(outs):
+        [alone] = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=1.0,
+                                                        seed=2 + i))
+        assert alone.token_ids == out.token_ids
