@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn, TypeVar
 
+from hybridkv.connector.offload.redis_tier import PASSWORD_ENV, parse_remote_url
 from hybridkv.connector.offload.store import TierSpec, parse_tier_spec
 from hybridkv.connector.scheduler import STORE_POLICIES
 from hybridkv.kv.plan import KVCacheConfig, KVCachePlan, format_bytes, parse_bytes, plan_kv_cache
@@ -104,6 +105,7 @@ non_negative_int = _bounded(int, lambda v: v >= 0, "a whole number >= 0")
 seed = _bounded(int, lambda v: 0 <= v < 2**64, "a seed in [0, 2**64)")
 non_negative_float = _bounded(float, lambda v: 0 <= v < math.inf, "a finite number >= 0")
 probability = _bounded(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+positive_float = _bounded(float, lambda v: 0 < v < math.inf, "a finite number > 0")
 
 
 def memory(text: str) -> int:
@@ -122,6 +124,15 @@ def tier_spec(text: str) -> str:
         parse_tier_spec(text, flag="")
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).strip()) from None
+    return text
+
+
+def remote_url(text: str) -> str:
+    """A remote tier's URL, checked (nothing is connected here); errors never echo it."""
+    try:
+        parse_remote_url(text, flag="")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(": ")) from None
     return text
 
 
@@ -363,12 +374,25 @@ def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-offload-store", choices=STORE_POLICIES, default="evict",
                         help="when blocks are copied to the tiers: when the device evicts "
                              "them, or as soon as a step fills them")
+    parser.add_argument("--kv-remote", type=remote_url, default=None, metavar="URL",
+                        help="a Redis shared by replicas as the last KV tier, e.g. "
+                             "redis://127.0.0.1:6379/0 (rediss:// for TLS; a password in the "
+                             f"URL or ${PASSWORD_ENV}); with \"fill\" a prefix is shared as "
+                             "soon as it is computed")
+    parser.add_argument("--kv-remote-ttl", type=positive_int, default=None, metavar="SECONDS",
+                        help="remote keys expire this long after their last store or hit "
+                             "(default: never; Redis's maxmemory policy evicts)")
+    parser.add_argument("--kv-remote-timeout", type=positive_float, default=1.0,
+                        metavar="SECONDS",
+                        help="timeout of every remote call; past it the tier is down and "
+                             "retried with back-off")
 
 
 def offload_options(args: argparse.Namespace) -> dict[str, object]:
     """The engine options of `add_offload_arguments`' flags."""
     return dict(kv_offload_cpu=args.kv_offload_cpu, kv_offload_disk=args.kv_offload_disk,
-                kv_offload_store=args.kv_offload_store)
+                kv_offload_store=args.kv_offload_store, kv_remote=args.kv_remote,
+                kv_remote_ttl_s=args.kv_remote_ttl, kv_remote_timeout_s=args.kv_remote_timeout)
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from hybridkv.connector.offload.redis_tier import parse_remote_url
 from hybridkv.connector.offload.store import parse_tier_spec
 from hybridkv.connector.scheduler import STORE_POLICIES
 from hybridkv.kv.plan import parse_bytes
@@ -92,6 +93,13 @@ class EngineConfig:
     kv_offload_disk: str | None = None
     kv_offload_store: str = "evict"  # copy blocks out when evicted, or "fill": when filled
     kv_offload_load_timeout_s: float = 30.0  # a slower load is given up: recomputed
+    # A remote tier shared by replicas, after the local ones: redis://HOST:PORT/DB (rediss://
+    # for TLS; a password in the URL or $HYBRIDKV_KV_REMOTE_PASSWORD). Without
+    # block_hash_seed, the processes on one Redis share the seed stored there.
+    kv_remote: str | None = None
+    kv_remote_ttl_s: int | None = None  # keys expire this long after their last store / hit
+    kv_remote_timeout_s: float = 1.0  # on every connect and reply; past it Redis is "down"
+    kv_remote_queue: int | str = "256MiB"  # stores waiting to be sent; beyond it, dropped
 
     def __post_init__(self) -> None:
         # Every option is checked here, with one line naming it and what is accepted: a wrong
@@ -132,18 +140,32 @@ class EngineConfig:
                                  f"'/mnt/kv:50GiB', got {self.kv_offload_disk!r}")
             parse_tier_spec(self.kv_offload_disk, flag="kv_offload_disk")
         _choice("kv_offload_store", self.kv_offload_store, STORE_POLICIES)
+        if self.kv_remote is not None:
+            parse_remote_url(self.kv_remote, flag="kv_remote")
+        if self.kv_remote_ttl_s is not None:
+            check_int("kv_remote_ttl_s", self.kv_remote_ttl_s, low=1,
+                      what="a whole number of seconds >= 1, or None (no expiry)")
+        remote_timeout = self.kv_remote_timeout_s
+        if isinstance(remote_timeout, bool) or not isinstance(remote_timeout, (int, float)) \
+                or not math.isfinite(remote_timeout) or remote_timeout <= 0:
+            raise ValueError(f"kv_remote_timeout_s must be a number of seconds > 0, got "
+                             f"{remote_timeout!r}")
+        object.__setattr__(self, "kv_remote_queue",
+                           _memory(self.kv_remote_queue, "kv_remote_queue"))
         timeout = self.kv_offload_load_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
                 not math.isfinite(timeout) or timeout <= 0:
             raise ValueError(f"kv_offload_load_timeout_s must be a number of seconds > 0, "
                              f"got {timeout!r}")
         if self.kv_offload and not self.enable_prefix_caching:
-            raise ValueError("kv_offload_cpu / kv_offload_disk need enable_prefix_caching "
+            raise ValueError("kv_offload_cpu / kv_offload_disk / kv_remote need "
+                             "enable_prefix_caching "
                              "(tiers serve blocks by their content hash)")
 
     @property
     def kv_offload(self) -> bool:
-        return self.kv_offload_cpu is not None or self.kv_offload_disk is not None
+        return (self.kv_offload_cpu is not None or self.kv_offload_disk is not None
+                or self.kv_remote is not None)
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineConfig:

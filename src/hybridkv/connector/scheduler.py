@@ -172,19 +172,25 @@ class OffloadConnectorScheduler:
         hashes = request.block_hashes
         sources: list[list[int]] = []  # per group, per block index: DEVICE, a tier, or -1
         prefix: list[list[int]] = []  # per group, available blocks among the first i
+        asks: list[tuple[list[int], int, int]] = []  # (source, index, key) not on the device
+        keys: list[bytes] = []
         for m in self.managers:
             num = max_end // m.block_size
             group_hashes = [hashes[(i + 1) * m.stride - 1] for i in range(num)]
             source = [DEVICE if h in m.cached else -1 for h in group_hashes]
-            ask = [i for i, s in enumerate(source) if s == -1]
-            if ask:
-                keys = [self.key(m.group_id, group_hashes[i]) for i in ask]
-                for i, key, tier in zip(ask, keys, self.chain.locate(keys), strict=True):
-                    source[i] = 0 if key in self._pending_store else tier
+            for i, s in enumerate(source):
+                if s == -1:
+                    asks.append((source, i, len(keys)))
+                    keys.append(self.key(m.group_id, group_hashes[i]))
+            sources.append(source)
+        # Every group's blocks in one question per tier (one round trip to a remote tier).
+        located = self.chain.locate(keys) if keys else []
+        for source, i, k in asks:
+            source[i] = 0 if keys[k] in self._pending_store else located[k]
+        for source in sources:
             counts = [0]
             for s in source:
                 counts.append(counts[-1] + (s != -1))
-            sources.append(source)
             prefix.append(counts)
         for end in range(max_end, device_tokens, -self.alignment):
             needs = [m.hit_needs(end // m.block_size) for m in self.managers]
@@ -366,27 +372,36 @@ class OffloadConnectorScheduler:
         "evict" at shutdown: the device cache is about to go, as if evicted)."""
         if self.store_policy != "evict":
             return  # "fill" stored each block when it was filled
-        for g, books in enumerate(self.pool.groups):
-            for block_hash, block in books.cached.items():
-                self._queue_store(self._store_before, g, block.block_id, block_hash)
+        self._queue_stores(self._store_before, [
+            (g, block.block_id, block_hash) for g, books in enumerate(self.pool.groups)
+            for block_hash, block in books.cached.items()])
 
     # ------------------------------------------------------------ stores
     def _drain_evictions(self) -> None:
         log = self.pool.eviction_log
         if not log:
             return
-        for g, block_id, block_hash in log:
-            self._queue_store(self._store_before, g, block_id, block_hash)
+        self._queue_stores(self._store_before, list(log))
         log.clear()
 
-    def _queue_store(self, into: list[BlockCopy], group_id: int, block_id: int,
-                     block_hash: BlockHash) -> None:
-        key = self.key(group_id, block_hash)
-        if key in self._pending_store or not self.chain.missing(key):
-            return  # on its way, or every tier has it already
-        self._pending_store[key] = 1
-        into.append(BlockCopy(group_id, block_id, key))
-        self.stats.blocks_stored += 1
+    def _queue_stores(self, into: list[BlockCopy],
+                      blocks: list[tuple[int, int, BlockHash]]) -> None:
+        """Queue (group id, block id, hash) copies, but for blocks on their way or in every
+        local tier already. A remote tier is not asked here (the engine's thread does not
+        wait on the network): the connector's thread asks it before sending."""
+        todo: dict[bytes, tuple[int, int]] = {}
+        for group_id, block_id, block_hash in blocks:
+            key = self.key(group_id, block_hash)
+            if key not in self._pending_store:
+                todo.setdefault(key, (group_id, block_id))
+        if not todo:
+            return
+        missing = self.chain.missing_many(list(todo), ask_remote=False)
+        for (key, (group_id, block_id)), lacking in zip(todo.items(), missing, strict=True):
+            if lacking:
+                self._pending_store[key] = 1
+                into.append(BlockCopy(group_id, block_id, key))
+                self.stats.blocks_stored += 1
 
     def build_meta(self) -> ConnectorMeta:
         """The loads and stores of the step just scheduled."""
@@ -394,6 +409,7 @@ class OffloadConnectorScheduler:
         meta = ConnectorMeta(loads=self._new_jobs, store_before=self._store_before)
         self._new_jobs, self._store_before = [], []
         if self.store_policy == "fill":
+            filled = []
             for event in self.pool.take_events():
                 if not isinstance(event, BlockStored):
                     continue
@@ -403,8 +419,8 @@ class OffloadConnectorScheduler:
                     block = cached.get(block_hash)
                     # Dropped again this step (its step was undone): nothing to store.
                     if block is not None and block.block_id == block_id:
-                        self._queue_store(meta.store_after, event.group_id, block_id,
-                                          block_hash)
+                        filled.append((event.group_id, block_id, block_hash))
+            self._queue_stores(meta.store_after, filled)
         return meta
 
     def stats_summary(self) -> dict[str, object]:

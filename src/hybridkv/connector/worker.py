@@ -13,6 +13,9 @@ other requests; on CUDA it copies on a side stream.
 
 Anything that fails in the thread is a failed load (the request recomputes) or a lost store;
 the thread never dies and never leaves a request waiting.
+
+Tier reads and the store check are batched (`TierChain.load_many` / `missing_many`): a remote
+tier answers LOAD_BATCH blocks, or a step's stores, in one round trip.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import queue
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Sequence
 
@@ -42,6 +46,11 @@ from hybridkv.connector.offload.store import Payload
 logger = logging.getLogger(__name__)
 
 _LOAD, _STORE, _STOP = 0, 1, 2  # queue priorities: loads before stores
+LOAD_BATCH = 64  # blocks read from the tiers at once: one round trip, bounded memory
+# A remote tier's payload is a view of the read-only bytes the client received; it is only
+# ever the source of a copy into the arena, so torch's warning about it does not apply.
+warnings.filterwarnings("ignore", message="The given buffer is not writable",
+                        category=UserWarning, module=__name__)
 
 
 class OffloadConnectorWorker:
@@ -55,6 +64,8 @@ class OffloadConnectorWorker:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         # Copied out, not yet in a tier: a load of such a key is served from here.
         self._pending: dict[bytes, bytearray] = {}
+        # Read by the running load job's batch, not yet copied into the arena.
+        self._fetched: dict[bytes, tuple[Payload | None, int]] = {}
         self._jobs: _Jobs = queue.PriorityQueue()
         self._seq = itertools.count()
         self._warned: set[str] = set()
@@ -64,7 +75,7 @@ class OffloadConnectorWorker:
         self._thread = threading.Thread(target=_serve, args=(self._jobs, weakref.ref(self)),
                                         name="hybridkv-kv-offload", daemon=True)
         self._thread.start()
-        self._finalizer = weakref.finalize(self, _stop, self._jobs, self._thread)
+        self._finalizer = weakref.finalize(self, _stop, self._jobs, self._thread, chain)
 
     # ------------------------------------------------------------ the step's calls
     def before_forward(self, meta: ConnectorMeta) -> None:
@@ -107,23 +118,38 @@ class OffloadConnectorWorker:
         started = time.perf_counter()
         served: list[int] = []
         try:
-            for copy, first in zip(job.blocks, job.first_tier, strict=True):
-                served.append(self._load_block(copy, first))
+            for start in range(0, len(job.blocks), LOAD_BATCH):
+                copies = job.blocks[start:start + LOAD_BATCH]
+                firsts = job.first_tier[start:start + LOAD_BATCH]
+                self._fetch(copies, firsts)
+                for copy, first in zip(copies, firsts, strict=True):
+                    served.append(self._load_block(copy, first))
+                self._fetched.clear()
             if self.stream is not None:
                 self.stream.synchronize()
         except Exception as e:  # a fault must not leave the request waiting
             self._warn_once("load", e)
             served += [-1] * (len(job.blocks) - len(served))
             served = [-1] * len(served)  # which writes landed is unknown: none is trusted
+            self._fetched.clear()
         self.completions.put(LoadDone(job.job_id, tuple(served),
                                       time.perf_counter() - started))
+
+    def _fetch(self, copies: Sequence[BlockCopy], firsts: Sequence[int]) -> None:
+        """Read a batch of blocks from the tiers (those not waiting in `_pending`)."""
+        todo = [i for i, c in enumerate(copies) if c.key not in self._pending]
+        if todo:
+            found = self.chain.load_many([copies[i].key for i in todo],
+                                         [firsts[i] for i in todo])
+            self._fetched.update(zip((copies[i].key for i in todo), found, strict=True))
 
     def _load_block(self, copy: BlockCopy, first: int) -> int:
         group = self.groups[copy.group_id]
         data: Payload | None = self._pending.get(copy.key)
         tier = 0
         if data is None:
-            data, tier = self.chain.load(copy.key, first)
+            data, tier = (self._fetched.pop(copy.key) if copy.key in self._fetched
+                          else self.chain.load(copy.key, first))
         if data is None:
             return -1
         if len(data) != group.block_bytes:
@@ -141,10 +167,8 @@ class OffloadConnectorWorker:
 
     def _store(self, items: list[tuple[bytes, bytearray]]) -> None:
         try:
-            for key, buf in items:
-                missing = self.chain.missing(key)
-                if missing:
-                    self.chain.store(key, buf, missing)
+            missing = self.chain.missing_many([key for key, _ in items])
+            self.chain.store_many(items, missing)
         except Exception as e:
             self._warn_once("store", e)
         finally:
@@ -160,8 +184,10 @@ class OffloadConnectorWorker:
 
     # ------------------------------------------------------------ lifetime
     def flush(self) -> None:
-        """Wait until every queued load and store is done (a clean shutdown, benchmarks)."""
+        """Wait until every queued load and store is done, the tiers' background writes
+        included (a clean shutdown, benchmarks)."""
         self._jobs.join()
+        self.chain.flush()
 
     def close(self) -> None:
         """Stop the thread once the loads and stores queued so far are done (the stop
@@ -193,8 +219,9 @@ def _serve(jobs: _Jobs, worker_ref: weakref.ref[OffloadConnectorWorker]) -> None
             jobs.task_done()
 
 
-def _stop(jobs: _Jobs, thread: threading.Thread) -> None:
+def _stop(jobs: _Jobs, thread: threading.Thread, chain: TierChain) -> None:
     if thread.is_alive():
         jobs.put((_STOP, sys.maxsize, None))  # sorts after every job queued before it
         if thread is not threading.current_thread():
             thread.join(timeout=60)
+    chain.close()  # the tiers' own writers: their queued stores, then their connections

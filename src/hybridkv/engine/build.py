@@ -12,12 +12,11 @@ import torch
 
 from hybridkv.config import EngineConfig
 from hybridkv.connector.canonical import canonical_kv_caches
-from hybridkv.connector.offload.store import parse_tier_spec
 from hybridkv.connector.scheduler import OffloadConnectorScheduler
 from hybridkv.connector.worker import OffloadConnectorWorker
 from hybridkv.engine.offload import (
+    block_hash_seed,
     build_tier_chain,
-    disk_hash_seed,
     layout_fingerprint,
     model_identity,
 )
@@ -126,16 +125,14 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
             f"layers' KV (num_kv_shared_layers or kv_sharing_target_layers in config.json"
             f"); {layout.model_type} at {model_dir} has none")
     cache_options = config.cache_options()
-    if config.kv_offload_disk is not None and config.block_hash_seed is None:
-        # Without a shared seed a later process would hash every block differently.
-        cache_options["hash_seed"] = disk_hash_seed(
-            parse_tier_spec(config.kv_offload_disk, flag="kv_offload_disk").path)
+    # Without a shared seed a later process (a replica) would hash every block differently.
+    cache_options["hash_seed"], remote_seed = block_hash_seed(config)
     kv_manager = KVCacheManager(plan.config, max_model_len=max_model_len, **cache_options)
     connector = None
     if config.kv_offload:
         fingerprint = layout_fingerprint(model_identity(model_dir), plan.config,
                                          kv_manager.hash_fingerprint)
-        chain = build_tier_chain(config, plan.config, fingerprint)
+        chain = build_tier_chain(config, plan.config, fingerprint, remote_seed=remote_seed)
         connector = OffloadConnectorScheduler(
             kv_manager, chain, fingerprint, store_policy=config.kv_offload_store,
             load_timeout_s=float(config.kv_offload_load_timeout_s))

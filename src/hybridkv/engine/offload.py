@@ -1,5 +1,6 @@
 """Building the KV offload tiers for an engine: the tier chain, its keys' layout fingerprint,
-and the shared hash seed a disk tier needs to be useful to a later process.
+and the shared hash seed a disk tier needs to be useful to a later process (and a remote tier
+to other replicas).
 
 The layout fingerprint names everything that decides what a block's bytes mean: the model
 (its config and weights, hashed), the block hash algorithm and seed, the hash block size, and
@@ -9,6 +10,7 @@ seed gives other keys, so a tier can never serve it a block it cannot use.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 from pathlib import Path
@@ -19,8 +21,11 @@ from hybridkv.config import EngineConfig
 from hybridkv.connector.offload.chain import TierChain
 from hybridkv.connector.offload.cpu_tier import CPUTier
 from hybridkv.connector.offload.disk_tier import DiskTier
+from hybridkv.connector.offload.redis_tier import RedisTier, parse_remote_url, shared_hash_seed
 from hybridkv.connector.offload.store import KVStore, parse_tier_spec
 from hybridkv.kv.plan import KVCacheConfig
+
+logger = logging.getLogger(__name__)
 
 SEED_FILE = "hybridkv-hash-seed"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
@@ -74,8 +79,37 @@ def disk_hash_seed(directory: str) -> str:
     return seed
 
 
+def block_hash_seed(config: EngineConfig) -> tuple[str | None, str | None]:
+    """(the seed the block hasher uses, the seed a remote tier keeps in Redis). Processes must
+    hash alike to share a tier, so without a configured `block_hash_seed`:
+
+        a remote tier   the seed stored in Redis (created there by the first process: SET
+                        NX); if Redis is down at start, the disk tier's seed or a new one,
+                        which the remote tier writes to Redis when it answers (and warns if
+                        Redis holds another one by then: this process then shares nothing)
+        a disk tier     the seed file in its directory
+        neither         None: a random seed per process
+
+    A configured seed is the user's secret: used as is, never written anywhere."""
+    if config.block_hash_seed is not None:
+        return config.block_hash_seed, None
+    local = (disk_hash_seed(parse_tier_spec(config.kv_offload_disk, flag="kv_offload_disk")
+                            .path) if config.kv_offload_disk is not None else None)
+    if config.kv_remote is None:
+        return local, None
+    spec = parse_remote_url(config.kv_remote)
+    proposed = local or secrets.token_hex(32)
+    shared = shared_hash_seed(spec, proposed, timeout_s=float(config.kv_remote_timeout_s))
+    if shared is None:
+        logger.warning("remote KV tier at %s does not answer: block hashes use a seed of this "
+                       "process's own until it does (set block_hash_seed to share blocks with "
+                       "other replicas whatever happens)", spec.where)
+        shared = proposed
+    return shared, shared
+
+
 def build_tier_chain(config: EngineConfig, kv_config: KVCacheConfig,
-                     fingerprint: bytes) -> TierChain:
+                     fingerprint: bytes, *, remote_seed: str | None = None) -> TierChain:
     """The configured tiers, fastest first; a budget below one block or an unusable
     directory is a one-line error."""
     block_bytes = max(g.block_bytes for g in kv_config.groups)
@@ -89,4 +123,10 @@ def build_tier_chain(config: EngineConfig, kv_config: KVCacheConfig,
         names.append("disk")
         tiers.append(DiskTier(spec.path, spec.capacity_bytes, fingerprint,
                               min_entry_bytes=block_bytes))
+    if config.kv_remote is not None:
+        names.append("remote")
+        tiers.append(RedisTier(parse_remote_url(config.kv_remote), fingerprint,
+                               timeout_s=float(config.kv_remote_timeout_s),
+                               ttl_s=config.kv_remote_ttl_s,
+                               queue_bytes=int(config.kv_remote_queue), hash_seed=remote_seed))
     return TierChain(tuple(names), tuple(tiers))

@@ -1,4 +1,4 @@
-"""The offload tiers as one chain: fastest first (CPU memory, then disk, later a remote store).
+"""The offload tiers as one chain: fastest first (CPU memory, then disk, then a remote store).
 
     locate(keys)   -> per key, the first tier holding it (or -1)        a hint, no counters
     load(key)      -> (bytes, tier) from the first tier that has it; a hit below the
@@ -11,11 +11,16 @@ writes run on the connector's background thread, off the step's critical path.
 
 The scheduler asks `locate` while the connector's thread loads and stores, so every call takes
 the chain's lock (the tiers themselves are single-owner). Each call holds it for one key's
-work, so a lookup never waits behind a long batch.
+work, so a lookup never waits behind a long batch. A tier that says `thread_safe` (the Redis
+tier) is called without the lock: a slow network never holds up the local tiers.
+
+The `*_many` calls take a batch of keys and ask each tier once: a remote tier answers a
+batch in one round trip.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
@@ -23,7 +28,7 @@ from dataclasses import dataclass, field
 
 from hybridkv.connector.offload.store import KVStore, Payload, StoreStats
 
-TIER_NAMES = ("cpu", "disk")  # the tiers a user can configure, fastest first
+TIER_NAMES = ("cpu", "disk", "remote")  # the tiers a user can configure, fastest first
 
 
 @dataclass
@@ -44,6 +49,7 @@ class TierStats:
                 "bytes_stored": s.bytes_stored, "load_seconds": round(self.load_seconds, 6),
                 "store_seconds": round(self.store_seconds, 6), "evictions": s.evictions,
                 "rejected": s.rejected, "refused": s.refused, "errors": s.errors,
+                "connection_errors": s.connection_errors, "dropped_stores": s.dropped_stores,
                 "promotions": self.promotions}
 
 
@@ -59,32 +65,56 @@ class TierChain:
         self.stats = tuple(TierStats(n, t.stats) for n, t in zip(self.names, self.tiers,
                                                                  strict=True))
         self._lock = threading.Lock()
+        self._unlocked = contextlib.nullcontext()
+
+    def _guard(self, index: int) -> contextlib.AbstractContextManager[object]:
+        """The chain's lock for a single-owner tier; nothing for a thread-safe one."""
+        return self._unlocked if getattr(self.tiers[index], "thread_safe", False) else self._lock
+
+    def is_remote(self, index: int) -> bool:
+        return bool(getattr(self.tiers[index], "remote", False))
 
     def locate(self, keys: Sequence[bytes]) -> list[int]:
         """Per key, the index of the first tier that says it holds it, else -1."""
         found = [-1] * len(keys)
-        with self._lock:
-            for index, tier in enumerate(self.tiers):
-                todo = [i for i, f in enumerate(found) if f < 0]
-                if not todo:
-                    break
-                for i, present in zip(todo, tier.exists([keys[i] for i in todo]),
-                                      strict=True):
-                    if present:
-                        found[i] = index
+        for index, tier in enumerate(self.tiers):
+            todo = [i for i, f in enumerate(found) if f < 0]
+            if not todo:
+                break
+            with self._guard(index):
+                answers = tier.exists([keys[i] for i in todo])
+            for i, present in zip(todo, answers, strict=True):
+                if present:
+                    found[i] = index
         return found
+
+    def missing_many(self, keys: Sequence[bytes], *, ask_remote: bool = True
+                     ) -> list[list[int]]:
+        """Per key, the tiers that do not hold it (one question per tier). A remote tier is
+        counted as lacking every key unless `ask_remote`: the engine's thread never waits
+        on the network to decide what to copy out."""
+        out: list[list[int]] = [[] for _ in keys]
+        for index, tier in enumerate(self.tiers):
+            if not ask_remote and self.is_remote(index):
+                answers = [False] * len(keys)
+            else:
+                with self._guard(index):
+                    answers = tier.exists(keys)
+            for lacking, present in zip(out, answers, strict=True):
+                if not present:
+                    lacking.append(index)
+        return out
 
     def missing(self, key: bytes) -> list[int]:
         """The tiers that do not hold `key`."""
-        with self._lock:
-            return [i for i, tier in enumerate(self.tiers) if not tier.exists([key])[0]]
+        return self.missing_many([key])[0]
 
     def load(self, key: bytes, first: int = 0) -> tuple[Payload | None, int]:
         """The bytes under `key` from the first tier (from `first` on) that returns them, and
         that tier's index (-1: none). A hit below tier 0 is promoted into the tiers above."""
         for index in range(first, len(self.tiers)):
             started = time.perf_counter()
-            with self._lock:
+            with self._guard(index):
                 [value] = self.tiers[index].get([key])
             self.stats[index].load_seconds += time.perf_counter() - started
             if value is not None:
@@ -93,6 +123,56 @@ class TierChain:
                     self.stats[upper].promotions += 1
                 return value, index
         return None, -1
+
+    def load_many(self, keys: Sequence[bytes], first: Sequence[int]
+                  ) -> list[tuple[Payload | None, int]]:
+        """`load` for a batch: each tier is read once, for the keys not found above it
+        (from each key's `first` tier on); hits below tier 0 are promoted."""
+        out: list[tuple[Payload | None, int]] = [(None, -1)] * len(keys)
+        for index in range(min(first, default=len(self.tiers)), len(self.tiers)):
+            todo = [i for i, (value, _) in enumerate(out) if value is None and first[i] <= index]
+            if not todo:
+                continue
+            started = time.perf_counter()
+            with self._guard(index):
+                values = self.tiers[index].get([keys[i] for i in todo])
+            self.stats[index].load_seconds += time.perf_counter() - started
+            found = [(keys[i], v) for i, v in zip(todo, values, strict=True) if v is not None]
+            for i, value in zip(todo, values, strict=True):
+                if value is not None:
+                    out[i] = (value, index)
+            for upper in range(index if found else 0):
+                self._put_many(upper, found)
+                self.stats[upper].promotions += len(found)
+        return out
+
+    def store_many(self, items: Sequence[tuple[bytes, Payload]],
+                   tiers: Sequence[Sequence[int]]) -> None:
+        """Put each item into its tiers (`missing_many`'s answer): one put per tier."""
+        for index in range(len(self.tiers)):
+            batch = [item for item, into in zip(items, tiers, strict=True) if index in into]
+            if batch:
+                self._put_many(index, batch)
+
+    def _put_many(self, index: int, items: Sequence[tuple[bytes, Payload]]) -> None:
+        started = time.perf_counter()
+        with self._guard(index):
+            self.tiers[index].put(items)
+        self.stats[index].store_seconds += time.perf_counter() - started
+
+    def flush(self, timeout_s: float = 60.0) -> None:
+        """Wait for tiers that write in the background (the remote tier's queue)."""
+        for tier in self.tiers:
+            flush = getattr(tier, "flush", None)
+            if flush is not None:
+                flush(timeout_s)
+
+    def close(self) -> None:
+        """Stop tiers that own threads or connections, after their queued writes."""
+        for tier in self.tiers:
+            close = getattr(tier, "close", None)
+            if close is not None:
+                close()
 
     def store(self, key: bytes, value: Payload, tiers: Sequence[int] | None = None) -> int:
         """Put `value` into the given tiers (default: all); returns how many accepted it."""
@@ -103,7 +183,7 @@ class TierChain:
 
     def _put(self, index: int, key: bytes, value: Payload) -> bool:
         started = time.perf_counter()
-        with self._lock:
+        with self._guard(index):
             [ok] = self.tiers[index].put([(key, value)])
         self.stats[index].store_seconds += time.perf_counter() - started
         return ok
@@ -122,6 +202,10 @@ class TierChain:
     def clear(self, index: int) -> None:
         """Drop everything one tier holds that this chain can name (benchmarks: a cold tier)."""
         tier = self.tiers[index]
+        clear = getattr(tier, "clear", None)
+        if clear is not None:  # a shared tier: only what this chain's namespace holds
+            clear()
+            return
         if not hasattr(tier, "keys"):
             raise NotImplementedError(f"the {self.names[index]} tier cannot list its keys")
         with self._lock:

@@ -1,9 +1,6 @@
 """Disk tier: one file per key in one directory, LRU within a byte budget, warm on restart.
 
-    DIR/<xxh3-128 hex of key>.kv = header | layout fp | key | payload
-    header (32 bytes, little-endian):
-        magic "HKVBLOCK" | u16 format version | u16 len(fp) | u32 len(key)
-        | u64 len(payload) | u64 xxh3-64(payload)
+    DIR/<xxh3-128 hex of key>.kv = one entry (entry.py): header | layout fp | key | payload
 
 A put writes `.<name>.<pid>.tmp` and `os.replace`s it over the final name, so a reader (or a
 restart after a crash) sees a whole file or none. No fsync: after a power loss a published file
@@ -29,7 +26,6 @@ import errno
 import logging
 import os
 import re
-import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,14 +33,18 @@ from pathlib import Path
 
 import xxhash
 
+from hybridkv.connector.offload.entry import (
+    HEADER,
+    decode_header,
+    encode_header,
+    open_entry,
+    unpack_fixed,
+)
 from hybridkv.connector.offload.store import FaultLog, Payload, StoreStats
 from hybridkv.kv.plan import format_bytes
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"HKVBLOCK"
-FORMAT_VERSION = 1
-_HEADER = struct.Struct("<8sHHIQQ")
 _NAME = re.compile(r"[0-9a-f]{32}\.kv")
 _TMP = re.compile(r"\.[0-9a-f]{32}\.kv\.\d+\.tmp")
 
@@ -59,47 +59,6 @@ _FAULT_KINDS = {
 
 def file_name(key: bytes) -> str:
     return xxhash.xxh3_128_hexdigest(key) + ".kv"
-
-
-def encode_header(layout_fingerprint: bytes, key: bytes, payload: Payload) -> bytes:
-    return _HEADER.pack(MAGIC, FORMAT_VERSION, len(layout_fingerprint), len(key), len(payload),
-                        xxhash.xxh3_64_intdigest(payload)) + layout_fingerprint + key
-
-
-@dataclass(frozen=True)
-class Header:
-    layout_fingerprint: bytes
-    key: bytes
-    payload_len: int
-    checksum: int
-
-    @property
-    def file_bytes(self) -> int:
-        return _HEADER.size + len(self.layout_fingerprint) + len(self.key) + self.payload_len
-
-
-def _unpack_fixed(data: bytes | bytearray) -> tuple[int, int, int, int] | None:
-    """(len(fp), len(key), len(payload), checksum) from the fixed part, or None if it is not
-    a header of this format (too short, wrong magic or version)."""
-    if len(data) < _HEADER.size:
-        return None
-    magic, version, fp_len, key_len, payload_len, checksum = _HEADER.unpack_from(data)
-    if magic != MAGIC or version != FORMAT_VERSION:
-        return None
-    return fp_len, key_len, payload_len, checksum
-
-
-def decode_header(data: bytes | bytearray) -> Header | None:
-    """The header at the start of `data`, or None if there is none (or it is cut short)."""
-    fixed = _unpack_fixed(data)
-    if fixed is None:
-        return None
-    fp_len, key_len, payload_len, checksum = fixed
-    fp_end = _HEADER.size + fp_len
-    if len(data) < fp_end + key_len:
-        return None
-    return Header(bytes(data[_HEADER.size:fp_end]), bytes(data[fp_end:fp_end + key_len]),
-                  payload_len, checksum)
 
 
 @dataclass(slots=True)
@@ -119,7 +78,7 @@ class DiskTier:
         self._index: OrderedDict[str, _Entry] = OrderedDict()
         self._used = 0
         # The smallest file one block makes (a key adds a few dozen bytes more).
-        smallest = _HEADER.size + len(layout_fingerprint) + max(min_entry_bytes, 1)
+        smallest = HEADER.size + len(layout_fingerprint) + max(min_entry_bytes, 1)
         if capacity_bytes < smallest:
             raise ValueError(f"disk offload budget of {format_bytes(capacity_bytes)} is smaller "
                              f"than one block's file ({format_bytes(smallest)})")
@@ -196,15 +155,7 @@ class DiskTier:
         return payload
 
     def _verify(self, data: bytearray, key: bytes) -> Payload | None:
-        header = decode_header(data)
-        if (header is None or header.key != key
-                or header.layout_fingerprint != self.layout_fingerprint
-                or header.file_bytes != len(data)):
-            return None
-        payload = memoryview(data)[len(data) - header.payload_len:]
-        if xxhash.xxh3_64_intdigest(payload) != header.checksum:
-            return None
-        return payload
+        return open_entry(data, key, self.layout_fingerprint)
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -327,8 +278,8 @@ class DiskTier:
         try:
             st = item.stat(follow_symlinks=False)
             with open(item.path, "rb") as f:
-                head = f.read(_HEADER.size)
-                fixed = _unpack_fixed(head)
+                head = f.read(HEADER.size)
+                fixed = unpack_fixed(head)
                 if fixed is not None:
                     head += f.read(fixed[0] + fixed[1])  # the fingerprint and the key
                 header = decode_header(head)
@@ -338,7 +289,7 @@ class DiskTier:
         # Only the header is checked here (reading 50 GiB at start-up would be slow); the
         # checksum is checked on each get.
         if (header is None or file_name(header.key) != item.name
-                or header.file_bytes != st.st_size):
+                or header.entry_bytes != st.st_size):
             self.stats.rejected += 1
             self._unlink_quietly(Path(item.path))
             return None

@@ -1,4 +1,4 @@
-"""The byte-level store interface every offload tier implements (CPU memory, disk, later Redis).
+"""The byte-level store interface every offload tier implements (CPU memory, disk, Redis).
 
 A tier maps opaque keys to opaque byte strings. It knows nothing of blocks, groups, tensors or
 layouts: the caller builds keys with `make_key` and serialises a block to bytes. That keeps a
@@ -54,6 +54,8 @@ class StoreStats:
     refused: int = 0  # puts larger than the whole budget
     rejected: int = 0  # corrupt or mismatched entries found, removed, never returned
     errors: int = 0  # operations that failed on a fault (I/O error, disk full, ...)
+    connection_errors: int = 0  # remote tiers: faults of the connection (refused, timeout)
+    dropped_stores: int = 0  # remote tiers: puts dropped (queue full, store unreachable)
 
     @property
     def misses(self) -> int:
