@@ -142,6 +142,110 @@ def planner_minimum(model_dir: Path, *, max_model_len: int, batch: int,
 
 # ---- issue 16: sliding + full attention families, dense and MoE decoders (add below) ----
 
+# Mixtral: top-2 of 4 experts (checkpoint names block_sparse_moe / w1 w2 w3), all sliding.
+ARCHS["mixtral"] = ("MixtralConfig", "MixtralForCausalLM", dict(
+    num_hidden_layers=2, sliding_window=16, num_local_experts=4, num_experts_per_tok=2))
+
+# Qwen2: q/k/v biases, no o_proj bias; the top 2 of 4 layers slide (max_window_layers).
+ARCHS["qwen2"] = ("Qwen2Config", "Qwen2ForCausalLM", dict(
+    num_hidden_layers=4, use_sliding_window=True, sliding_window=16, max_window_layers=2))
+
+# Qwen2-MoE: top-2 of 4 experts + gated shared expert; layer 1 is a dense MLP.
+ARCHS["qwen2_moe"] = ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+    num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=48, mlp_only_layers=[1]))
+
+# Qwen3-MoE: q/k norms, top-2 of 4 experts renormalised, every layer sliding.
+ARCHS["qwen3_moe"] = ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+    num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    norm_topk_prob=True, use_sliding_window=True, sliding_window=16))
+
+# Phi-3: fused qkv_proj and gate_up_proj, RoPE on half of each head, every layer sliding.
+ARCHS["phi3"] = ("Phi3Config", "Phi3ForCausalLM", dict(
+    num_hidden_layers=2, sliding_window=16, partial_rotary_factor=0.5))
+
+# StarCoder 2: biased LayerNorms, c_fc/c_proj MLP with biases, every layer sliding.
+ARCHS["starcoder2"] = ("Starcoder2Config", "Starcoder2ForCausalLM", dict(
+    num_hidden_layers=2, sliding_window=16))
+
+# PhiMoE: biased LayerNorms, SparseMixer top-2 of 4 experts, attention and lm_head biases.
+ARCHS["phimoe"] = ("PhimoeConfig", "PhimoeForCausalLM", dict(
+    num_hidden_layers=2, sliding_window=16, num_local_experts=4, attention_bias=True,
+    lm_head_bias=True, router_jitter_noise=0.3))
+
+# Ministral: Mistral with a per-layer mix of sliding and full layers.
+ARCHS["ministral"] = ("MinistralConfig", "MinistralForCausalLM", dict(
+    num_hidden_layers=4, sliding_window=16,
+    layer_types=["sliding_attention", "full_attention"] * 2))
+
+# SmolLM3: layers 1 and 3 without RoPE (no_rope_layers), and those slide.
+ARCHS["smollm3"] = ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
+    num_hidden_layers=4, no_rope_layers=[1, 0, 1, 0], use_sliding_window=True,
+    sliding_window=16))
+
+# Cohere 2: 3 sliding layers (pairwise RoPE) + 1 NoPE full layer, parallel blocks, tied
+# embedding scaled logits.
+ARCHS["cohere2"] = ("Cohere2Config", "Cohere2ForCausalLM", dict(
+    num_hidden_layers=4, sliding_window=16, tie_word_embeddings=True, logit_scale=0.5))
+
+# EXAONE 4: post-norms, per-head q/k norms, 3 sliding layers + 1 NoPE full layer.
+ARCHS["exaone4"] = ("Exaone4Config", "Exaone4ForCausalLM", dict(
+    num_hidden_layers=4, sliding_window=16, sliding_window_pattern=4))
+
+# OLMo 3: post-norms, q/k norms over all heads, RoPE per layer type (3 sliding + 1 full).
+ARCHS["olmo3"] = ("Olmo3Config", "Olmo3ForCausalLM", dict(
+    num_hidden_layers=4, sliding_window=16, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}))
+
+# Granite SWA: per-head sinks, a RoPE base per layer (layer 0 NoPE), µP multipliers.
+GRANITE_SWA: dict[str, Any] = dict(
+    num_hidden_layers=4, sliding_window=16, layer_rope_theta=[0.0, 10000.0, 10000.0, 50000.0],
+    embedding_multiplier=2.0, attention_multiplier=0.3, residual_multiplier=0.5,
+    logits_scaling=4.0)
+ARCHS["granite_swa"] = ("GraniteSWAConfig", "GraniteSWAForCausalLM", GRANITE_SWA)
+
+# Granite MoE SWA: the same, with top-2 of 4 stacked experts and a shared MLP.
+ARCHS["granitemoe_swa"] = ("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM", dict(
+    GRANITE_SWA, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+    shared_intermediate_size=48))
+
+# VaultGemma: Gemma 2 without the post-sublayer norms; alternating sliding / full layers.
+ARCHS["vaultgemma"] = ("VaultGemmaConfig", "VaultGemmaForCausalLM", dict(
+    num_hidden_layers=4, sliding_window=16, query_pre_attn_scalar=16))
+
+# Ministral 3: YaRN RoPE, queries scaled up with position past a (tiny) original length of
+# 16, every layer sliding.
+ARCHS["ministral3"] = ("Ministral3Config", "Ministral3ForCausalLM", dict(
+    num_hidden_layers=2, sliding_window=16, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+        "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}))
+
+# dots.llm1: layer 0 dense, then top-2 of 8 experts in 4 groups (2 groups kept) with a
+# correction bias, plus a shared expert; 2 sliding + 1 full layers.
+ARCHS["dots1"] = ("Dots1Config", "Dots1ForCausalLM", dict(
+    num_hidden_layers=3, sliding_window=16,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+    moe_intermediate_size=32, first_k_dense_replace=1, norm_topk_prob=True,
+    routed_scaling_factor=2.5))
+
+# EXAONE MoE: layer 0 dense, then grouped routed experts + a shared one; 3 sliding layers
+# and a NoPE full one.
+ARCHS["exaone_moe"] = ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", dict(
+    num_hidden_layers=4, sliding_window=16, num_experts=8, num_experts_per_tok=2, n_group=2,
+    topk_group=1, num_shared_experts=1, moe_intermediate_size=32))
+# Their routers' correction biases start at zero: noise makes them matter.
+PERTURB_CONSTANTS.update({"dots1", "exaone_moe"})
+
+# Cohere 2 MoE: a dense full layer with RoPE (prefix pattern 1), then 2 sliding + 1 NoPE full
+# layers of top-2 of 4 experts (sigmoid, renormalised) averaged with a shared expert.
+ARCHS["cohere2_moe"] = ("Cohere2MoeConfig", "Cohere2MoeForCausalLM", dict(
+    num_hidden_layers=4, sliding_window=16, sliding_window_pattern=3, first_k_dense_replace=1,
+    num_experts=4, num_experts_per_tok=2, num_shared_experts=1, expert_selection_fn="sigmoid",
+    intermediate_size=32, prefix_dense_intermediate_size=96, logit_scale=0.5))
+
 # ---- issue 16: linear attention, SSM, convolution and recurrence families (add below) ----
 
 # Qwen3.5: Qwen3-Next's mix with the DeltaNet projections stored apart; dense MLPs.
@@ -159,9 +263,11 @@ ARCHS["qwen3_5_moe_text"] = ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", di
 ARCHS["mamba"] = ("MambaConfig", "MambaForCausalLM", dict(
     num_hidden_layers=2, state_size=16, time_step_rank=8, use_associative_scan=False))
 
-# Falcon-Mamba: Mamba1 with weightless RMS norms on dt, B and C.
+# Falcon-Mamba: Mamba1 with weightless RMS norms on dt, B and C. Like Falcon-Mamba-7B's
+# config, `expand` disagrees with the saved intermediate_size (128), which wins.
 ARCHS["falcon_mamba"] = ("FalconMambaConfig", "FalconMambaForCausalLM", dict(
-    num_hidden_layers=2, state_size=16, time_step_rank=8, use_associative_scan=False))
+    num_hidden_layers=2, state_size=16, time_step_rank=8, use_associative_scan=False,
+    expand=4))
 
 # Mamba2: 8 heads of 16 in 2 groups, chunks of 16.
 ARCHS["mamba2"] = ("Mamba2Config", "Mamba2ForCausalLM", dict(

@@ -45,6 +45,9 @@ def check_config(config: object, source: str, *, for_model: bool) -> None:
             continue
         _positive_int(f"{where}{name}", cfg[name])
     for name in OPTIONAL_INTS:
+        if name == "sliding_window" and cfg.get(name) == 0 and \
+                not cfg.get("use_sliding_window", True):
+            continue  # Qwen2-MoE writes 0 for "no window" when use_sliding_window is off
         if cfg.get(name) is not None:
             _positive_int(f"{where}{name}", cfg[name])
     heads, kv_heads = cfg.get("num_attention_heads") or 1, cfg.get("num_key_value_heads")

@@ -38,7 +38,11 @@ SUPPORTED_MODEL_TYPES = (
     "llama4_text", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1", "jamba",
     "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
     # issue 16: linear attention, SSM, convolution and recurrence families
-    "mamba", "mamba2", "falcon_mamba", "lfm2", "lfm2_moe", "lfm3")
+    "mamba", "mamba2", "falcon_mamba", "lfm2", "lfm2_moe", "lfm3",
+    # issue 16: sliding + full attention families, dense and MoE decoders
+    "qwen2_moe", "phi3", "ministral", "smollm3", "starcoder2", "phimoe",
+    "cohere2", "exaone4", "olmo3", "granite_swa", "granitemoe_swa", "vaultgemma",
+    "ministral3", "dots1", "exaone_moe", "cohere2_moe")
 
 _LAYER_TYPE_WORDS = {
     "full_attention": FULL, "attention": FULL, "global": FULL, "global_attention": FULL,
@@ -160,6 +164,14 @@ def _attention_kinds(cfg: Mapping[str, Any], model_type: str, n: int) -> list[st
     pattern = _first(cfg, "sliding_window_pattern", "_sliding_window_pattern")
     if model_type.startswith("gemma3") and pattern is None:
         pattern = 6  # transformers' Gemma 3 default: every 6th layer is global
+    if isinstance(pattern, str):
+        # EXAONE 4 may spell it in letters repeated over the layers: "LLLG" = 3 local
+        # (sliding) layers, then a global one.
+        if not pattern or set(pattern.upper()) - {"L", "G"}:
+            raise ValueError(f"sliding_window_pattern {pattern!r}: give a layer count or "
+                             f"letters L (sliding) / G (full), e.g. 'LLLG'")
+        return [SLIDING if pattern[i % len(pattern)].upper() == "L" else FULL
+                for i in range(n)]
     if pattern:
         return [FULL if (i + 1) % int(pattern) == 0 else SLIDING for i in range(n)]
     if model_type == "gemma2":
@@ -319,7 +331,9 @@ def _spec_for(kind: str, cfg: Mapping[str, Any], block_size: int, dtype: str,
     d_conv = int(_first(cfg, "mamba_d_conv", "conv_kernel", default=4))
     expand = int(_first(cfg, "mamba_expand", "expand", default=2))
     if kind == MAMBA1:
-        d_inner = expand * hidden
+        # Pure Mamba saves its inner width (Falcon-Mamba-7B's `expand` disagrees with it).
+        saved = cfg.get("intermediate_size") if cfg.get("model_type") in ATTENTION_FREE else None
+        d_inner = int(saved) if saved else expand * hidden
         return MambaSpec(block_size=block_size, shapes=((d_inner, d_conv - 1),
                                                         (d_inner, d_state)),
                          dtypes=(dtype, dtype))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -41,3 +42,29 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. "
                          f"{sorted(missing)[0]!r}")
+
+
+def renamed(weights: Iterable[tuple[str, torch.Tensor]], rules: Iterable[tuple[str, str]]
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint names rewritten by (regex, replacement) rules, applied in order: for
+    checkpoints that name a part differently from the model here (Mixtral's `w1`/`w3`/`w2`)."""
+    compiled = [(re.compile(pattern), repl) for pattern, repl in rules]
+    for name, tensor in weights:
+        for pattern, repl in compiled:
+            name = pattern.sub(repl, name)
+        yield name, tensor
+
+
+def split_rows(weights: Iterable[tuple[str, torch.Tensor]], fused: str,
+               parts: dict[str, int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors named `...{fused}weight` / `bias` cut along their first dim into the `parts`
+    (name fragment -> rows, in order), e.g. Phi-3's `qkv_proj` into q, k and v."""
+    for name, tensor in weights:
+        if fused not in name:
+            yield name, tensor
+            continue
+        if tensor.shape[0] != sum(parts.values()):
+            raise ValueError(f"checkpoint tensor {name!r} has {tensor.shape[0]} rows; "
+                             f"expected {sum(parts.values())} ({', '.join(parts)})")
+        for part, piece in zip(parts, tensor.split(list(parts.values())), strict=True):
+            yield name.replace(fused, part), piece

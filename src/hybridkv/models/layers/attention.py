@@ -34,6 +34,7 @@ class AttentionShape:
     num_kv_heads: int
     head_dim: int
     bias: bool = False
+    o_bias: bool | None = None  # o_proj's bias when it differs from q/k/v's (Qwen2: none)
     qk_norm: bool = False
     norm_offset: float = 0.0  # (1 + w) norms: Gemma, Qwen3-Next
     eps: float = 1e-6
@@ -70,7 +71,8 @@ class Attention(nn.Module):
                                                               bias=s.bias)
         self.v_proj = None if reads_shared_kv or s.values_are_keys else nn.Linear(
             s.hidden_size, kv_width, bias=s.bias)
-        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=s.bias)
+        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size,
+                                bias=s.bias if s.o_bias is None else s.o_bias)
         self.q_norm = RMSNorm(s.head_dim, s.eps, s.norm_offset) if s.qk_norm else None
         self.k_norm = RMSNorm(s.head_dim, s.eps, s.norm_offset) if (
             s.qk_norm and not reads_shared_kv) else None

@@ -11,7 +11,7 @@ residual multiplier is Granite's µP factor.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,17 +36,21 @@ class LayerNames:
 class DecoderLayer(nn.Module):
     def __init__(self, names: LayerNames, mixer: nn.Module | None, ffns: Sequence[nn.Module],
                  hidden: int, eps: float, *, norm_offset: float = 0.0,
-                 residual_multiplier: float = 1.0) -> None:
+                 residual_multiplier: float = 1.0,
+                 norm: Callable[[int, float], nn.Module] | None = None) -> None:
+        """`norm(hidden, eps)`: the norm module where it is not RMSNorm (StarCoder 2's
+        LayerNorm)."""
         super().__init__()
         self.names, self.residual_multiplier = names, residual_multiplier
         if names.mixer is not None:
             self.add_module(names.mixer, mixer)
         for name, ffn in zip(names.ffns, ffns, strict=True):
             self.add_module(name, ffn)
-        for norm in (names.mixer_norm, names.post_mixer_norm, names.ffn_norm,
-                     names.post_ffn_norm):
-            if norm is not None:
-                self.add_module(norm, RMSNorm(hidden, eps, norm_offset))
+        for norm_name in (names.mixer_norm, names.post_mixer_norm, names.ffn_norm,
+                          names.post_ffn_norm):
+            if norm_name is not None:
+                self.add_module(norm_name, RMSNorm(hidden, eps, norm_offset) if norm is None
+                                else norm(hidden, eps))
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
