@@ -25,8 +25,15 @@ class ScaleFreeRMSNorm(nn.Module):
 
 
 def mixer_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """A Mamba/Falcon-Mamba config in the field names Mamba1Mixer reads (Jamba's)."""
-    return dict(hidden_size=cfg["hidden_size"], mamba_expand=cfg.get("expand", 2),
+    """A Mamba/Falcon-Mamba config in the field names Mamba1Mixer reads (Jamba's). The inner
+    width is `intermediate_size` where saved: Falcon-Mamba-7B's config says expand 16 but
+    its weights (and transformers, which keeps a saved intermediate_size) are 2x hidden."""
+    hidden = int(cfg["hidden_size"])
+    inner = int(cfg.get("intermediate_size") or int(cfg.get("expand", 2)) * hidden)
+    if inner % hidden:
+        raise ValueError(f"intermediate_size ({inner}) must be a multiple of hidden_size "
+                         f"({hidden}) for a Mamba mixer")
+    return dict(hidden_size=hidden, mamba_expand=inner // hidden,
                 mamba_d_state=cfg.get("state_size", 16), mamba_d_conv=cfg.get("conv_kernel", 4),
                 mamba_dt_rank=cfg.get("time_step_rank"), mamba_proj_bias=cfg.get("use_bias", False),
                 mamba_conv_bias=cfg.get("use_conv_bias", True),

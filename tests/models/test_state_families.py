@@ -1,0 +1,67 @@
+"""Linear-attention, SSM and short-convolution families of issue 16: their layer mixes and
+state shapes as the planner reads them, the shipped configs' plans, and config spellings
+(LFM2's `full_attn_idxs`, Falcon-Mamba's `expand` that disagrees with its saved width).
+Model outputs against transformers are in test_against_transformers.py; state checkpoint
+hits in test_state_prefix_caching.py."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from hybridkv.cli import main
+from hybridkv.models.layer_mix import kv_layout_from_config, layer_kinds, load_hf_config
+
+
+def kinds_of(config):
+    return Counter(k for parts in layer_kinds(config) for k in parts)
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("falcon-mamba-7b", {"mamba1": 64}),                       # no attention group at all
+    ("LFM2-350M", {"conv": 10, "full": 6}),                    # full_attn_idxs
+    ("LFM2-8B-A1B", {"conv": 18, "full": 6}),                  # layer_types
+])
+def test_layer_mix_and_plan_of_shipped_configs(name, expected, capsys):
+    assert kinds_of(load_hf_config(name)) == Counter(expected)
+    assert main(["plan", name, "--memory", "40GiB", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["ideal_fraction"] >= 0.99
+
+
+def test_state_shapes():
+    falcon = kv_layout_from_config(load_hf_config("falcon-mamba-7b")).layer_specs
+    # Inner width 8192 as saved (2 x hidden), not expand 16 x hidden: conv [8192, 3] and
+    # SSM [8192, 16] per layer.
+    assert falcon["model.layers.0.mamba"].shapes == ((8192, 3), (8192, 16))
+    lfm2 = kv_layout_from_config(load_hf_config("LFM2-8B-A1B")).layer_specs
+    # A short conv keeps its last L_cache - 1 = 2 inputs over the hidden channels, nothing
+    # else; attention layers are plain full attention.
+    assert lfm2["model.layers.0.mamba"].shapes == ((2048, 2),)
+    assert lfm2["model.layers.2.self_attn"].kind == "full"
+
+
+def test_pure_ssm_configs_need_no_attention_fields():
+    base = dict(hidden_size=64, num_hidden_layers=3, state_size=16, conv_kernel=4)
+    mamba2 = dict(base, model_type="mamba2", num_heads=8, head_dim=16, n_groups=2, expand=2)
+    specs = kv_layout_from_config(mamba2).layer_specs
+    # Mamba2: conv over [x, B, C] = 128 + 2 * 2 * 16 channels; SSM [heads, head_dim, state].
+    assert specs["model.layers.0.mamba"].shapes == ((192, 3), (8, 16, 16))
+    mamba = dict(base, model_type="mamba", expand=2)
+    assert kinds_of(mamba) == Counter({"mamba1": 3})
+    assert kv_layout_from_config(mamba).layer_specs["model.layers.2.mamba"].shapes == \
+        ((128, 3), (128, 16))
+
+
+def test_qwen3_5_text_config_inside_a_multimodal_config():
+    text = dict(model_type="qwen3_5_text", hidden_size=64, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                layer_types=["linear_attention"] * 3 + ["full_attention"],
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    config = dict(model_type="qwen3_5", text_config=text)
+    assert kinds_of(config) == Counter({"linear_attention": 3, "full": 1})
+    spec = kv_layout_from_config(config).layer_specs["model.layers.0.mamba"]
+    assert spec.shapes == ((2 * 2 * 16 + 4 * 16, 3), (4, 16, 16))
