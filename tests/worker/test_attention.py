@@ -62,6 +62,37 @@ def test_paged_attention_equals_dense(layout, kernel_block, feature):
     tables = [[5, 9, 14], [30, 4], [7, 20, 33]]  # manager block ids (page = id // per_page)
     if layout == "flat":
         tables = [[5, 9, 11], [10, 4], [1, 2, 3]]
+    check_paged_attention(kv, per_page, kernel_block, params, lens, new, tables)
+
+
+@pytest.mark.parametrize("kernel_block", [BS, BS // 2])
+@pytest.mark.parametrize("feature", ["plain", "window", "softcap", "sinks"])
+def test_a_mixed_batch_attends_in_batches(kernel_block, feature):
+    """Decodes, prompt chunks of near lengths (one padded batch), a short chunk (a batch of
+    its own) and, with a window, a chunk longer than it (alone): every token as dense."""
+    torch.manual_seed(1)
+    per_page, num_pages = 3, 14
+    kv = torch.zeros(num_pages, per_page, 2, BS, H_KV, D)
+    params = AttentionParams(
+        scale=1 / math.sqrt(D), sliding_window=7 if feature == "window" else None,
+        softcap=3.0 if feature == "softcap" else None,
+        sinks=torch.randn(H_Q) if feature == "sinks" else None)
+    lens, new = [9, 17, 6, 11, 14, 3, 20], [1, 1, 6, 5, 4, 2, 12]
+    tables = [[1, 2], [3, 4, 5], [6], [7, 8], [9, 10], [11], [12, 13, 14]]
+    meta = check_paged_attention(kv, per_page, kernel_block, params, lens, new, tables)
+    # [query slots per request] of each call: the decodes; the 12-token chunk; the chunks of
+    # 6, 5 and 4 padded to 6; the 2-token chunk. With the window of 7, the 12 goes alone.
+    batches, alone = meta.plan(params.sliding_window, params.chunk_size)
+    shapes = [tuple(b.tokens.shape) for b in batches]
+    if feature == "window":
+        assert shapes == [(2, 1), (3, 6), (1, 2)] and alone == [6]
+    else:
+        assert shapes == [(2, 1), (1, 12), (3, 6), (1, 2)] and alone == []
+
+
+def check_paged_attention(kv, per_page, kernel_block, params, lens, new, tables):
+    """Requests with contexts `lens`, the last `new` tokens of each scheduled this step,
+    blocks from `tables`: the backend's output equals dense attention, token by token."""
     keys_all = [torch.randn(n, H_KV, D) for n in lens]
     values_all = [torch.randn(n, H_KV, D) for n in lens]
     k_per = BS // kernel_block
@@ -70,23 +101,30 @@ def test_paged_attention_equals_dense(layout, kernel_block, feature):
             b = table[pos // BS]
             kv[b // per_page, b % per_page, 0, pos % BS] = keys_all[r][pos]
             kv[b // per_page, b % per_page, 1, pos % BS] = values_all[r][pos]
+    width = max(len(t) for t in tables) * k_per + 2
     kernel_table = torch.tensor([[b * k_per + j for b in t for j in range(k_per)]
-                                 + [0] * (8 - len(t) * k_per) for t in tables])
+                                 + [0] * (width - len(t) * k_per) for t in tables])
     slots = [table[p // BS] * BS + p % BS for table, n, m in zip(tables, lens, new, strict=True)
              for p in range(n - m, n)]
-    meta = AttentionMetadata(query_start_loc=[0, 1, 7, 26], seq_lens=lens,
+    loc = [0]
+    for m in new:
+        loc.append(loc[-1] + m)
+    meta = AttentionMetadata(query_start_loc=loc, seq_lens=lens,
                              block_table=kernel_table,
                              slot_mapping=torch.tensor(slots), block_size=BS,
                              kernel_block_size=kernel_block, blocks_per_page=per_page)
-    q = torch.randn(26, H_Q, D)
+    q = torch.randn(loc[-1], H_Q, D)
     k_new = torch.cat([k[-m:] for k, m in zip(keys_all, new, strict=True)])
     v_new = torch.cat([v[-m:] for v, m in zip(values_all, new, strict=True)])
     out = get_backend("torch").forward(q, k_new, v_new, kv, meta, params)
     expect = torch.cat([
-        dense(q[:1], keys_all[0], values_all[0], torch.tensor([19]), params),
-        dense(q[1:7], keys_all[1], values_all[1], torch.arange(7, 13), params),
-        dense(q[7:], keys_all[2], values_all[2], torch.arange(3, 22), params)])
+        dense(q[loc[r]:loc[r + 1]], keys_all[r], values_all[r],
+              torch.arange(lens[r] - new[r], lens[r]), params) for r in range(len(lens))])
     torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+    # And as one group of layers sees it: a second layer reusing the step's plan.
+    torch.testing.assert_close(get_backend("torch").forward(q, None, None, kv, meta, params),
+                               expect, atol=1e-5, rtol=1e-5)
+    return meta
 
 
 def test_unknown_backend_lists_the_known_ones():

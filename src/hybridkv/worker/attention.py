@@ -16,6 +16,46 @@ from torch import nn
 
 
 @dataclass
+class PaddedBatch:
+    """Requests attended in one call: queries padded to the batch's longest chunk, contexts
+    to its longest context (masked). A padding query slot repeats its request's last query
+    (a real position, so no row is all masked); its output is dropped.
+
+        tokens [P, Qm]  flat token index of each query slot
+        valid  [P, Qm]  real slots
+        q_pos  [P, Qm]  positions of the queries
+    """
+
+    tokens: torch.Tensor
+    valid: torch.Tensor
+    q_pos: torch.Tensor
+    gather: tuple[torch.Tensor, ...]  # [P, n] index into the KV view (see `_gather_padded`)
+    all_valid: bool  # no padding slot: outputs go straight back by `tokens`
+    _masks: dict[tuple[int | None, int | None], torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_kv(self) -> int:
+        return int(self.gather[-1].shape[1])
+
+    def mask(self, window: int | None, chunk: int | None, kernel_block_size: int
+             ) -> torch.Tensor:
+        """[P, Qm, L]: which cached positions each query may attend to (shared by the
+        group's layers with the same window and chunk)."""
+        mask = self._masks.get((window, chunk))
+        if mask is None:
+            num_pos = self.num_kv * kernel_block_size
+            k_pos = torch.arange(num_pos, device=self.q_pos.device)[None, None, :]
+            q_pos = self.q_pos[:, :, None]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= q_pos - k_pos < window
+            if chunk is not None:
+                mask &= k_pos // chunk == q_pos // chunk
+            self._masks[(window, chunk)] = mask
+        return mask
+
+
+@dataclass
 class AttentionMetadata:
     """One group's view of the batch; every group lists requests in the same order."""
 
@@ -26,8 +66,11 @@ class AttentionMetadata:
     block_size: int  # the manager's block size (tokens per block of the KV view)
     kernel_block_size: int
     blocks_per_page: int  # of the group's KV views: block b is (page b // n, slot b % n)
-    # Masks of the decode batch per (window, chunk), shared by the group's layers.
-    _masks: dict[tuple[int | None, int | None], torch.Tensor] = field(default_factory=dict)
+    # Per (window, chunk): the batches to attend in one call each, and the requests whose
+    # chunk is longer than the window/chunk (attended alone, in query blocks).
+    _plans: dict[tuple[int | None, int | None],
+                 tuple[list[PaddedBatch], list[int]]] = field(default_factory=dict)
+    _batches: dict[tuple[int, ...], PaddedBatch] = field(default_factory=dict)
 
     # Everything below depends only on the batch, not on the layer: computed once per step
     # by the first layer that asks, reused by the others.
@@ -39,43 +82,67 @@ class AttentionMetadata:
         return blocks // self.blocks_per_page, blocks % self.blocks_per_page, offsets
 
     @cached_property
-    def decode_rows(self) -> list[int]:
-        """Requests with exactly one query token (batched together)."""
+    def query_lens(self) -> list[int]:
         loc = self.query_start_loc
-        return [r for r in range(len(self.seq_lens)) if loc[r + 1] - loc[r] == 1]
+        return [loc[r + 1] - loc[r] for r in range(len(self.seq_lens))]
 
-    @cached_property
-    def decode_batch(self) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
-        """(token index [R], sequence lengths [R], gather index into the KV view)."""
-        rows = self.decode_rows
+    def plan(self, window: int | None, chunk: int | None
+             ) -> tuple[list[PaddedBatch], list[int]]:
+        """(batches, requests attended alone). Single-token requests form one batch; prompt
+        chunks are batched by length (a batch's chunks are within 2x of its longest, so
+        padding costs at most about as much as the real work); with a window or chunk, a
+        chunk longer than it goes alone, in query blocks (O(n * window), not O(n^2))."""
+        key = (window, chunk)
+        if key not in self._plans:
+            local = min((x for x in (window, chunk) if x is not None), default=None)
+            lens = self.query_lens
+            decode = [r for r, n in enumerate(lens) if n == 1]
+            alone = [r for r, n in enumerate(lens) if n > 1 and local is not None
+                     and n > local]
+            chunks = sorted((r for r, n in enumerate(lens) if n > 1 and r not in alone),
+                            key=lambda r: (-lens[r], -self.seq_lens[r]))
+            groups = [decode] if decode else []
+            for r in chunks:
+                head = groups[-1][0] if groups and groups[-1] is not decode else None
+                if head is None or 2 * lens[r] < lens[head] or \
+                        2 * self.seq_lens[r] < self.seq_lens[head]:
+                    groups.append([r])
+                else:
+                    groups[-1].append(r)
+            self._plans[key] = ([self._batch(tuple(g)) for g in groups], alone)
+        return self._plans[key]
+
+    def _batch(self, rows: tuple[int, ...]) -> PaddedBatch:
+        batch = self._batches.get(rows)
+        if batch is None:
+            batch = self._batches[rows] = self._make_batch(rows)
+        return batch
+
+    def _make_batch(self, rows: tuple[int, ...]) -> PaddedBatch:
         device = self.slot_mapping.device
-        tokens = torch.tensor([self.query_start_loc[r] for r in rows], device=device)
-        seq_lens = torch.tensor([self.seq_lens[r] for r in rows], device=device)
+        lens = [self.query_lens[r] for r in rows]
+        max_q = max(lens)
+        q_len = torch.tensor(lens, dtype=torch.int64, device=device)[:, None]  # [P, 1]
+        start = torch.tensor([self.query_start_loc[r] for r in rows], dtype=torch.int64,
+                             device=device)[:, None]
+        seq = torch.tensor([self.seq_lens[r] for r in rows], dtype=torch.int64,
+                           device=device)[:, None]
+        col = torch.arange(max_q, device=device)[None, :]
+        slot = torch.minimum(col, q_len - 1)  # padding repeats the last query
         kb = self.kernel_block_size
-        kernel_ids = self.block_table[torch.tensor(rows, device=device),
-                                      :-(-int(seq_lens.max()) // kb)]  # [R, n]
+        num_kernel = -(-max(self.seq_lens[r] for r in rows) // kb)
+        kernel_ids = self.block_table[torch.tensor(rows, device=device), :num_kernel]
         k_per_block = self.block_size // kb
+        gather: tuple[torch.Tensor, ...]
         if k_per_block == 1:
-            return tokens, seq_lens, (kernel_ids,)  # block ids, for index_select
-        blocks = kernel_ids // k_per_block
-        pages, slots = blocks // self.blocks_per_page, blocks % self.blocks_per_page
-        return tokens, seq_lens, (pages, slots, kernel_ids % k_per_block)
-
-    def decode_mask(self, window: int | None, chunk: int | None) -> torch.Tensor:
-        """[R, L]: which cached positions each decode query may attend to."""
-        mask = self._masks.get((window, chunk))
-        if mask is None:
-            _, seq_lens, index = self.decode_batch
-            num_pos = index[-1].shape[1] * self.kernel_block_size
-            k_pos = torch.arange(num_pos, device=seq_lens.device).unsqueeze(0)  # [1, L]
-            q_pos = (seq_lens - 1).unsqueeze(1)  # [R, 1]
-            mask = k_pos <= q_pos
-            if window is not None:
-                mask &= q_pos - k_pos < window
-            if chunk is not None:
-                mask &= k_pos // chunk == q_pos // chunk
-            self._masks[(window, chunk)] = mask
-        return mask
+            gather = (kernel_ids,)  # manager block ids
+        else:
+            blocks = kernel_ids // k_per_block
+            gather = (blocks // self.blocks_per_page, blocks % self.blocks_per_page,
+                      kernel_ids % k_per_block)
+        return PaddedBatch(tokens=start + slot, valid=col < q_len,
+                           q_pos=seq - q_len + slot, gather=gather,
+                           all_valid=min(lens) == max_q)
 
 
 @dataclass(frozen=True)
@@ -105,67 +172,41 @@ class TorchReferenceBackend:
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
                 params: AttentionParams) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hk, D] or None (KV sharing: the cache is already written);
-        kv_cache [pages, blocks_per_page, 2, block, Hk, D]. Returns [T, Hq, D]."""
+        kv_cache [pages, blocks_per_page, 2, block, Hk, D]. Returns [T, Hq, D].
+
+        One call per batch of the plan (all single-token requests together, prompt chunks
+        of similar lengths together); only a chunk longer than its window goes alone."""
         if k is not None and v is not None:
             self._write(k, v, kv_cache, meta)
+        batches, alone = meta.plan(params.sliding_window, params.chunk_size)
+        if len(batches) == 1 and not alone and batches[0].all_valid and \
+                batches[0].tokens.numel() == q.shape[0]:
+            # One batch holding every token (a decode step; equal prompt chunks): rows
+            # are already in flat order, nothing to scatter back.
+            batch = batches[0]
+            return self._attend_batch(q.view(*batch.tokens.shape, *q.shape[1:]), kv_cache,
+                                      meta, batch, params).flatten(0, 1)
         out = torch.empty_like(q)
-        for r in range(len(meta.seq_lens)):
+        for batch in batches:
+            res = self._attend_batch(q[batch.tokens], kv_cache, meta, batch, params)
+            if batch.all_valid:
+                out[batch.tokens.flatten()] = res.flatten(0, 1)
+            else:
+                out[batch.tokens[batch.valid]] = res[batch.valid]
+        for r in alone:
             start, end = meta.query_start_loc[r], meta.query_start_loc[r + 1]
-            if end - start > 1:  # prompt chunks one by one; single tokens batched below
-                keys, values = self._gather(kv_cache, meta, r)
-                out[start:end] = _attend(q[start:end], keys, values, meta.seq_lens[r], params)
-        if meta.decode_rows:
-            tokens = meta.decode_batch[0]
-            out[tokens] = self._decode_batch(q[tokens], kv_cache, meta, params)
+            keys, values = self._gather(kv_cache, meta, r)
+            out[start:end] = _attend(q[start:end], keys, values, meta.seq_lens[r], params)
         return out
 
     @staticmethod
-    def _decode_batch(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                      params: AttentionParams) -> torch.Tensor:
-        """One query per request, all requests at once. q [R, Hq, D] -> [R, Hq, D]."""
-        _, _, index = meta.decode_batch
-        # K and V gathered apart, each straight into a contiguous [R, n, block, H, D].
-        flat = _flat_blocks(kv_cache)
-        if len(index) == 1 and flat is not None:
-            ids = index[0].flatten()
-            shape = (*index[0].shape, *flat.shape[2:])
-            keys = flat[:, 0].index_select(0, ids).view(shape)
-            values = flat[:, 1].index_select(0, ids).view(shape)
-        elif len(index) == 1:  # padded large pages: no flat block view
-            blocks = index[0]
-            pages, slots = blocks // meta.blocks_per_page, blocks % meta.blocks_per_page
-            keys, values = kv_cache[pages, slots, 0], kv_cache[pages, slots, 1]
-        else:  # kernel blocks inside manager blocks
-            split = kv_cache.unflatten(3, (meta.block_size // meta.kernel_block_size,
-                                           meta.kernel_block_size))
-            keys = split[index[0], index[1], 0, index[2]]
-            values = split[index[0], index[1], 1, index[2]]
-        keys, values = keys.flatten(1, 2), values.flatten(1, 2)  # [R, L, Hk, D]
-        num_reqs, num_heads, head_dim = q.shape
-        num_kv_heads = keys.shape[2]
-        group = num_heads // num_kv_heads
-        allowed = meta.decode_mask(params.sliding_window, params.chunk_size)
-        if params.softcap is None and params.sinks is None:
-            # Plain softmax attention: torch's fused kernel (on CPU and CUDA alike).
-            out = nn.functional.scaled_dot_product_attention(
-                q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=allowed[:, None, None, :], scale=params.scale,
-                enable_gqa=group > 1)  # [R, Hq, 1, D]
-            return out.squeeze(2)
-        # Query heads grouped by the KV head they share: [R, Hk, G, D]
-        qg = q.float().view(num_reqs, num_kv_heads, group, head_dim)
-        scores = torch.einsum("rkgd,rlkd->rkgl", qg, keys.float()) * params.scale
-        if params.softcap is not None:
-            scores = torch.tanh(scores / params.softcap) * params.softcap
-        scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
-        if params.sinks is not None:
-            sink = params.sinks.float().view(1, num_kv_heads, group, 1).expand(
-                num_reqs, -1, -1, 1)
-            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-        else:
-            probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("rkgl,rlkd->rkgd", probs, values.float())
-        return out.reshape(num_reqs, num_heads, head_dim).to(q.dtype)
+    def _attend_batch(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                      batch: PaddedBatch, params: AttentionParams) -> torch.Tensor:
+        """q [P, Qm, Hq, D] -> [P, Qm, Hq, D] over each request's cached context."""
+        keys, values = _gather_padded(kv_cache, meta, batch.gather)  # [P, L, Hk, D]
+        allowed = batch.mask(params.sliding_window, params.chunk_size,
+                             meta.kernel_block_size)  # [P, Qm, L]
+        return _attend_padded(q, keys, values, allowed, params)
 
     @staticmethod
     def _write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -178,28 +219,83 @@ class TorchReferenceBackend:
     @staticmethod
     def _gather(kv_cache: torch.Tensor, meta: AttentionMetadata, r: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One request's keys and values, [seq_len, Hk, D] each."""
         kb = meta.kernel_block_size
-        k_per_block = meta.block_size // kb
         seq_len = meta.seq_lens[r]
-        kernel_ids = meta.block_table[r, :-(-seq_len // kb)]
-        flat = _flat_blocks(kv_cache)
-        if k_per_block == 1 and flat is not None:
-            keys = flat[:, 0].index_select(0, kernel_ids).flatten(0, 1)[:seq_len]
-            values = flat[:, 1].index_select(0, kernel_ids).flatten(0, 1)[:seq_len]
-            return keys, values
-        blocks, sub = kernel_ids // k_per_block, kernel_ids % k_per_block
-        per_page = kv_cache.shape[1]
-        # [pages, per_page, 2, k, kb, H, D]: kernel block `sub` of manager block `blocks`
-        split = kv_cache.unflatten(3, (k_per_block, kb))
-        gathered = split[blocks // per_page, blocks % per_page, :, sub]  # [n, 2, kb, H, D]
-        keys = gathered[:, 0].flatten(0, 1)[:seq_len]
-        values = gathered[:, 1].flatten(0, 1)[:seq_len]
+        kernel_ids = meta.block_table[r:r + 1, :-(-seq_len // kb)]
+        k_per_block = meta.block_size // kb
+        if k_per_block == 1:
+            index: tuple[torch.Tensor, ...] = (kernel_ids,)
+        else:
+            blocks = kernel_ids // k_per_block
+            index = (blocks // meta.blocks_per_page, blocks % meta.blocks_per_page,
+                     kernel_ids % k_per_block)
+        keys, values = _gather_padded(kv_cache, meta, index)
+        return keys[0, :seq_len], values[0, :seq_len]
+
+
+def _gather_padded(kv_cache: torch.Tensor, meta: AttentionMetadata,
+                   index: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the blocks in `index` ([P, n] block ids, or (page, slot, kernel
+    block) when kernel blocks split manager blocks), each [P, n * kernel_block, Hk, D]."""
+    flat = _flat_blocks(kv_cache)
+    if len(index) == 1 and flat is not None:
+        # Rows of one block's K (or V) are contiguous: index_select over a 2-D view of
+        # them is a plain row copy, much faster than gathering a strided 4-D view.
+        ids = index[0].flatten()
+        shape = (*index[0].shape[:1], -1, *flat.shape[3:])
+        rows = flat.flatten(2)  # [num_blocks, 2, block * Hk * D]
+        keys = rows[:, 0].index_select(0, ids).view(shape)
+        values = rows[:, 1].index_select(0, ids).view(shape)
         return keys, values
+    if len(index) == 1:  # padded large pages: no flat block view
+        blocks = index[0]
+        pages, slots = blocks // meta.blocks_per_page, blocks % meta.blocks_per_page
+        keys, values = kv_cache[pages, slots, 0], kv_cache[pages, slots, 1]
+    else:  # kernel blocks inside manager blocks
+        split = kv_cache.unflatten(3, (meta.block_size // meta.kernel_block_size,
+                                       meta.kernel_block_size))
+        keys = split[index[0], index[1], 0, index[2]]
+        values = split[index[0], index[1], 1, index[2]]
+    return keys.flatten(1, 2), values.flatten(1, 2)  # [P, L, Hk, D]
+
+
+def _attend_padded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   allowed: torch.Tensor, params: AttentionParams) -> torch.Tensor:
+    """q [P, Qm, Hq, D] over keys/values [P, L, Hk, D] where `allowed` [P, Qm, L]."""
+    num_reqs, num_q, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[2]
+    group = num_heads // num_kv_heads
+    if params.softcap is None and params.sinks is None:
+        # Plain softmax attention: torch's fused kernel (on CPU and CUDA alike); 4-D
+        # inputs, or the CPU build takes its slow math path.
+        out = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=allowed[:, None], scale=params.scale,
+            enable_gqa=group > 1)  # [P, Hq, Qm, D]
+        return out.transpose(1, 2)
+    # Query heads grouped by the KV head they share: [P, Qm, Hk, G, D]
+    qg = q.float().view(num_reqs, num_q, num_kv_heads, group, head_dim)
+    scores = torch.einsum("pqkgd,plkd->pkgql", qg, keys.float()) * params.scale
+    if params.softcap is not None:
+        scores = torch.tanh(scores / params.softcap) * params.softcap
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    if params.sinks is not None:
+        # A per-head sink logit joins the softmax and takes probability mass, no value.
+        sink = params.sinks.float().view(1, num_kv_heads, group, 1, 1).expand(
+            num_reqs, -1, -1, num_q, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("pkgql,plkd->pqkgd", probs, values.float())
+    return out.reshape(num_reqs, num_q, num_heads, head_dim).to(q.dtype)
 
 
 def _flat_blocks(kv_cache: torch.Tensor) -> torch.Tensor | None:
     """[num_blocks, 2, block, H, D] view of [pages, per_page, ...] when the large pages have
     no padding for this group (then blocks are evenly spaced), else None."""
+    if not kv_cache[0, 0].is_contiguous():  # a block's K and V must be plain rows
+        return None
     if kv_cache.shape[1] == 1:  # one block per page (a size-1 dim's stride is arbitrary)
         return kv_cache[:, 0]
     if kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1):
@@ -248,10 +344,11 @@ def _attend_block(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_s
     if params.chunk_size is not None:
         allowed &= k_pos // params.chunk_size == q_pos // params.chunk_size
     if params.softcap is None and params.sinks is None:
+        # 4-D inputs: with 3-D ones the CPU build takes its slow math path.
         out = nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=allowed, scale=params.scale, enable_gqa=group > 1)  # [Hq, nq, D]
-        return out.transpose(0, 1)
+            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+            attn_mask=allowed, scale=params.scale, enable_gqa=group > 1)  # [1, Hq, nq, D]
+        return out[0].transpose(0, 1)
     if group > 1:
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
