@@ -292,3 +292,10 @@ PERTURB_CONSTANTS.add("lfm2_moe")
 # layer, per-head sigmoid gates, sandwich norms and proportional RoPE on the full layer.
 ARCHS["lfm3"] = ("Lfm3Config", "Lfm3ForCausalLM", dict(
     num_hidden_layers=6, conv_L_cache=4, sliding_window=16))
+
+# RecurrentGemma: recurrent, recurrent, local attention (window 16), twice; one KV head.
+# Its norms start at zero ((1 + w) form): perturbed so that ignoring them could not pass.
+ARCHS["recurrent_gemma"] = ("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", dict(
+    num_hidden_layers=6, lru_width=64, attention_window_size=16, conv1d_width=4,
+    num_key_value_heads=1))
+PERTURB_CONSTANTS.add("recurrent_gemma")

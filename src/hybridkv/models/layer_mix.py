@@ -30,7 +30,8 @@ from hybridkv.models.config_check import ATTENTION_FREE, check_config
 FULL, SLIDING, CHUNKED, MAMBA, MAMBA1, LINEAR, NONE = (
     "full", "sliding", "chunked", "mamba", "mamba1", "linear_attention", "none")
 CONV = "conv"  # a gated short convolution (LFM2): its last inputs are its state
-STATE_KINDS = (MAMBA, MAMBA1, LINEAR, CONV)
+RG_LRU = "rg_lru"  # Griffin's recurrent block (RecurrentGemma): a conv and an RG-LRU state
+STATE_KINDS = (MAMBA, MAMBA1, LINEAR, CONV, RG_LRU)
 
 SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3",
@@ -39,6 +40,7 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
     # issue 16: linear attention, SSM, convolution and recurrence families
     "mamba", "mamba2", "falcon_mamba", "lfm2", "lfm2_moe", "lfm3",
+    "recurrent_gemma",
     # issue 16: sliding + full attention families, dense and MoE decoders
     "qwen2_moe", "phi3", "ministral", "smollm3", "starcoder2", "phimoe",
     "cohere2", "exaone4", "olmo3", "granite_swa", "granitemoe_swa", "vaultgemma",
@@ -122,6 +124,11 @@ def layer_kinds(config: Mapping[str, Any]) -> list[tuple[str, ...]]:
         return [(FULL, MAMBA)] * n
     if model_type in ATTENTION_FREE:
         return [(MAMBA if model_type == "mamba2" else MAMBA1,)] * n
+    if model_type == "recurrent_gemma":
+        # `block_types` repeats over the layers: recurrent blocks and local attention.
+        blocks = list(cfg.get("block_types") or ("recurrent", "recurrent", "attention"))
+        return [(RG_LRU if blocks[i % len(blocks)] == "recurrent" else SLIDING,)
+                for i in range(n)]
     kinds = _attention_kinds(cfg, model_type, n)
     if not cfg.get("linear_num_key_heads"):
         # transformers 5.x saves Mamba layers as "linear_attention"; only configs with Gated
@@ -311,11 +318,18 @@ def _spec_for(kind: str, cfg: Mapping[str, Any], block_size: int, dtype: str,
         attn = dict(block_size=block_size, dtype=dtype, num_kv_heads=num_kv_heads,
                     head_size=head_size)
         if kind == SLIDING:
-            return SlidingWindowSpec(sliding_window=int(cfg["sliding_window"]), **attn)
+            window = _first(cfg, "sliding_window", "attention_window_size")  # RecurrentGemma
+            return SlidingWindowSpec(sliding_window=int(window), **attn)
         if kind == CHUNKED:
             return ChunkedLocalAttentionSpec(
                 attention_chunk_size=int(cfg["attention_chunk_size"]), **attn)
         return FullAttentionSpec(**attn)
+    if kind == RG_LRU:
+        # The conv's last inputs and the recurrence, kept in float32 as the reference does.
+        width = int(cfg.get("lru_width") or hidden)
+        return MambaSpec(block_size=block_size,
+                         shapes=((width, int(cfg.get("conv1d_width", 4)) - 1), (width,)),
+                         dtypes=(dtype, "float32"))
     if kind == CONV:
         # The last `conv_L_cache - 1` inputs of a depthwise conv over the hidden channels.
         return MambaSpec(block_size=block_size, shapes=((hidden, int(cfg["conv_L_cache"]) - 1),),
