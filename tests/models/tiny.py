@@ -246,6 +246,22 @@ ARCHS["cohere2_moe"] = ("Cohere2MoeConfig", "Cohere2MoeForCausalLM", dict(
     num_experts=4, num_experts_per_tok=2, num_shared_experts=1, expert_selection_fn="sigmoid",
     intermediate_size=32, prefix_dense_intermediate_size=96, logit_scale=0.5))
 
+# AFMoE: 3 sliding layers (RoPE) + 1 NoPE full layer, output-gated attention, sandwich norms,
+# layer 0 dense, then top-2 of 4 experts (sigmoid, bias-steered) + a shared expert; µP.
+ARCHS["afmoe"] = ("AfmoeConfig", "AfmoeForCausalLM", dict(
+    num_hidden_layers=4, sliding_window=16, num_experts=4, num_experts_per_tok=2,
+    num_shared_experts=1, moe_intermediate_size=32, route_scale=1.5, mup_enabled=True))
+PERTURB_CONSTANTS.add("afmoe")
+
+# Gemma 4 unified text: Gemma 4's attention (full layers: head size 32 via per_layer_config,
+# proportional RoPE) with plain MLPs; 2 sliding + 1 full layers writing KV, then 3 reading it
+# with double-width MLPs.
+ARCHS["gemma4_unified_text"] = ("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM", dict(
+    num_hidden_layers=6, sliding_window=16, global_head_dim=32, num_kv_shared_layers=3,
+    layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2
+    + ["full_attention"], use_double_wide_mlp=True, final_logit_softcapping=30.0))
+PERTURB_CONSTANTS.add("gemma4_unified_text")
+
 # ---- issue 16: linear attention, SSM, convolution and recurrence families (add below) ----
 
 # Qwen3.5: Qwen3-Next's mix with the DeltaNet projections stored apart; dense MLPs.

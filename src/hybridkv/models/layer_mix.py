@@ -44,7 +44,7 @@ SUPPORTED_MODEL_TYPES = (
     # issue 16: sliding + full attention families, dense and MoE decoders
     "qwen2_moe", "phi3", "ministral", "smollm3", "starcoder2", "phimoe",
     "cohere2", "exaone4", "olmo3", "granite_swa", "granitemoe_swa", "vaultgemma",
-    "ministral3", "dots1", "exaone_moe", "cohere2_moe")
+    "ministral3", "dots1", "exaone_moe", "cohere2_moe", "afmoe", "gemma4_unified_text")
 
 _LAYER_TYPE_WORDS = {
     "full_attention": FULL, "attention": FULL, "global": FULL, "global_attention": FULL,

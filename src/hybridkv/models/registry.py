@@ -29,6 +29,9 @@ MODELS: dict[str, str] = {
     "vaultgemma": _LLAMA, "ministral3": _LLAMA,
     "dots1": "hybridkv.models.grouped_moe:GroupedMoEForCausalLM",
     "exaone_moe": "hybridkv.models.grouped_moe:GroupedMoEForCausalLM",
+    "afmoe": "hybridkv.models.afmoe:AfmoeForCausalLM",
+    # Gemma 4's text decoder without per-layer inputs or MoE (their config fields are off).
+    "gemma4_unified_text": "hybridkv.models.gemma4:Gemma4ForCausalLM",
     "llama4_text": "hybridkv.models.llama4:Llama4ForCausalLM",
     "nemotron_h": "hybridkv.models.nemotron_h:NemotronHForCausalLM",
     "bamba": "hybridkv.models.bamba:BambaForCausalLM",
