@@ -1,9 +1,9 @@
-"""Branch points and checkpoint hits of a model with no attention group (pure Mamba), against
-an oracle over token lists.
+"""Branch points and checkpoint hits of models with no full-attention group (pure Mamba;
+RecurrentGemma's sliding windows + state), against an oracle over token lists.
 
-With attention layers, the attention lookup tells a request how far it matched earlier
-requests (its branch point, where it saves a state checkpoint for the next one). With state
-groups only, the state manager remembers the hashes of computed blocks instead. For random
+With full attention, its lookup tells a request how far it matched earlier requests (its
+branch point, where it saves a state checkpoint for the next one). Without it, the state
+manager remembers the hashes of computed blocks instead. For random
 requests that share random prefixes, run one after another (look up, compute the prompt,
 free):
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.kv.toy import BLOCK, admit, full, mamba, request, toy_manager
+from tests.kv.toy import BLOCK, admit, full, mamba, request, sliding, toy_manager
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -42,10 +42,14 @@ def prompt_lists(draw: st.DrawFn) -> list[list[int]]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(prompt_lists())
-def test_branch_points_and_hits_match_the_oracle(prompts: list[list[int]]) -> None:
-    m = toy_manager(mamba(), num_pages=400)
-    state = m.managers[0]
+@given(prompt_lists(), st.booleans())
+def test_branch_points_and_hits_match_the_oracle(prompts: list[list[int]],
+                                                 with_window: bool) -> None:
+    # State alone (Mamba), or beside a sliding window (RecurrentGemma): no full-attention
+    # group either way. Nothing is evicted, so a window before a checkpoint is cached too.
+    specs = (sliding(8), mamba()) if with_window else (mamba(),)
+    m = toy_manager(*specs, num_pages=800)
+    state = m.managers[-1]
     checkpoints: set[tuple[int, ...]] = set()
     for i, tokens in enumerate(prompts):
         req = request(f"r{i}", tokens)

@@ -1,7 +1,8 @@
 """Prefix caching on models with per-request states: hits through state checkpoints, outputs
 identical to running without the cache. One model per state kind: Mamba2 + attention
 (NemotronH), Mamba1 alone with no attention group at all (Mamba), a short-convolution state
-(LFM2) and Gated DeltaNet with split projections (Qwen3.5)."""
+(LFM2), Gated DeltaNet with split projections (Qwen3.5) and Griffin's RG-LRU beside
+sliding-window attention (RecurrentGemma)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from tests.models.tiny import build_tiny_model  # noqa: E402
 GREEDY = SamplingParams(max_tokens=8)
 
 
-@pytest.fixture(scope="module", params=["nemotron_h", "mamba", "lfm2", "qwen3_5_text"])
+@pytest.fixture(scope="module", params=["nemotron_h", "mamba", "lfm2", "qwen3_5_text",
+                                        "recurrent_gemma"])
 def model_dir(request, tmp_path_factory):
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
 

@@ -20,6 +20,7 @@ from hybridkv.kv.hashing import make_block_hasher
 from hybridkv.kv.managers.base import NEVER
 from hybridkv.kv.plan import KVCacheConfig
 from hybridkv.kv.request import KVRequest
+from hybridkv.kv.spec import FullAttentionSpec
 
 
 class KVCacheBlocks:
@@ -82,11 +83,14 @@ class KVCacheManager:
         self.coordinator = make_coordinator(config, self.pool, enable_caching=enable_caching)
         self.managers = self.coordinator.managers
         if enable_caching:
-            state_only = all(g.spec.is_state for g in config.groups)
+            # Branch points come from a full-attention group's match (the only monotone
+            # one); without one (pure SSMs, sliding window + state) the state groups
+            # remember the hashes of computed blocks instead.
+            no_full = not any(isinstance(g.spec, FullAttentionSpec) for g in config.groups)
             for m in self.managers:
                 m.set_checkpoint_policy(interval=checkpoint_interval,
                                         branch_points=checkpoint_branch_points,
-                                        remember_blocks=state_only)
+                                        remember_blocks=no_full)
         self.stats = PrefixCacheStats(hit_tokens_per_group=[0] * len(self.managers))
         self._no_blocks = KVCacheBlocks(tuple([] for _ in self.managers))
         # Per request: token counts below which allocate_slots has nothing to do.

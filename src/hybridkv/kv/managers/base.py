@@ -183,8 +183,8 @@ class SingleTypeManager:
                               remember_blocks: bool = False) -> None:
         """Turn state checkpoints on (the prefix cache is on): at prompt ends, every
         `interval` blocks too (0: never), and at branch points or not (state kinds only).
-        `remember_blocks`: no attention group finds branch points, so the state groups keep
-        the hashes of computed blocks to find them."""
+        `remember_blocks`: no full-attention group finds branch points, so the state groups
+        keep the hashes of computed blocks to find them."""
 
     def take_checkpoints(self, request_id: str) -> list[tuple[int, Block]]:
         """State checkpoints (position, block) the last allocation asked the runner to

@@ -13,8 +13,9 @@ the block is registered under the prefix hash at once (like attention blocks, it
 in this very step) and held until the next step, so that nothing reuses it before the model
 runner has written it.
 
-Branch points come from the other groups' lookups (how far attention blocks matched). A
-model with no attention group (pure Mamba) has none: there the state groups remember the
+Branch points come from the other groups' lookups (how far full-attention blocks matched).
+A model with no full-attention group (pure Mamba; RecurrentGemma's sliding windows, whose
+hits are bounded by the state's) has no such match: there the state groups remember the
 hashes of the blocks recent requests computed (hashes only, `SEEN_CAPACITY` at most, least
 recently seen forgotten first) and measure the match against those.
 """
