@@ -15,8 +15,15 @@ from torch import nn
 
 from hybridkv.models.layers.activations import activation
 from hybridkv.models.layers.norms import l2_normalize
-from hybridkv.models.layers.state import Saves, causal_conv, request_states
+from hybridkv.models.layers.state import (
+    Saves,
+    causal_conv,
+    conv_step,
+    request_states,
+    state_places,
+)
 from hybridkv.worker.forward_context import ForwardContext
+from hybridkv.worker.state import StateMetadata
 
 
 class HeadNormWeight(nn.Module):
@@ -72,7 +79,13 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(b.float())
         g = -self.A_log.float().exp() * nn.functional.softplus(a.float() + self.dt_bias)
         out = torch.empty(h.shape[0], self.num_v_heads, self.v_dim, device=h.device)
-        for start, end, conv_state, state, saves in request_states(meta, states):
+        batched = meta.plain_steps  # single-token steps: all at once
+        if batched:
+            tokens = torch.tensor([meta.query_start_loc[r] for r in batched], device=h.device)
+            out[tokens] = self._decode_batch(mixed[tokens], beta[tokens], g[tokens], meta,
+                                             batched, states)
+        for start, end, conv_state, state, saves in request_states(meta, states,
+                                                                   skip=batched):
             out[start:end] = self._request(mixed[start:end], beta[start:end], g[start:end],
                                            conv_state, state, saves)
         # Gated norm per value head: normalise, weight, then gate with silu(z).
@@ -80,18 +93,38 @@ class GatedDeltaNet(nn.Module):
         gated = (self.norm.weight * normed.to(h.dtype)).float() * nn.functional.silu(z.float())
         return self.out_proj(gated.to(h.dtype).flatten(1))
 
-    def _request(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
-                 conv_state: torch.Tensor, state: torch.Tensor,
-                 saves: Saves) -> torch.Tensor:
-        x = self.act(causal_conv(mixed, conv_state, self.conv1d, saves))
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [L, conv_dim] after the conv -> q, k [L, v_heads, k_dim] (L2-normalised, q also
+        by 1/sqrt(k_dim)), v [L, v_heads, v_dim], float32."""
         q, k, v = x.float().split([self.key_size, self.key_size, self.value_size], dim=-1)
         per = self.num_v_heads // self.num_k_heads
         q = l2_normalize(q.unflatten(-1, (self.num_k_heads, self.k_dim))).repeat_interleave(
             per, 1)
         k = l2_normalize(k.unflatten(-1, (self.num_k_heads, self.k_dim))).repeat_interleave(
             per, 1)
-        q = q / self.k_dim ** 0.5
-        v = v.unflatten(-1, (self.num_v_heads, self.v_dim))
+        return q / self.k_dim ** 0.5, k, v.unflatten(-1, (self.num_v_heads, self.v_dim))
+
+    def _decode_batch(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
+                      meta: StateMetadata, rows: list[int],
+                      states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """One token for each of `rows`: mixed [R, conv_dim], beta/g [R, v_heads] ->
+        [R, v_heads, v_dim]."""
+        conv_states, ssm_states = states
+        pages, slots = state_places(meta, rows, mixed.device)
+        q, k, v = self._qkv(self.act(conv_step(mixed, conv_states, pages, slots,
+                                               self.conv1d)))
+        s = ssm_states[pages, slots].float() * g.exp()[:, :, None, None]  # [R, vh, kd, vd]
+        memory = (s * k[..., None]).sum(dim=2)  # [R, v_heads, v_dim]
+        delta = (v - memory) * beta[..., None]
+        s = s + k[..., None] * delta[:, :, None, :]
+        ssm_states[pages, slots] = s.to(ssm_states.dtype)
+        return (s * q[..., None]).sum(dim=2)
+
+    def _request(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
+                 conv_state: torch.Tensor, state: torch.Tensor,
+                 saves: Saves) -> torch.Tensor:
+        x = self.act(causal_conv(mixed, conv_state, self.conv1d, saves))
+        q, k, v = self._qkv(x)
         save_at = {offset: ssm for offset, _, ssm in saves}
         s = state.float()  # [v_heads, k_dim, v_dim]
         out = torch.empty(x.shape[0], self.num_v_heads, self.v_dim, device=x.device)

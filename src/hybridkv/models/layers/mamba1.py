@@ -16,8 +16,15 @@ from torch import nn
 
 from hybridkv.models.layers.activations import activation
 from hybridkv.models.layers.norms import RMSNorm
-from hybridkv.models.layers.state import Saves, causal_conv, request_states
+from hybridkv.models.layers.state import (
+    Saves,
+    causal_conv,
+    conv_step,
+    request_states,
+    state_places,
+)
 from hybridkv.worker.forward_context import ForwardContext
+from hybridkv.worker.state import StateMetadata
 
 
 class Mamba1Mixer(nn.Module):
@@ -50,18 +57,42 @@ class Mamba1Mixer(nn.Module):
         meta, states = ctx.state(self.name)
         x, z = self.in_proj(h).chunk(2, dim=-1)  # [T, inner] each
         y = torch.empty_like(x)
-        for start, end, conv_state, ssm_state, saves in request_states(meta, states):
+        batched = meta.plain_steps  # single-token steps: all at once
+        if batched:
+            tokens = torch.tensor([meta.query_start_loc[r] for r in batched], device=h.device)
+            y[tokens] = self._decode_batch(x[tokens], meta, batched, states)
+        for start, end, conv_state, ssm_state, saves in request_states(meta, states,
+                                                                        skip=batched):
             y[start:end] = self._request(x[start:end], conv_state, ssm_state, saves)
         return self.out_proj(y * nn.functional.silu(z))
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [L, inner] after the conv -> dt [L, inner], b/c [L, state], all float32."""
+        dt, b, c = self.x_proj(x).split([self.rank, self.state_size, self.state_size], -1)
+        dt = self.dt_layernorm(dt) @ self.dt_proj.weight.T  # [L, inner], bias added below
+        dt = nn.functional.softplus(dt.float() + self.dt_proj.bias.float())
+        return dt, self.b_layernorm(b).float(), self.c_layernorm(c).float()
+
+    def _decode_batch(self, x: torch.Tensor, meta: StateMetadata, rows: list[int],
+                      states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """One token for each of `rows`: x [R, inner] -> [R, inner]."""
+        conv_states, ssm_states = states
+        pages, slots = state_places(meta, rows, x.device)
+        x = self.act(conv_step(x, conv_states, pages, slots, self.conv1d))
+        dt, b, c = self._project(x)
+        a = -torch.exp(self.A_log.float())  # [inner, state]
+        xf = x.float()
+        state = ssm_states[pages, slots].float()  # [R, inner, state]
+        state = torch.exp(dt[:, :, None] * a) * state + \
+            (dt * xf)[:, :, None] * b[:, None, :]
+        ssm_states[pages, slots] = state.to(ssm_states.dtype)
+        out = torch.einsum("rin,rn->ri", state, c)
+        return (out + xf * self.D.float()).to(x.dtype)
 
     def _request(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
                  saves: Saves) -> torch.Tensor:
         x = self.act(causal_conv(x, conv_state, self.conv1d, saves))  # [L, inner]
-        dt, b, c = self.x_proj(x).split([self.rank, self.state_size, self.state_size], -1)
-        dt = self.dt_layernorm(dt) @ self.dt_proj.weight.T  # [L, inner], bias added below
-        dt = nn.functional.softplus(dt.float() + self.dt_proj.bias.float())
-        b = self.b_layernorm(b).float()  # [L, state]
-        c = self.c_layernorm(c).float()
+        dt, b, c = self._project(x)  # [L, inner], [L, state], [L, state]
         a = -torch.exp(self.A_log.float())  # [inner, state]
         xf = x.float()
         save_at = {offset: ssm for offset, _, ssm in saves}

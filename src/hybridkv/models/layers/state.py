@@ -54,3 +54,21 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, conv: nn.Conv1d,
         checkpoint.copy_(window[:, offset:offset + keep])  # inputs up to `offset` tokens
     return nn.functional.conv1d(window.unsqueeze(0), conv.weight, conv.bias,
                                 groups=conv.in_channels)[0].T
+
+
+def conv_step(x: torch.Tensor, conv_states: torch.Tensor, pages: torch.Tensor,
+              slots: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
+    """One token per request, all at once: x [R, channels], each request continuing from its
+    conv state at (pages[r], slots[r]), which it updates. Returns [R, channels] (before the
+    activation)."""
+    window = torch.cat([conv_states[pages, slots].to(x.dtype), x[:, :, None]], -1)
+    conv_states[pages, slots] = window[:, :, 1:].to(conv_states.dtype)
+    out = (window * conv.weight[:, 0, :]).sum(-1)  # [R, channels]
+    return out if conv.bias is None else out + conv.bias
+
+
+def state_places(meta: StateMetadata, rows: list[int], device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pages [R], slots [R]) of the live states of `rows`."""
+    return (torch.tensor([meta.state_pages[r] for r in rows], device=device),
+            torch.tensor([meta.state_slots[r] for r in rows], device=device))
