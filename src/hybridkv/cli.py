@@ -378,14 +378,14 @@ def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a Redis shared by replicas as the last KV tier, e.g. "
                              "redis://127.0.0.1:6379/0 (rediss:// for TLS; a password in the "
                              f"URL or ${PASSWORD_ENV}); with \"fill\" a prefix is shared as "
-                             "soon as it is computed")
+                             "soon as it is computed (default: no remote tier)")
     parser.add_argument("--kv-remote-ttl", type=positive_int, default=None, metavar="SECONDS",
                         help="remote keys expire this long after their last store or hit "
                              "(default: never; Redis's maxmemory policy evicts)")
     parser.add_argument("--kv-remote-timeout", type=positive_float, default=1.0,
                         metavar="SECONDS",
                         help="timeout of every remote call; past it the tier is down and "
-                             "retried with back-off")
+                             "retried with back-off (default: 1 s)")
 
 
 def offload_options(args: argparse.Namespace) -> dict[str, object]:

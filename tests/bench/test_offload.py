@@ -48,8 +48,8 @@ def test_ttft_cases_hit_the_tier_they_are_about(models, capsys, tmp_path, arch, 
     # request that had to recompute found nothing anywhere.
     assert figures["hit_tokens"] == {"recompute": 0, "device": 256, "cpu": 256, "disk": 256}
     by_tier = figures["cached_tokens_by_tier"]
-    assert by_tier["cpu"] == {"device": 0, "cpu": 256, "disk": 0}
-    assert by_tier["disk"] == {"device": 0, "cpu": 0, "disk": 256}
+    assert by_tier["cpu"] == {"device": 0, "cpu": 256, "disk": 0, "remote": 0}
+    assert by_tier["disk"] == {"device": 0, "cpu": 0, "disk": 256, "remote": 0}
     bandwidth = figures["bandwidth_gbps"]
     assert bandwidth["plain_copy"]["load"] > 0 and bandwidth["plain_copy"]["store"] > 0
     for tier in ("cpu", "disk"):

@@ -9,6 +9,9 @@
     chat       (--chat) conversations x turns, round robin, their KV ~4x the device KV cache:
                tokens prefilled, throughput and tier traffic with offloading off, a CPU tier
                (store policies evict and fill), and a small CPU tier over a disk tier
+    remote     (--remote redis://...) instead of the above: a second replica's TTFT on a
+               prefix the first stored in Redis, against recompute and its own CPU tier,
+               and the load bandwidth against redis-benchmark (bench/offload_remote.py)
 
 Every case of one repeat uses a fresh prefix and each request its own suffix, so only the
 prefix can hit. A disk tier's files are read back soon after they were written, from the page
@@ -32,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv.bench.engine import model_vocab
-from hybridkv.cli import Command, offload_block_bytes, positive_int
+from hybridkv.cli import Command, offload_block_bytes, positive_int, remote_url
 from hybridkv.cli import seed as seed_number
 from hybridkv.connector.offload.store import parse_tier_spec
 from hybridkv.kv.plan import KVCacheConfig, format_bytes, plan_kv_cache
@@ -322,7 +325,7 @@ def run_chat(model_dir: str, users: list[list[list[int]]], answer_tokens: int,
                 prefilled += len(prompt) - out.num_cached_tokens
                 output_tokens += len(out.token_ids)
                 for tier, tokens in out.cached_tokens_by_tier.items():
-                    hits[tier] += tokens
+                    hits[tier] = hits.get(tier, 0) + tokens
                 histories[c] = prompt + out.token_ids
                 answers.append(out.token_ids)
         wall = time.perf_counter() - start
@@ -498,10 +501,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--answer-tokens", type=positive_int, default=32,
                         help="chat: tokens of each answer")
     parser.add_argument("--seed", type=seed_number, default=0, help="seed of the random tokens")
+    parser.add_argument("--remote", type=remote_url, default=None, metavar="URL",
+                        help="instead: two replicas sharing this Redis (redis://HOST:PORT/DB)"
+                             ", replica 2's TTFT from Redis vs recompute vs its CPU tier, and "
+                             "load bandwidth vs redis-benchmark GETs (default: the local "
+                             "tiers' cases)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def run_remote(args: argparse.Namespace) -> int:
+    import torch
+
+    from hybridkv.bench.offload_remote import bench_remote, format_remote
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    with _model(args.model_dir) as path:
+        figures = bench_remote(path, args.remote, prefix_tokens=args.prefix_tokens,
+                               repeat=args.repeat, seed=args.seed)
+    figures.update(model=args.model_dir or "demo llama (small)",
+                   threads=torch.get_num_threads())
+    print(json.dumps(figures) if args.json else "\n".join(format_remote(figures)))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.remote is not None:
+        return run_remote(args)
     chat = ChatTrace(conversations=args.conversations, turns=args.turns,
                      user_tokens=args.user_tokens, answer_tokens=args.answer_tokens,
                      seed=args.seed) if args.chat else None

@@ -120,7 +120,10 @@ def make_client(spec: RemoteSpec, timeout_s: float) -> Any:
     options: dict[str, Any] = dict(
         host=spec.host, port=spec.port, db=spec.db, username=spec.username,
         password=spec.password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0), max_connections=16, client_name="hybridkv")
+        retry=Retry(NoBackoff(), 0), max_connections=16, client_name="hybridkv",
+        # Blocks are 10 KiB - 1 MiB values: reading replies in 1 MiB chunks instead of 64 KiB
+        # takes a 384 KiB block in one recv, not six (0.22 -> 0.37 GB/s on a loaded VM).
+        socket_read_size=1 << 20)
     if spec.scheme == "rediss":
         options["ssl"] = True
     return redis.Redis(**options)
