@@ -8,18 +8,25 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-# Checkpoints of multimodal wrappers keep the text model under another prefix.
-_PREFIXES = (("model.language_model.", "model."), ("backbone.", "model."))
-# Parts of multimodal checkpoints that text generation does not run (Gemma 3n, Gemma 4).
+# Checkpoints of multimodal wrappers keep the text model under another prefix: the current
+# layout (`model.language_model.*`: Gemma 3n/4, Qwen3.5) or the older one transformers still
+# writes for Gemma 3 and Llama 4 (`language_model.model.*`, `language_model.lm_head.*`).
+_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+             ("language_model.lm_head.", "lm_head."), ("backbone.", "model."))
+# Parts of multimodal checkpoints that text generation does not run (vision and audio towers,
+# their projectors into the text model), in both layouts; skipped for every model.
 MULTIMODAL_PARTS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
-                    "model.embed_audio.", "model.multi_modal_projector.")
+                    "model.embed_audio.", "model.multi_modal_projector.", "model.visual.",
+                    "model.vision_model.", "vision_tower.", "vision_model.", "audio_tower.",
+                    "multi_modal_projector.")
 
 
 def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], *,
                        model_type: str, tied: bool, unused: tuple[str, ...] = ()) -> None:
     """Names and shapes must match and nothing may be missing; each mistake is one line.
     Tensors whose names start with one of `unused` are skipped (weights a checkpoint keeps
-    for parts this engine does not run, e.g. k/v projections of KV-sharing layers)."""
+    for parts this engine does not run, e.g. k/v projections of KV-sharing layers), and so are
+    the vision/audio parts of multimodal checkpoints (MULTIMODAL_PARTS)."""
     params = dict(model.named_parameters())
     loaded = set()
     for name, tensor in weights:
@@ -28,7 +35,7 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
                 name = new + name[len(old):]
         if name not in params:
             if (name == "lm_head.weight" and tied) or name.endswith("rotary_emb.inv_freq") \
-                    or name.startswith(unused):
+                    or name.startswith(unused) or name.startswith(MULTIMODAL_PARTS):
                 continue
             raise ValueError(f"checkpoint tensor {name!r} has no place in {model_type}")
         param = params[name]
