@@ -2,7 +2,7 @@
 identical to running without the cache. One model per state kind: Mamba2 + attention
 (NemotronH), Mamba1 alone with no attention group at all (Mamba), a short-convolution state
 (LFM2), Gated DeltaNet with split projections (Qwen3.5) and Griffin's RG-LRU beside
-sliding-window attention (RecurrentGemma)."""
+sliding-window attention (RecurrentGemma) and lightning attention (MiniMax)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ GREEDY = SamplingParams(max_tokens=8)
 
 
 @pytest.fixture(scope="module", params=["nemotron_h", "mamba", "lfm2", "qwen3_5_text",
-                                        "recurrent_gemma"])
+                                        "recurrent_gemma", "minimax"])
 def model_dir(request, tmp_path_factory):
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
 

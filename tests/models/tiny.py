@@ -315,3 +315,11 @@ ARCHS["recurrent_gemma"] = ("RecurrentGemmaConfig", "RecurrentGemmaForCausalLM",
     num_hidden_layers=6, lru_width=64, attention_window_size=16, conv1d_width=4,
     num_key_value_heads=1))
 PERTURB_CONSTANTS.add("recurrent_gemma")
+
+# MiniMax: lightning attention on layers 0 and 2, softmax attention on 1 and 3 (prefill
+# blocks of 16 in the reference), top-2 of 4 experts, non-trivial residual scales.
+ARCHS["minimax"] = ("MiniMaxConfig", "MiniMaxForCausalLM", dict(
+    num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
+    num_local_experts=4, num_experts_per_tok=2, block_size=16, full_attn_alpha_factor=1.5,
+    full_attn_beta_factor=0.7, linear_attn_alpha_factor=1.2, linear_attn_beta_factor=0.9,
+    mlp_alpha_factor=1.1, mlp_beta_factor=0.8))

@@ -31,7 +31,8 @@ FULL, SLIDING, CHUNKED, MAMBA, MAMBA1, LINEAR, NONE = (
     "full", "sliding", "chunked", "mamba", "mamba1", "linear_attention", "none")
 CONV = "conv"  # a gated short convolution (LFM2): its last inputs are its state
 RG_LRU = "rg_lru"  # Griffin's recurrent block (RecurrentGemma): a conv and an RG-LRU state
-STATE_KINDS = (MAMBA, MAMBA1, LINEAR, CONV, RG_LRU)
+LIGHTNING = "lightning"  # MiniMax's decayed linear attention: a [heads, d, d] state
+STATE_KINDS = (MAMBA, MAMBA1, LINEAR, CONV, RG_LRU, LIGHTNING)
 
 SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3",
@@ -40,7 +41,7 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
     # issue 16: linear attention, SSM, convolution and recurrence families
     "mamba", "mamba2", "falcon_mamba", "lfm2", "lfm2_moe", "lfm3",
-    "recurrent_gemma",
+    "recurrent_gemma", "minimax",
     # issue 16: sliding + full attention families, dense and MoE decoders
     "qwen2_moe", "phi3", "ministral", "smollm3", "starcoder2", "phimoe",
     "cohere2", "exaone4", "olmo3", "granite_swa", "granitemoe_swa", "vaultgemma",
@@ -130,6 +131,8 @@ def layer_kinds(config: Mapping[str, Any]) -> list[tuple[str, ...]]:
         return [(RG_LRU if blocks[i % len(blocks)] == "recurrent" else SLIDING,)
                 for i in range(n)]
     kinds = _attention_kinds(cfg, model_type, n)
+    if model_type == "minimax":  # its linear attention is lightning attention
+        kinds = [LIGHTNING if k == LINEAR else k for k in kinds]
     if not cfg.get("linear_num_key_heads"):
         # transformers 5.x saves Mamba layers as "linear_attention"; only configs with Gated
         # DeltaNet fields (Qwen3-Next) mean a linear-attention state by it.
@@ -324,6 +327,11 @@ def _spec_for(kind: str, cfg: Mapping[str, Any], block_size: int, dtype: str,
             return ChunkedLocalAttentionSpec(
                 attention_chunk_size=int(cfg["attention_chunk_size"]), **attn)
         return FullAttentionSpec(**attn)
+    if kind == LIGHTNING:
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        return MambaSpec(block_size=block_size, shapes=((heads, head_dim, head_dim),),
+                         dtypes=(dtype,))
     if kind == RG_LRU:
         # The conv's last inputs and the recurrence, kept in float32 as the reference does.
         width = int(cfg.get("lru_width") or hidden)

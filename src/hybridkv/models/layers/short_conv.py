@@ -11,14 +11,12 @@ positions are the conv window there, so prefix hits and branch points work as fo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 
+from hybridkv.models.layers.single_state import request_single_states
 from hybridkv.models.layers.state import causal_conv
 from hybridkv.worker.forward_context import ForwardContext
-from hybridkv.worker.state import StateMetadata
 
 
 class ShortConv(nn.Module):
@@ -36,28 +34,9 @@ class ShortConv(nn.Module):
         b, c, x = self.in_proj(h).chunk(3, dim=-1)  # [T, hidden] each
         bx = b * x
         y = torch.empty_like(bx)
-        for start, end, state, saves in _request_states(meta, conv_states):
+        for start, end, state, saves in request_single_states(meta, conv_states):
             # causal_conv's checkpoints are (offset, conv state, SSM state): no SSM state here.
             y[start:end] = causal_conv(bx[start:end], state, self.conv,
                                        [(offset, ckpt, ckpt) for offset, ckpt in saves])
         return self.out_proj(c * y)  # type: ignore[no-any-return]
 
-
-def _request_states(meta: StateMetadata, conv_states: torch.Tensor
-                    ) -> Iterator[tuple[int, int, torch.Tensor, list[tuple[int, torch.Tensor]]]]:
-    """Per request with tokens this step: (start, end, its live conv state made ready,
-    checkpoints to fill as (offset, state)). The live state is restored from a prefix-hit
-    checkpoint, zeroed for a fresh start, or left to continue (as layers/state.py does for
-    two-part states)."""
-    for r in range(len(meta.state_pages)):
-        start, end = meta.query_start_loc[r], meta.query_start_loc[r + 1]
-        if start == end:
-            continue
-        state = conv_states[meta.state_pages[r], meta.state_slots[r]]
-        source = meta.init_from[r]
-        if source is not None:
-            state.copy_(conv_states[source])
-        elif not meta.has_initial_state[r]:
-            state.zero_()
-        yield start, end, state, [(offset, conv_states[p, s])
-                                  for offset, p, s in meta.checkpoints[r]]
