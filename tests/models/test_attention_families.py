@@ -45,6 +45,25 @@ def test_sliding_window_pattern_in_letters():
         layer_kinds({**BASE, "model_type": "exaone4", "sliding_window_pattern": "LLXG"})
 
 
+@pytest.mark.parametrize("config_cls, extra", [
+    ("Olmo3Config", {}), ("Cohere2Config", {}), ("Cohere2MoeConfig", {}), ("Exaone4Config", {}),
+    ("ExaoneMoeConfig", {}), ("VaultGemmaConfig", {}),
+    ("AfmoeConfig", {"global_attn_every_n_layers": 3}), ("GraniteSWAConfig", {}),
+    ("GraniteMoeSWAConfig", {}), ("MiMoV2FlashConfig", {}),
+    ("Dots1Config", {"max_window_layers": 5}), ("SmolLM3Config", {"use_sliding_window": True}),
+    ("SmolLM3Config", {"use_sliding_window": False}), ("MinistralConfig", {}),
+])
+def test_configs_without_layer_types_get_the_family_default(config_cls, extra):
+    """A config saved without `layer_types` (older checkpoints) gets the mix transformers
+    builds for it."""
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, config_cls)(**BASE, num_key_value_heads=2, **extra).to_dict()
+    expected = [("full",) if t == "full_attention" else ("sliding",)
+                for t in config.pop("layer_types")]
+    config.pop("sliding_window_pattern", None)
+    assert layer_kinds(config) == expected
+
+
 def test_a_zero_window_means_none_only_where_windows_are_off():
     # Qwen2-MoE's config writes sliding_window 0 when use_sliding_window is false.
     config = {**BASE, "model_type": "qwen2_moe", "sliding_window": 0,

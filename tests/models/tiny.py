@@ -262,6 +262,19 @@ ARCHS["gemma4_unified_text"] = ("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCaus
     + ["full_attention"], use_double_wide_mlp=True, final_logit_softcapping=30.0))
 PERTURB_CONSTANTS.add("gemma4_unified_text")
 
+# MiMo-V2-Flash: 1 full + 3 sliding layers; sliding layers with 4 KV heads (full: 2) and
+# sinks; keys 32 wide, values 16 (scaled); RoPE on half of each head, a base per layer type;
+# layer 0 dense, then top-2 of 8 grouped experts.
+ARCHS["mimo_v2_flash"] = ("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", dict(
+    num_hidden_layers=4, sliding_window=16, num_attention_heads=4, head_dim=32, v_head_dim=16,
+    attention_value_scale=0.7, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+    topk_group=1, moe_intermediate_size=32, rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 500000.0,
+                           "partial_rotary_factor": 0.5},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                              "partial_rotary_factor": 0.5}}))
+PERTURB_CONSTANTS.add("mimo_v2_flash")
+
 # ---- issue 16: linear attention, SSM, convolution and recurrence families (add below) ----
 
 # Qwen3.5: Qwen3-Next's mix with the DeltaNet projections stored apart; dense MLPs.

@@ -1,11 +1,15 @@
-"""dots.llm1 and EXAONE MoE: pre-norm decoders with per-head q/k norms, sliding-window and
-full layers (`layer_types`), dense MLPs on the first layers and DeepSeek-V3-style routed +
-shared experts on the rest (layers/grouped_topk.py).
+"""dots.llm1, EXAONE MoE and MiMo-V2-Flash: pre-norm decoders with sliding-window and full
+layers (`layer_types`), dense MLPs on the first layers and DeepSeek-V3-style routed (+ shared)
+experts on the rest (layers/grouped_topk.py).
 
 - dots.llm1: RoPE on every layer; dense below `first_k_dense_replace`; `n_shared_experts`.
 - EXAONE MoE: as EXAONE 4, full layers use no RoPE when the model has sliding layers;
   dense/sparse per `mlp_layer_types`; its checkpoints keep the router's correction bias as
-  `mlp.e_score_correction_bias` (renamed on load)."""
+  `mlp.e_score_correction_bias` (renamed on load).
+- MiMo-V2-Flash: no q/k norms; sliding layers have twice the KV heads of full layers (so
+  their KV cache groups differ in more than the window) and a learned sink per head
+  (`attention_sink_bias`); values are narrower than keys (`v_head_dim`) and scaled by
+  `attention_value_scale` (layers/padded_value_attention.py); RoPE on part of each head."""
 
 from __future__ import annotations
 
@@ -22,12 +26,14 @@ from hybridkv.models.layers.decoder_layer import DecoderLayer, LayerNames
 from hybridkv.models.layers.grouped_topk import GroupedTopKRouter, SharedExpertsMoE
 from hybridkv.models.layers.mlp import GatedMLP
 from hybridkv.models.layers.moe import ExpertMLPs
+from hybridkv.models.layers.padded_value_attention import PaddedValueAttention
 from hybridkv.models.layers.rotary import Rotary
 from hybridkv.models.text_config import TextConfig
 from hybridkv.models.weights import renamed
 from hybridkv.worker.attention import AttentionParams
 
 EXAONE_MOE_NAMES = ((r"\.mlp\.e_score_correction_bias$", ".mlp.gate.e_score_correction_bias"),)
+MIMO_NAMES = ((r"\.self_attn\.attention_sink_bias$", ".self_attn.sinks"),)
 
 
 def is_sparse(cfg: TextConfig, layer: int) -> bool:
@@ -55,10 +61,19 @@ def routed_moe(cfg: TextConfig) -> SharedExpertsMoE:
 def grouped_moe_layer(cfg: TextConfig, layer: int, kind: str, has_sliding: bool
                       ) -> DecoderLayer:
     nope = cfg.model_type == "exaone_moe" and has_sliding and kind != SLIDING
-    attn = Attention(layer, AttentionShape.from_config(cfg, qk_norm=True),
-                     AttentionParams(scale=cfg.head_dim ** -0.5, sliding_window=(
-                         cfg.sliding_window if kind == SLIDING else None)),
-                     rotary=None if nope else Rotary.from_config(cfg.raw, cfg.head_dim, kind))
+    params = AttentionParams(scale=cfg.head_dim ** -0.5,
+                             sliding_window=cfg.sliding_window if kind == SLIDING else None)
+    rotary = None if nope else Rotary.from_config(cfg.raw, cfg.head_dim, kind)
+    attn: Attention
+    if cfg.model_type == "mimo_v2_flash":
+        shape = AttentionShape.from_config(cfg, sinks=kind == SLIDING, num_kv_heads=(
+            2 if kind == SLIDING else 1) * cfg.num_kv_heads)
+        attn = PaddedValueAttention(
+            layer, shape, params, rotary=rotary, value_head_dim=int(cfg.raw["v_head_dim"]),
+            value_scale=float(cfg.raw.get("attention_value_scale") or 1.0))
+    else:
+        attn = Attention(layer, AttentionShape.from_config(cfg, qk_norm=True), params,
+                         rotary=rotary)
     mlp: nn.Module = routed_moe(cfg) if is_sparse(cfg, layer) else GatedMLP(
         cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
     return DecoderLayer(LayerNames("self_attn"), attn, [mlp], cfg.hidden_size, cfg.rms_norm_eps)
@@ -78,4 +93,6 @@ class GroupedMoEForCausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.cfg.model_type == "exaone_moe":
             weights = renamed(weights, EXAONE_MOE_NAMES)
+        if self.cfg.model_type == "mimo_v2_flash":
+            weights = renamed(weights, MIMO_NAMES)
         super().load_weights(weights)

@@ -45,7 +45,8 @@ SUPPORTED_MODEL_TYPES = (
     # issue 16: sliding + full attention families, dense and MoE decoders
     "qwen2_moe", "phi3", "ministral", "smollm3", "starcoder2", "phimoe",
     "cohere2", "exaone4", "olmo3", "granite_swa", "granitemoe_swa", "vaultgemma",
-    "ministral3", "dots1", "exaone_moe", "cohere2_moe", "afmoe", "gemma4_unified_text")
+    "ministral3", "dots1", "exaone_moe", "cohere2_moe", "afmoe", "gemma4_unified_text",
+    "mimo_v2_flash")
 
 _LAYER_TYPE_WORDS = {
     "full_attention": FULL, "attention": FULL, "global": FULL, "global_attention": FULL,
@@ -174,6 +175,10 @@ def _attention_kinds(cfg: Mapping[str, Any], model_type: str, n: int) -> list[st
     pattern = _first(cfg, "sliding_window_pattern", "_sliding_window_pattern")
     if model_type.startswith("gemma3") and pattern is None:
         pattern = 6  # transformers' Gemma 3 default: every 6th layer is global
+    if pattern is None and model_type in _FULL_LAYER_DEFAULTS:
+        # Configs saved without `layer_types`: the family's default, as transformers builds it.
+        is_full = _FULL_LAYER_DEFAULTS[model_type]
+        return [FULL if is_full(cfg, i) else SLIDING for i in range(n)]
     if isinstance(pattern, str):
         # EXAONE 4 may spell it in letters repeated over the layers: "LLLG" = 3 local
         # (sliding) layers, then a global one.
@@ -192,6 +197,29 @@ def _attention_kinds(cfg: Mapping[str, Any], model_type: str, n: int) -> list[st
         first_sliding = int(cfg.get("max_window_layers", 0))
         return [SLIDING if i >= first_sliding else FULL for i in range(n)]
     return [SLIDING] * n
+
+
+# model_type -> (text config, layer) -> whether the layer is full attention, for configs with a
+# `sliding_window` but neither `layer_types` nor `sliding_window_pattern`.
+_FULL_LAYER_DEFAULTS: dict[str, Any] = {
+    **{t: (lambda cfg, i: (i + 1) % 4 == 0)
+       for t in ("olmo3", "cohere2", "cohere2_moe", "exaone4", "exaone_moe")},
+    "vaultgemma": lambda cfg, i: i % 2 == 1,
+    "afmoe": lambda cfg, i: (i + 1) % int(cfg.get("global_attn_every_n_layers") or 4) == 0,
+    "granite_swa": lambda cfg, i: i % 4 == 0, "granitemoe_swa": lambda cfg, i: i % 4 == 0,
+    "mimo_v2_flash": lambda cfg, i: i == 0 or (i + 1) % 6 == 0,
+    "dots1": lambda cfg, i: i < int(cfg.get("max_window_layers") or 0),
+    "smollm3": lambda cfg, i: _smollm3_full(cfg, i),
+}
+
+
+def _smollm3_full(cfg: Mapping[str, Any], layer: int) -> bool:
+    """SmolLM3 slides only where it leaves RoPE out (flag 0), and only with
+    use_sliding_window; the flags default to a NoPE layer every `no_rope_layer_interval`."""
+    flags = cfg.get("no_rope_layers")
+    has_rope = flags[layer] if flags else (layer + 1) % int(
+        cfg.get("no_rope_layer_interval") or 4) != 0
+    return not cfg.get("use_sliding_window") or bool(has_rope)
 
 
 def _word(word: object, field: str) -> str:
@@ -305,6 +333,11 @@ def attention_shape(cfg: Mapping[str, Any], layer: int, kind: str) -> tuple[int,
         override = per_layer.get(str(layer)) or per_layer.get(layer) or {}
         return (int(override.get("num_key_value_heads", num_kv_heads)),
                 int(override.get("head_dim", head_size)))
+    if cfg.get("model_type") == "mimo_v2_flash":
+        # Sliding layers have twice the KV heads; values (v_head_dim) are stored padded to
+        # the key head size (one head size per page).
+        return ((2 if kind == SLIDING else 1) * num_kv_heads,
+                max(head_size, int(cfg.get("v_head_dim") or head_size)))
     if str(cfg.get("model_type", "")).startswith("gemma4") and kind == FULL:
         # transformers' Gemma 4 defaults, applied when per_layer_config is not saved.
         if cfg.get("attention_k_eq_v", False) and cfg.get("num_global_key_value_heads"):

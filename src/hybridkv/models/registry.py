@@ -30,6 +30,7 @@ MODELS: dict[str, str] = {
     "dots1": "hybridkv.models.grouped_moe:GroupedMoEForCausalLM",
     "exaone_moe": "hybridkv.models.grouped_moe:GroupedMoEForCausalLM",
     "afmoe": "hybridkv.models.afmoe:AfmoeForCausalLM",
+    "mimo_v2_flash": "hybridkv.models.grouped_moe:GroupedMoEForCausalLM",
     # Gemma 4's text decoder without per-layer inputs or MoE (their config fields are off).
     "gemma4_unified_text": "hybridkv.models.gemma4:Gemma4ForCausalLM",
     "llama4_text": "hybridkv.models.llama4:Llama4ForCausalLM",
