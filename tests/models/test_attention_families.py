@@ -25,6 +25,8 @@ def kinds_of(config):
     ("EXAONE-4.0-32B", {"sliding": 48, "full": 16}),           # sliding_window_pattern 4
     ("c4ai-command-a-03-2025", {"sliding": 48, "full": 16}),
     ("c4ai-command-r7b-12-2024", {"sliding": 24, "full": 8}),
+    ("Trinity-Nano-Preview", {"sliding": 42, "full": 14}),    # global_attn_every_n_layers
+    ("granite-swash-2b", {"sliding": 18, "full": 6}),
 ])
 def test_layer_mix_and_plan_of_shipped_configs(name, expected, capsys):
     assert kinds_of(load_hf_config(name)) == Counter(expected)
