@@ -117,3 +117,25 @@ def test_checkpoint_renames_and_row_splits():
     with pytest.raises(ValueError, match="has 8 rows; expected 9"):
         list(split_rows([("l.qkv_proj.weight", qkv)], "qkv_proj.",
                         {"q_proj.": 5, "k_proj.": 2, "v_proj.": 2}))
+
+
+def test_sliding_layers_with_their_own_kv_head_count_get_their_own_group():
+    """MiMo-V2-Flash: sliding layers have twice the KV heads of full layers and values
+    narrower than keys (stored padded to the key size): one group per distinct spec, each
+    with its own page size, planned near the ideal."""
+    from hybridkv.kv.plan import plan_kv_cache
+
+    config = {"model_type": "mimo_v2_flash", "num_hidden_layers": 12, "hidden_size": 256,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 48,
+              "v_head_dim": 32, "sliding_window": 512, "dtype": "bfloat16"}
+    layout = kv_layout_from_config(config)
+    plan = plan_kv_cache(layout.layer_specs, 1 << 30, max_model_len=32768,
+                         max_num_batched_tokens=512)
+    groups = {g.spec.kind: g for g in plan.config.groups}
+    assert set(groups) == {"full", "sliding_window"}
+    full, sliding = groups["full"].spec, groups["sliding_window"].spec
+    # Layer 0 and 5, 11 full (every 6th and the first); the rest slide.
+    assert len(groups["full"].layer_names) == 3 and len(groups["sliding_window"].layer_names) == 9
+    assert (full.num_kv_heads, sliding.num_kv_heads) == (2, 4)
+    assert full.head_size == sliding.head_size == 48
+    assert plan.ideal_fraction >= 0.99
