@@ -65,3 +65,37 @@ def test_qwen3_5_text_config_inside_a_multimodal_config():
     assert kinds_of(config) == Counter({"linear_attention": 3, "full": 1})
     spec = kv_layout_from_config(config).layer_specs["model.layers.0.mamba"]
     assert spec.shapes == ((2 * 2 * 16 + 4 * 16, 3), (4, 16, 16))
+
+
+def test_qwen3_5_moe_loads_stacked_experts_as_released(tmp_path):
+    """Released Qwen3.5-MoE checkpoints keep the experts stacked (`mlp.experts.gate_up_proj`,
+    `mlp.experts.down_proj`) under `model.language_model.`; transformers writes one module
+    per expert under `model.`. Both give the same tokens."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file, save_file
+
+    from hybridkv import LLM, SamplingParams
+    from tests.models.tiny import build_tiny_model
+
+    per_expert = build_tiny_model("qwen3_5_moe_text", tmp_path / "per_expert")
+    tensors = load_file(per_expert / "model.safetensors")
+    stacked: dict[str, torch.Tensor] = {}
+    for layer in range(4):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        experts = range(4)
+        stacked[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([
+            tensors.pop(f"{prefix}.{e}.gate_proj.weight"),
+            tensors.pop(f"{prefix}.{e}.up_proj.weight")]) for e in experts])
+        stacked[f"{prefix}.down_proj"] = torch.stack(
+            [tensors.pop(f"{prefix}.{e}.down_proj.weight") for e in experts])
+    released = tmp_path / "released"
+    released.mkdir()
+    save_file({name.replace("model.", "model.language_model.", 1): t
+               for name, t in {**tensors, **stacked}.items()},
+              released / "model.safetensors")
+    (released / "config.json").write_text((per_expert / "config.json").read_text())
+    prompt = list(range(5, 40))
+    outputs = [LLM(str(d), dtype="float32", max_model_len=64, kv_cache_memory="4MiB")
+               .generate(prompt, SamplingParams(max_tokens=6))[0].token_ids
+               for d in (per_expert, released)]
+    assert outputs[0] == outputs[1]

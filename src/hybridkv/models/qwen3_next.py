@@ -10,9 +10,10 @@ sections all rotate by the same position and plain RoPE is the same numbers."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from hybridkv.models.base import CausalLM
@@ -71,3 +72,25 @@ class Qwen3NextForCausalLM(CausalLM):
         cfg = TextConfig.from_hf(config)
         super().__init__(cfg, (qwen3_next_layer(cfg, i, k) for i, k in enumerate(cfg.kinds)),
                          norm_offset=1.0)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(per_expert(weights))
+
+
+def per_expert(weights: Iterable[tuple[str, torch.Tensor]]
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Released Qwen3.5-MoE checkpoints stack the experts (`mlp.experts.gate_up_proj`
+    [E, 2I, H], gate rows first, and `mlp.experts.down_proj` [E, H, I]); transformers writes
+    one module per expert. Both load: stacked tensors are cut into per-expert ones."""
+    for name, tensor in weights:
+        stem, _, part = name.rpartition(".")
+        if not stem.endswith(".mlp.experts") or part not in ("gate_up_proj", "down_proj"):
+            yield name, tensor
+            continue
+        for e in range(tensor.shape[0]):
+            if part == "down_proj":
+                yield f"{stem}.{e}.down_proj.weight", tensor[e]
+            else:
+                gate, up = tensor[e].chunk(2, dim=0)
+                yield f"{stem}.{e}.gate_proj.weight", gate
+                yield f"{stem}.{e}.up_proj.weight", up
