@@ -321,3 +321,27 @@ def test_maxmemory_evictions_are_misses_never_errors(tmp_path):
         tier.close()
     finally:
         server.kill()
+
+
+def test_a_full_redis_that_cannot_evict_refuses_stores_without_errors(tmp_path, caplog):
+    """maxmemory with noeviction answers OOM to every SET once full: counted as refused
+    stores (a full tier), one warning, reads unaffected."""
+    server = RedisServer.start(tmp_path / "redis", "--maxmemory-policy", "noeviction")
+    try:
+        client = server.client()
+        client.config_set("maxmemory", client.info("memory")["used_memory"] + 1_000_000)
+        tier = tier_for(server.url)
+        for i in range(20):  # 20 x 100 KB, one at a time: the first few fit
+            tier.put([(f"k{i}".encode(), value(i, 100_000))])
+            assert tier.flush()
+        got = tier.get([f"k{i}".encode() for i in range(20)])
+        stored = sum(g is not None for g in got)
+        assert 0 < stored < 20
+        s = tier.stats
+        assert s.refused == 20 - stored
+        assert s.errors == s.connection_errors == s.rejected == 0
+        assert sum("refused a command" in r.getMessage() for r in caplog.records) == 1
+        assert tier.connected
+        tier.close()
+    finally:
+        server.kill()

@@ -333,12 +333,17 @@ class _Link:
         return replies
 
     def _command_error(self, e: Exception) -> None:
-        """A command refused (e.g. OOM under maxmemory with noeviction): a miss or a dropped
-        store, counted, not a reason to stop using Redis."""
-        with self.cond:
-            self.stats.errors += 1
+        """A command refused: a miss or a dropped store, not a reason to stop using Redis.
+        "OOM" (maxmemory reached and nothing left to evict: noeviction, or client buffers
+        alone past it) is a full store, counted in `refused` by the write; anything else is
+        an error."""
+        from redis.exceptions import OutOfMemoryError
+
+        if not isinstance(e, OutOfMemoryError):
+            with self.cond:
+                self.stats.errors += 1
         self._warn_once(f"command:{type(e).__name__}", "the remote KV tier at %s refused a "
-                        "command: %s (counted in errors)", self.spec.where, e)
+                        "command: %s", self.spec.where, e)
 
     # -- health ------------------------------------------------------------------------------
 
