@@ -147,6 +147,19 @@ def test_a_second_process_reuses_the_first_ones_long_prefix(arch, model, referen
     assert result["stats"]["hits"] > 0 and result["stats"]["rejected"] == 0
 
 
+@pytest.mark.parametrize("arch", ["llama4_text", "qwen3_next", "jamba"])
+def test_every_group_kind_round_trips_through_redis(arch, model, reference, redis_server):
+    """Chunked local attention, Gated DeltaNet state, Mamba1 state (the two-process test
+    covers sliding, Mamba2 and KV sharing): round 2 is served from Redis alone."""
+    prompts = make_prompts(19)
+    llm = remote_llm(model(arch), redis_server.url)
+    filled(llm, prompts)
+    second = llm.generate(prompts, GREEDY)
+    assert tokens_of(second) == reference(arch, prompts)
+    assert tier_tokens(second, "remote") > 0 and tier_tokens(second, "device") == 0
+    assert llm.offload_stats()["blocks_failed"] == 0
+
+
 # ---------------------------------------------------------------- faults
 
 
