@@ -345,3 +345,21 @@ def test_a_full_redis_that_cannot_evict_refuses_stores_without_errors(tmp_path, 
         tier.close()
     finally:
         server.kill()
+
+
+def test_a_password_from_the_environment_and_a_wrong_one(tmp_path, monkeypatch, caplog):
+    server = RedisServer.start(tmp_path / "redis", "--requirepass", "pa55word")
+    try:
+        wrong = tier_for(f"redis://:nope-nope@127.0.0.1:{server.port}/0")
+        assert not wrong.connected and wrong.get([b"k"]) == [None]
+        wrong.close()
+        assert not any("nope-nope" in r.getMessage() for r in caplog.records)
+        monkeypatch.setenv(PASSWORD_ENV, "pa55word")
+        right = tier_for(server.url)
+        assert right.connected
+        right.put([(b"k", value(1))])
+        assert right.flush() and right.get([b"k"])[0] is not None
+        right.close()
+        assert not any("pa55word" in r.getMessage() for r in caplog.records)
+    finally:
+        server.kill()
