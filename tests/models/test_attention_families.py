@@ -139,3 +139,22 @@ def test_sliding_layers_with_their_own_kv_head_count_get_their_own_group():
     assert (full.num_kv_heads, sliding.num_kv_heads) == (2, 4)
     assert full.head_size == sliding.head_size == 48
     assert plan.ideal_fraction >= 0.99
+
+
+@pytest.mark.parametrize("config_cls", ["Starcoder2Config", "SmolLM3Config", "VaultGemmaConfig",
+                                        "GraniteSWAConfig", "GraniteMoeSWAConfig", "Cohere2Config",
+                                        "PhimoeConfig", "Qwen2Config"])
+def test_an_unsaid_tie_follows_the_family_default(config_cls):
+    """A config.json without `tie_word_embeddings` ties the lm_head as the family's
+    transformers config class does by default."""
+    transformers = pytest.importorskip("transformers")
+    from hybridkv.models.registry import build_model
+
+    reference = getattr(transformers, config_cls)(
+        **BASE, num_key_value_heads=2, vocab_size=64, intermediate_size=32,
+        num_local_experts=4)
+    config = reference.to_dict()
+    config.pop("tie_word_embeddings")
+    model = build_model(config)
+    assert (model.lm_head.weight is model.embed_tokens.weight) == \
+        reference.tie_word_embeddings

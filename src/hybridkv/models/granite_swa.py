@@ -61,7 +61,8 @@ def granite_swa_layer(cfg: TextConfig, layer: int, kind: str) -> DecoderLayer:
 
 class GraniteSWAForCausalLM(CausalLM):
     def __init__(self, config: Mapping[str, Any]) -> None:
-        cfg = TextConfig.from_hf(config, tied=True)  # Granite ties by default
+        # Granite SWA ties by default, the MoE variant does not (their config classes).
+        cfg = TextConfig.from_hf(config, tied=config.get("model_type") == "granite_swa")
         kinds = [kind or FULL for kind in cfg.kinds]
         if any(k not in (FULL, SLIDING) for k in kinds):
             raise NotImplementedError(f"{cfg.model_type}: layer kinds {set(kinds)} are not "

@@ -67,7 +67,8 @@ def decoder_layer(cfg: TextConfig, layer: int, kind: str, eps: float) -> Decoder
 
 class LayerNormDecoderForCausalLM(CausalLM):
     def __init__(self, config: Mapping[str, Any]) -> None:
-        cfg = TextConfig.from_hf(config)
+        # StarCoder 2 ties the lm_head to the embedding unless config.json says otherwise.
+        cfg = TextConfig.from_hf(config, tied=config.get("model_type") == "starcoder2")
         raw = cfg.raw
         eps = float(raw.get("norm_epsilon") or raw.get("rms_norm_eps") or 1e-5)
         kinds = [kind or FULL for kind in cfg.kinds]

@@ -37,6 +37,8 @@ from hybridkv.worker.attention import AttentionParams
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text", "vaultgemma")
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text")
 TOPK_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# Whose config classes tie the lm_head to the embedding when config.json does not say.
+TIED_BY_DEFAULT = (*GEMMA_TYPES, "smollm3")
 # Mixtral's checkpoints keep the MoE as `block_sparse_moe` with experts w1 (gate), w3 (up),
 # w2 (down); the model here names them as the other MoE checkpoints do.
 MIXTRAL_NAMES = ((r"\.block_sparse_moe\.", ".mlp."), (r"(\.experts\.\d+)\.w1\.", r"\1.gate_proj."),
@@ -128,7 +130,8 @@ class DecoderForCausalLM(CausalLM):
     supports_kv_sharing = True
 
     def __init__(self, config: Mapping[str, Any]) -> None:
-        cfg = TextConfig.from_hf(config)
+        text = config.get("text_config") or config
+        cfg = TextConfig.from_hf(config, tied=text.get("model_type") in TIED_BY_DEFAULT)
         kinds = [kind or FULL for kind in cfg.kinds]
         if any(k not in (FULL, SLIDING) for k in kinds):
             raise NotImplementedError(f"{cfg.model_type}: layer kinds {set(kinds)} are not "
