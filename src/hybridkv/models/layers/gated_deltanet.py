@@ -3,6 +3,8 @@ KV cache arena.
 
 Gated delta rule, per value head, with q and k L2-normalised (q also by 1/sqrt(d_k)):
     S <- S * exp(g_t);   S <- S + k_t (outer) ((v_t - S^T k_t) * beta_t);   o_t = S^T q_t
+Prompt chunks run it in chunked form (`chunked_delta_rule`); single-token steps of all
+requests go in one batched update.
 """
 
 from __future__ import annotations
@@ -126,15 +128,49 @@ class GatedDeltaNet(nn.Module):
         x = self.act(causal_conv(mixed, conv_state, self.conv1d, saves))
         q, k, v = self._qkv(x)
         save_at = {offset: ssm for offset, _, ssm in saves}
-        s = state.float()  # [v_heads, k_dim, v_dim]
-        out = torch.empty(x.shape[0], self.num_v_heads, self.v_dim, device=x.device)
-        for t in range(x.shape[0]):
-            s = s * g[t].exp()[:, None, None]
-            memory = (s * k[t][:, :, None]).sum(dim=1)  # [v_heads, v_dim]
-            delta = (v[t] - memory) * beta[t][:, None]
-            s = s + k[t][:, :, None] * delta[:, None, :]
-            out[t] = (s * q[t][:, :, None]).sum(dim=1)
-            if t + 1 in save_at:
-                save_at[t + 1].copy_(s.to(state.dtype))
+        out, s = chunked_delta_rule(q, k, v, beta, g, state.float(), save_at)
         state.copy_(s.to(state.dtype))
         return out
+
+
+def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                       g: torch.Tensor, state: torch.Tensor, save_at: dict[int, torch.Tensor],
+                       chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule a chunk at a time: q/k [L, H, dk], v [L, H, dv], beta/g [L, H],
+    state [H, dk, dv] (float32). Returns (o [L, H, dv], the final state); writes the state
+    after `offset` tokens into `save_at[offset]` (chunks end there).
+
+    Per token S_t = exp(g_t) S_{t-1} + k_t d_t^T with d_t = beta_t (v_t - exp(g_t) S_{t-1}^T
+    k_t). Within a chunk starting from S_0, with G_t = g_1 + ... + g_t (all <= 0):
+        S_t = exp(G_t) S_0 + sum_{s<=t} exp(G_t - G_s) k_s d_s^T
+    so the d_t solve one unit lower-triangular system,
+        (I + diag(beta) A) d = diag(beta) (v - diag(exp(G)) K S_0),
+        A[t, s] = exp(G_t - G_s) k_t.k_s for s < t,
+    and o_t = exp(G_t) S_0^T q_t + sum_{s<=t} exp(G_t - G_s) (q_t.k_s) d_s."""
+    num_tokens = q.shape[0]
+    edges = sorted({0, num_tokens, *range(chunk_size, num_tokens, chunk_size),
+                    *(o for o in save_at if 0 < o < num_tokens)})
+    out = torch.empty(num_tokens, *v.shape[1:], dtype=v.dtype, device=v.device)
+    for start, end in zip(edges, edges[1:], strict=False):
+        m = end - start
+        # Heads first: [H, m, dk], [H, m, dv], [H, m]
+        qc, kc, vc = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        bc = beta[start:end].T
+        cum = torch.cumsum(g[start:end].T, dim=-1)
+        diff = cum[:, :, None] - cum[:, None, :]  # [H, t, s]: G_t - G_s
+        ones = torch.ones(m, m, dtype=torch.bool, device=q.device)
+        before = torch.exp(diff.masked_fill(~ones.tril(-1), float("-inf")))  # s < t
+        upto = torch.exp(diff.masked_fill(~ones.tril(), float("-inf")))  # s <= t
+        system = bc[:, :, None] * (kc @ kc.transpose(1, 2) * before)  # the I is implied
+        rhs = torch.cat([bc[:, :, None] * vc, (bc * cum.exp())[:, :, None] * kc], dim=-1)
+        solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        w_v, w_k = solved.split([vc.shape[-1], kc.shape[-1]], dim=-1)
+        d = w_v - w_k @ state  # [H, m, dv]
+        o = cum.exp()[:, :, None] * (qc @ state) + (qc @ kc.transpose(1, 2) * upto) @ d
+        out[start:end] = o.transpose(0, 1)
+        to_end = torch.exp(cum[:, -1:] - cum)  # [H, m]
+        state = cum[:, -1].exp()[:, None, None] * state + \
+            (kc * to_end[:, :, None]).transpose(1, 2) @ d
+        if end in save_at:
+            save_at[end].copy_(state.to(save_at[end].dtype))
+    return out, state
