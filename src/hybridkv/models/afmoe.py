@@ -37,7 +37,7 @@ def routed_moe(cfg: TextConfig) -> SharedExpertsMoE:
     raw, hidden = cfg.raw, cfg.hidden_size
     num_experts, size = int(raw["num_experts"]), int(raw["moe_intermediate_size"])
     gate = GroupedTopKRouter(hidden, num_experts, int(raw["num_experts_per_tok"]),
-                             scale=float(raw.get("route_scale") or 1.0))
+                             scale=float(raw.get("route_scale") or 1.0), float32_logits=False)
     shared = int(raw.get("num_shared_experts") or 0)
     return SharedExpertsMoE(hidden, gate, ExpertMLPs(num_experts, hidden, size, cfg.hidden_act),
                             GatedMLP(hidden, size * shared, cfg.hidden_act) if shared else None)

@@ -18,7 +18,10 @@ class GroupedTopKRouter(nn.Module):
     """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k]); scores in float32."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, *, num_groups: int = 1,
-                 topk_groups: int = 1, renormalize: bool = True, scale: float = 1.0) -> None:
+                 topk_groups: int = 1, renormalize: bool = True, scale: float = 1.0,
+                 float32_logits: bool = True) -> None:
+        """`float32_logits=False` (AFMoE): the router's matmul runs in the input's dtype and
+        only its logits are cast to float32."""
         super().__init__()
         if num_experts % num_groups:
             raise ValueError(f"n_group ({num_groups}) must divide the number of experts "
@@ -27,9 +30,12 @@ class GroupedTopKRouter(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
         self.top_k, self.num_groups, self.topk_groups = top_k, num_groups, topk_groups
         self.renormalize, self.scale = renormalize, scale
+        self.float32_logits = float32_logits
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = nn.functional.linear(x.float(), self.weight.float()).sigmoid()
+        logits = nn.functional.linear(x.float(), self.weight.float()) if self.float32_logits \
+            else nn.functional.linear(x, self.weight).float()
+        scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float()
         if self.num_groups > 1:
             groups = choice.unflatten(-1, (self.num_groups, -1))
