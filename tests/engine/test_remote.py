@@ -15,6 +15,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -170,12 +171,26 @@ def test_redis_killed_mid_batch_then_restarted(model, reference, redis_server, c
     llm = remote_llm(model(arch), redis_server.url)
     filled(llm, prompts)
     engine = llm.engine
+    worker = engine.runner.connector
+    gate = threading.Event()
+    fetch = worker._fetch
+
+    def gated_fetch(*args):  # the first read from Redis waits for the kill
+        assert gate.wait(timeout=30), "the test never opened the gate"
+        return fetch(*args)
+
+    worker._fetch = gated_fetch
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, GREEDY)
     outputs = {}
-    for out in engine.step():  # loads from Redis queued (some may land) ...
-        outputs[out.request_id] = out
+    for _ in range(20):  # until loads from Redis are queued ...
+        for out in engine.step():
+            outputs[out.request_id] = out
+        if engine.scheduler.loading:
+            break
+    assert engine.scheduler.loading
     redis_server.kill()  # ... and the store goes away under them
+    gate.set()
     with caplog.at_level(logging.WARNING):
         for _ in range(500):
             for out in engine.step():
@@ -186,6 +201,7 @@ def test_redis_killed_mid_batch_then_restarted(model, reference, redis_server, c
     assert tokens_of([outputs[f"r{i}"] for i in range(len(prompts))]) == expected
     stats = remote_stats(llm)
     assert stats["connection_errors"] >= 1
+    assert llm.offload_stats()["blocks_failed"] > 0  # the loads cut off: recomputed
     assert sum("is unreachable" in r.getMessage() for r in caplog.records) == 1
     # Back by itself: new prompts are stored again and served from Redis.
     redis_server.restart()
