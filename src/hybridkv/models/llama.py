@@ -109,9 +109,11 @@ def decoder_layer(cfg: TextConfig, layer: int, kind: str) -> DecoderLayer:
         sliding_window=cfg.sliding_window if kind == SLIDING else None)
     rotary = Rotary.from_config(cfg.raw, cfg.head_dim, kind) if has_rope(cfg, layer) else None
     rope = cfg.raw.get("rope_parameters") or {}
-    attn = Attention(layer, shape, params, rotary=rotary, reads_shared_kv=layer in cfg.kv_targets) \
+    shared = layer in cfg.kv_targets
+    attn = Attention(layer, shape, params, rotary=rotary, reads_shared_kv=shared) \
         if not rope.get("llama_4_scaling_beta") else PositionScaledQueryAttention(
-            layer, shape, params, rotary=rotary, beta=float(rope["llama_4_scaling_beta"]),
+            layer, shape, params, rotary=rotary, reads_shared_kv=shared,
+            beta=float(rope["llama_4_scaling_beta"]),
             original_length=int(rope["original_max_position_embeddings"]))
     mlp = feed_forward(cfg, layer)
     # Gemma 2/3 normalise both sides of each sublayer ("sandwich"); VaultGemma only before.
