@@ -454,7 +454,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "stopped) and report server / offline output tok/s")
     parser.add_argument("--offline-cpus", type=cpu_list, default=None, metavar="LIST",
                         help="run the --compare-offline run on these CPUs (e.g. 0, or 0,1): "
-                             "those a server in another process was pinned to")
+                             "those a server in another process was pinned to (default: "
+                             "where this process runs)")
     group = parser.add_argument_group("engine options (in-process server and offline run)")
     add_server_engine_arguments(group)  # --threads among them
     parser.add_argument("--json", action="store_true", help="print one JSON object")
