@@ -42,7 +42,9 @@ def own_cores(cores: set[int]) -> Iterator[None]:
 @contextmanager
 def busy_neighbour(core: int) -> Iterator[None]:
     """A process spinning in a Python loop on `core` while the block runs."""
-    proc = subprocess.Popen([sys.executable, "-c", _LOOP],
+    # A session of its own, as an unrelated program has: with the kernel's autogroup
+    # scheduling, a child in our session would share our CPU weight instead of taking its own.
+    proc = subprocess.Popen([sys.executable, "-c", _LOOP], start_new_session=True,
                             preexec_fn=lambda: os.sched_setaffinity(0, {core}))
     try:
         yield
