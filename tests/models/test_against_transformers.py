@@ -30,6 +30,11 @@ def reference(request, tmp_path_factory):
     model_dir = build_tiny_model(name, tmp_path_factory.mktemp(name))
     gen = torch.Generator().manual_seed(1234)
     prompts = [torch.randint(4, 256, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    return (name, model_dir, prompts, *hf_reference(model_dir, prompts))
+
+
+def hf_reference(model_dir: Path, prompts):
+    """transformers' greedy tokens and per-step logits for each prompt (float32)."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     hf.eval()
     tokens, logits = [], []
@@ -39,7 +44,7 @@ def reference(request, tmp_path_factory):
                           return_dict_in_generate=True)
         tokens.append(out.sequences[0, len(prompt):].tolist())
         logits.append(torch.stack([step[0] for step in out.logits]))
-    return name, model_dir, prompts, tokens, logits
+    return tokens, logits
 
 
 def run(model_dir: Path, prompts, **options):

@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 from hybridkv import SamplingParams  # noqa: E402
 from tests.models.test_against_transformers import (  # noqa: E402
     NUM_NEW,
     check,
     check_with_preemption,
+    hf_reference,
     run,
 )
 from tests.models.tiny import build_tiny_model  # noqa: E402
@@ -28,15 +29,7 @@ def reference(tmp_path_factory):
                                  attention_chunk_size=CHUNK)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(4, 256, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    tokens, logits = [], []
-    for prompt in prompts:
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW, do_sample=False,
-                          eos_token_id=None, pad_token_id=0, output_logits=True,
-                          return_dict_in_generate=True)
-        tokens.append(out.sequences[0, len(prompt):].tolist())
-        logits.append(torch.stack([step[0] for step in out.logits]))
-    return model_dir, prompts, tokens, logits
+    return (model_dir, prompts, *hf_reference(model_dir, prompts))
 
 
 def test_a_chunk_that_cuts_a_block_equals_transformers(reference):

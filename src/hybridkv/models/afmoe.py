@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hybridkv.models.base import CausalLM
-from hybridkv.models.layer_mix import FULL, SLIDING
+from hybridkv.models.layer_mix import SLIDING
 from hybridkv.models.layers.attention import AttentionShape
 from hybridkv.models.layers.decoder_layer import DecoderLayer, LayerNames
 from hybridkv.models.layers.grouped_topk import GroupedTopKRouter, SharedExpertsMoE
@@ -58,9 +58,7 @@ def afmoe_layer(cfg: TextConfig, layer: int, kind: str) -> DecoderLayer:
 class AfmoeForCausalLM(CausalLM):
     def __init__(self, config: Mapping[str, Any]) -> None:
         cfg = TextConfig.from_hf(config)
-        kinds = [kind or FULL for kind in cfg.kinds]
-        if any(k not in (FULL, SLIDING) for k in kinds):
-            raise NotImplementedError(f"afmoe: layer kinds {set(kinds)} are not supported")
+        kinds = cfg.attention_kinds()
         super().__init__(cfg, (afmoe_layer(cfg, i, k) for i, k in enumerate(kinds)),
                          embed_scale=cfg.hidden_size ** 0.5 if cfg.raw.get("mup_enabled")
                          else None)

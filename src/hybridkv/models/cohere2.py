@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from hybridkv.models.base import CausalLM
-from hybridkv.models.layer_mix import FULL, SLIDING
+from hybridkv.models.layer_mix import SLIDING
 from hybridkv.models.layers.attention import Attention, AttentionShape
 from hybridkv.models.layers.mlp import GatedMLP
 from hybridkv.models.layers.moe import ExpertMLPs, Routing, route
@@ -78,10 +78,7 @@ def cohere2_layer(cfg: TextConfig, layer: int, kind: str) -> ParallelBlock:
 class Cohere2ForCausalLM(CausalLM):
     def __init__(self, config: Mapping[str, Any]) -> None:
         cfg = TextConfig.from_hf(config, tied=True)
-        kinds = [kind or FULL for kind in cfg.kinds]
-        if any(k not in (FULL, SLIDING) for k in kinds):
-            raise NotImplementedError(f"{cfg.model_type}: layer kinds {set(kinds)} are not "
-                                      f"supported")
+        kinds = cfg.attention_kinds()
         super().__init__(cfg, (cohere2_layer(cfg, i, k) for i, k in enumerate(kinds)))
         self.model.norm = norm(cfg)
         self.logit_scale = float(cfg.raw.get("logit_scale", 1.0))

@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from hybridkv.models.base import CausalLM
-from hybridkv.models.layer_mix import FULL, SLIDING
+from hybridkv.models.layer_mix import SLIDING
 from hybridkv.models.layers.attention import Attention, AttentionShape
 from hybridkv.models.layers.decoder_layer import DecoderLayer, LayerNames
 from hybridkv.models.layers.mlp import GatedMLP
@@ -63,8 +63,5 @@ class GraniteSWAForCausalLM(CausalLM):
     def __init__(self, config: Mapping[str, Any]) -> None:
         # Granite SWA ties by default, the MoE variant does not (their config classes).
         cfg = TextConfig.from_hf(config, tied=config.get("model_type") == "granite_swa")
-        kinds = [kind or FULL for kind in cfg.kinds]
-        if any(k not in (FULL, SLIDING) for k in kinds):
-            raise NotImplementedError(f"{cfg.model_type}: layer kinds {set(kinds)} are not "
-                                      f"supported")
+        kinds = cfg.attention_kinds()
         super().__init__(cfg, (granite_swa_layer(cfg, i, k) for i, k in enumerate(kinds)))

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from hybridkv.models.base import CausalLM
-from hybridkv.models.layer_mix import FULL, SLIDING
+from hybridkv.models.layer_mix import SLIDING
 from hybridkv.models.layers.activations import clamped_swiglu
 from hybridkv.models.layers.attention import Attention, AttentionShape
 from hybridkv.models.layers.decoder_layer import DecoderLayer, LayerNames
@@ -134,10 +134,7 @@ class DecoderForCausalLM(CausalLM):
     def __init__(self, config: Mapping[str, Any]) -> None:
         text = config.get("text_config") or config
         cfg = TextConfig.from_hf(config, tied=text.get("model_type") in TIED_BY_DEFAULT)
-        kinds = [kind or FULL for kind in cfg.kinds]
-        if any(k not in (FULL, SLIDING) for k in kinds):
-            raise NotImplementedError(f"{cfg.model_type}: layer kinds {set(kinds)} are not "
-                                      f"supported by the Llama-family decoder")
+        kinds = cfg.attention_kinds()
         gemma = cfg.model_type in GEMMA_TYPES
         super().__init__(cfg, (decoder_layer(cfg, i, k) for i, k in enumerate(kinds)),
                          norm_offset=1.0 if gemma else 0.0,

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridkv.models.base import CausalLM
-from hybridkv.models.layer_mix import FULL, SLIDING
+from hybridkv.models.layer_mix import SLIDING
 from hybridkv.models.layers.attention import Attention, AttentionShape
 from hybridkv.models.layers.decoder_layer import DecoderLayer, LayerNames
 from hybridkv.models.layers.flat_qk_norm import FlatQKNormAttention
@@ -43,10 +43,7 @@ def postnorm_layer(cfg: TextConfig, layer: int, kind: str, has_sliding: bool) ->
 class PostNormForCausalLM(CausalLM):
     def __init__(self, config: Mapping[str, Any]) -> None:
         cfg = TextConfig.from_hf(config)
-        kinds = [kind or FULL for kind in cfg.kinds]
-        if any(k not in (FULL, SLIDING) for k in kinds):
-            raise NotImplementedError(f"{cfg.model_type}: layer kinds {set(kinds)} are not "
-                                      f"supported")
+        kinds = cfg.attention_kinds()
         has_sliding = SLIDING in kinds
         super().__init__(cfg, (postnorm_layer(cfg, i, k, has_sliding)
                                for i, k in enumerate(kinds)))

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hybridkv.models.layer_mix import kv_sharing_targets, layer_kinds
+from hybridkv.models.layer_mix import FULL, SLIDING, kv_sharing_targets, layer_kinds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +47,14 @@ class TextConfig:
     def kinds(self) -> tuple[str | None, ...]:
         """Per layer, its first KV-holding part (None for an MLP-only layer)."""
         return tuple(parts[0] if parts else None for parts in self.layer_kinds)
+
+    def attention_kinds(self) -> list[str]:
+        """Per layer FULL or SLIDING, for the attention-only decoders; other kinds raise."""
+        kinds = [kind or FULL for kind in self.kinds]
+        if any(k not in (FULL, SLIDING) for k in kinds):
+            raise NotImplementedError(f"{self.model_type}: layer kinds {set(kinds)} are not "
+                                      f"supported by this attention-only decoder")
+        return kinds
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any], *, eps: float = 1e-6, act: str = "silu",

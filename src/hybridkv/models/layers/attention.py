@@ -80,13 +80,19 @@ class Attention(nn.Module):
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
+        return self.attend(*self.rotated_qkv(h, positions, ctx), ctx)
+
+    def rotated_qkv(self, h: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                               torch.Tensor | None]:
+        """(q, k, v, gate) with RoPE applied: what variants change before `attend`."""
         q, gate = self.queries(h)
         k, v = self.keys_values(h)
         if self.rotary is not None:
             cos, sin = self.rotary.cos_sin(positions, ctx)
             q = self.rotary.rotate(q, cos, sin)
             k = self.rotary.rotate(k, cos, sin) if k is not None else None
-        return self.attend(q, k, v, gate, ctx)
+        return q, k, v, gate
 
     def queries(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(q [T, Hq, D] before RoPE, output gate [T, Hq, D] or None)."""

@@ -23,12 +23,7 @@ class HeadGatedAttention(Attention):
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
-        q, _ = self.queries(h)
-        k, v = self.keys_values(h)
-        if self.rotary is not None:
-            cos, sin = self.rotary.cos_sin(positions, ctx)
-            q = self.rotary.rotate(q, cos, sin)
-            k = self.rotary.rotate(k, cos, sin) if k is not None else None
+        q, k, v, _ = self.rotated_qkv(h, positions, ctx)
         # `attend` multiplies by the sigmoid of a per-channel gate: the head's gate logit,
         # repeated over the head's channels ([T, heads] -> [T, heads, head_dim]).
         gate = self.g_proj(h)[:, :, None].expand(-1, -1, self.head_dim)

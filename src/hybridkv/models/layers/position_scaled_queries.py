@@ -18,12 +18,7 @@ class PositionScaledQueryAttention(Attention):
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
-        q, gate = self.queries(h)
-        k, v = self.keys_values(h)
-        if self.rotary is not None:
-            cos, sin = self.rotary.cos_sin(positions, ctx)
-            q = self.rotary.rotate(q, cos, sin)
-            k = self.rotary.rotate(k, cos, sin) if k is not None else None
+        q, k, v, gate = self.rotated_qkv(h, positions, ctx)
         scale = 1 + self.beta * torch.log1p(torch.floor(positions.float() / self.original_length))
         q = q * scale.view(-1, 1, 1).to(q.dtype)
         return self.attend(q, k, v, gate, ctx)
