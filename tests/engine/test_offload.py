@@ -54,33 +54,45 @@ def make_prompts(seed: int, lengths: tuple[int, ...] = LENGTHS) -> list[list[int
     return [[rng.randrange(4, 250) for _ in range(n)] for n in lengths]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """`model(name)`: the tiny model's directory, built on first use in this module."""
+def model_builder(tmp_path_factory, **config):
+    """`get(name)`: the tiny model's directory (`config` overriding its config fields),
+    built on first use."""
     built: dict[str, Path] = {}
 
     def get(name: str) -> Path:
         if name not in built:
-            built[name] = build_tiny_model(name, tmp_path_factory.mktemp(name))
+            built[name] = build_tiny_model(name, tmp_path_factory.mktemp(name), **config)
         return built[name]
 
     return get
 
 
-@pytest.fixture(scope="module")
-def reference(model):
-    """`reference(name, prompts, **options)`: the greedy tokens without any cache."""
+def reference_runner(model, engine_options: dict):
+    """`get(name, prompts, **options)`: the greedy tokens without any cache, each set of
+    prompts and options run once."""
     seen: dict[tuple, list[list[int]]] = {}
 
     def get(name: str, prompts: list[list[int]], **options) -> list[list[int]]:
         key = (name, tuple(map(tuple, prompts)), tuple(sorted(options.items())))
         if key not in seen:
-            options = {**COMMON, "kv_cache_memory": "4MiB", **options}
-            llm = LLM(str(model(name)), enable_prefix_caching=False, **options)
+            llm = LLM(str(model(name)), enable_prefix_caching=False,
+                      **{**engine_options, **options})
             seen[key] = tokens_of(llm.generate(prompts, GREEDY))
         return seen[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """`model(name)`: the tiny model's directory, built on first use in this module."""
+    return model_builder(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """`reference(name, prompts, **options)`: the greedy tokens without any cache."""
+    return reference_runner(model, {**COMMON, "kv_cache_memory": "4MiB"})
 
 
 def tokens_of(outputs) -> list[list[int]]:
@@ -93,6 +105,15 @@ def tokens_of(outputs) -> list[list[int]]:
 
 def tier_tokens(outputs, tier: str) -> int:
     return sum(out.cached_tokens_by_tier[tier] for out in outputs)
+
+
+def check_cpu_round(first, second, expected: list[list[int]]) -> None:
+    """Both rounds give the reference tokens; the second's hit came from the CPU tier (the
+    device cache was handed to it in between)."""
+    assert tokens_of(first) == expected
+    assert tokens_of(second) == expected
+    assert tier_tokens(second, "device") == 0
+    assert tier_tokens(second, "cpu") > 0
 
 
 def offload_llm(model_dir: Path, **options) -> LLM:
@@ -153,11 +174,7 @@ def test_cpu_tier_hits_give_the_reference_tokens(arch, model, reference):
     prompts = make_prompts(1)
     llm = offload_llm(model(arch), kv_offload_cpu="64MiB")
     first, second = two_rounds(llm, prompts)
-    expected = reference(arch, prompts)
-    assert tokens_of(first) == expected
-    assert tokens_of(second) == expected
-    assert tier_tokens(second, "device") == 0
-    assert tier_tokens(second, "cpu") > 0
+    check_cpu_round(first, second, reference(arch, prompts))
     stats = llm.offload_stats()
     assert stats["blocks_loaded"] > 0 and stats["blocks_failed"] == 0
     assert stats["tokens_by_tier"]["cpu"] == tier_tokens(second, "cpu")
@@ -170,11 +187,7 @@ def test_the_fill_policy_gives_the_reference_tokens(arch, model, reference):
     prompts = make_prompts(2)
     llm = offload_llm(model(arch), kv_offload_cpu="64MiB", kv_offload_store="fill")
     first, second = two_rounds(llm, prompts)
-    expected = reference(arch, prompts)
-    assert tokens_of(first) == expected
-    assert tokens_of(second) == expected
-    assert tier_tokens(second, "device") == 0
-    assert tier_tokens(second, "cpu") > 0
+    check_cpu_round(first, second, reference(arch, prompts))
     # "fill" stores every computed block once, as it is filled, even those never evicted.
     assert llm.offload_stats()["blocks_stored"] > 0
     books_clean(llm)

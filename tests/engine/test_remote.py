@@ -27,8 +27,13 @@ pytest.importorskip("redis")
 
 from hybridkv import LLM, SamplingParams  # noqa: E402
 from hybridkv.cli import build_parser, offload_options  # noqa: E402
-from tests.engine.test_offload import make_prompts, tier_tokens, tokens_of  # noqa: E402
-from tests.models.tiny import build_tiny_model  # noqa: E402
+from tests.engine.test_offload import (  # noqa: E402
+    make_prompts,
+    model_builder,
+    reference_runner,
+    tier_tokens,
+    tokens_of,
+)
 from tests.redis_server import RedisServer, free_port, running_redis  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=6)
@@ -44,30 +49,14 @@ def redis_server(tmp_path):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    built: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in built:
-            built[name] = build_tiny_model(name, tmp_path_factory.mktemp(name),
-                                           max_position_embeddings=4096)
-        return built[name]
-
-    return get
+    """`model(name)`: the tiny model's directory (positions for the 2,048-token prompts)."""
+    return model_builder(tmp_path_factory, max_position_embeddings=4096)
 
 
 @pytest.fixture(scope="module")
 def reference(model):
     """`reference(name, prompts, **options)`: the greedy tokens without any cache."""
-    seen: dict[tuple, list[list[int]]] = {}
-
-    def get(name: str, prompts: list[list[int]], **options) -> list[list[int]]:
-        key = (name, tuple(map(tuple, prompts)), tuple(sorted(options.items())))
-        if key not in seen:
-            llm = LLM(str(model(name)), enable_prefix_caching=False, **{**COMMON, **options})
-            seen[key] = tokens_of(llm.generate(prompts, GREEDY))
-        return seen[key]
-
-    return get
+    return reference_runner(model, COMMON)
 
 
 def remote_llm(model_dir: Path, url: str, **options) -> LLM:
