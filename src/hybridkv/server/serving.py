@@ -166,13 +166,11 @@ def max_tokens_for(requested: int | None, prompt: list[int], max_model_len: int,
 
 
 def sse(chunk: BaseModel | dict[str, Any]) -> str:
-    data = chunk.model_dump_json() if isinstance(chunk, BaseModel) else json.dumps(chunk)
+    """One server-sent event. A plain dict is the per-token path: no pydantic model per
+    chunk, and compact like pydantic's JSON."""
+    data = chunk.model_dump_json() if isinstance(chunk, BaseModel) \
+        else json.dumps(chunk, separators=(",", ":"))
     return f"data: {data}\n\n"
-
-
-def sse_json(data: dict[str, Any]) -> str:
-    """`sse` for a plain dict: the per-token path, without a pydantic model per chunk."""
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
 async def merged(streams: Sequence[RequestStream]
@@ -390,7 +388,7 @@ async def completion_chunks(state: ServerState, body: p.CompletionRequest, base_
             # Nothing to send for a token still being decoded (an incomplete UTF-8
             # sequence).
             if text or out.finished or logprobs is not None:
-                batch.append(sse_json({**head, "choices": [{
+                batch.append(sse({**head, "choices": [{
                     "index": index, "text": text, "logprobs": logprobs,
                     "finish_reason": finish_reason(out), "stop_reason": out.stop_reason}],
                     "usage": None}))
