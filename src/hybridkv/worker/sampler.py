@@ -42,7 +42,7 @@ class Sampler:
         logits = logits.float()
         out = SamplerOutput({}, {}, {})
         plain = [p.plain_argmax for p in params]
-        if any(plain):  # the common case, all greedy: one argmax for the batch
+        if any(plain):  # rows with nothing to apply share one argmax (commonly: all)
             for rid, is_plain, token in zip(request_ids, plain,
                                             torch.argmax(logits, dim=-1).tolist(),
                                             strict=True):
