@@ -21,15 +21,16 @@ def token_loop(q, k, v, beta, g, s, offsets):
     return torch.stack(out), s, saved
 
 
+@pytest.mark.parametrize("beta_scale", [1.0, 2.0])  # 2: OLMo Hybrid's negative eigenvalues
 @pytest.mark.parametrize("num_tokens", [1, 2, 9, 40])
-def test_chunked_delta_rule_equals_the_token_loop(num_tokens):
+def test_chunked_delta_rule_equals_the_token_loop(num_tokens, beta_scale):
     torch.manual_seed(num_tokens)
     heads, dk, dv = 3, 8, 5
     unit = torch.nn.functional.normalize
     q = unit(torch.randn(num_tokens, heads, dk), dim=-1) / dk ** 0.5
     k = unit(torch.randn(num_tokens, heads, dk), dim=-1)
     v = torch.randn(num_tokens, heads, dv)
-    beta = torch.sigmoid(torch.randn(num_tokens, heads))
+    beta = beta_scale * torch.sigmoid(torch.randn(num_tokens, heads))
     g = -torch.exp(torch.randn(num_tokens, heads))
     start = torch.randn(heads, dk, dv)
     offsets = {o for o in (1, 5, 16, 17, 33, num_tokens) if o <= num_tokens}

@@ -99,3 +99,39 @@ def test_qwen3_5_moe_loads_stacked_experts_as_released(tmp_path):
                .generate(prompt, SamplingParams(max_tokens=6))[0].token_ids
                for d in (per_expert, released)]
     assert outputs[0] == outputs[1]
+
+
+def test_olmo_hybrid_defaults_and_plan(tmp_path, capsys):
+    """OLMo Hybrid's transformers defaults where the config leaves fields out (Olmo-Hybrid-7B
+    sizes): attention every 4th layer, 30 DeltaNet heads of key 96 (0.75 x hidden / heads)
+    and value 192; conv over [q | k | v] = 2 x 30 x 96 + 30 x 192 channels."""
+    config = dict(model_type="olmo_hybrid", hidden_size=3840, num_hidden_layers=32,
+                  num_attention_heads=30, vocab_size=100352, intermediate_size=11008)
+    assert kinds_of(config) == Counter({"linear_attention": 24, "full": 8})
+    specs = kv_layout_from_config(config).layer_specs
+    assert specs["model.layers.0.mamba"].shapes == ((2 * 30 * 96 + 30 * 192, 3), (30, 96, 192))
+    assert specs["model.layers.3.self_attn"].kind == "full"
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["plan", str(path), "--memory", "40GiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ideal_fraction"] >= 0.99
+
+
+@pytest.mark.parametrize("extra", [
+    dict(rope_parameters={"rope_type": "default", "rope_theta": None}),  # released: NoPE
+    dict(linear_allow_neg_eigval=False, rms_norm_eps=1e-3),  # beta in (0, 1)
+])
+def test_olmo_hybrid_variants_match_transformers(extra, tmp_path):
+    """Variants the tiny model of the full matrix does not take: attention without RoPE, and
+    beta not scaled by 2 (the gated output norm keeps eps 1e-5 whatever rms_norm_eps is)."""
+    torch = pytest.importorskip("torch")
+    from hybridkv import LLM, SamplingParams
+    from tests.models.test_against_transformers import NUM_NEW, hf_reference
+    from tests.models.tiny import build_tiny_model
+
+    model_dir = build_tiny_model("olmo_hybrid", tmp_path, **extra)
+    prompt = torch.randint(4, 256, (37,), generator=torch.Generator().manual_seed(5)).tolist()
+    [ref_tokens], _ = hf_reference(model_dir, [prompt])
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=128, kv_cache_memory="4MiB",
+              max_num_batched_tokens=9)
+    assert llm.generate(prompt, SamplingParams(max_tokens=NUM_NEW))[0].token_ids == ref_tokens

@@ -336,3 +336,13 @@ ARCHS["minimax"] = ("MiniMaxConfig", "MiniMaxForCausalLM", dict(
     num_local_experts=4, num_experts_per_tok=2, block_size=16, full_attn_alpha_factor=1.5,
     full_attn_beta_factor=0.7, linear_attn_alpha_factor=1.2, linear_attn_beta_factor=0.9,
     mlp_alpha_factor=1.1, mlp_beta_factor=0.8))
+
+# OLMo Hybrid: Gated DeltaNet (2 key heads, 4 value heads, beta scaled by 2) on layers 0, 2
+# and 3, post-norm attention with whole-projection q/k norms on layer 1. Its norms start at
+# one: perturbed so that ignoring them could not pass.
+ARCHS["olmo_hybrid"] = ("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(
+    num_hidden_layers=4, layer_types=["linear_attention", "full_attention",
+                                      "linear_attention", "linear_attention"],
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=16))
+PERTURB_CONSTANTS.add("olmo_hybrid")

@@ -46,7 +46,9 @@ SUPPORTED_MODEL_TYPES = (
     "qwen2_moe", "phi3", "ministral", "smollm3", "starcoder2", "phimoe",
     "cohere2", "exaone4", "olmo3", "granite_swa", "granitemoe_swa", "vaultgemma",
     "ministral3", "dots1", "exaone_moe", "cohere2_moe", "afmoe", "gemma4_unified_text",
-    "mimo_v2_flash")
+    "mimo_v2_flash",
+    # issue 16: more linear attention and recurrence families
+    "olmo_hybrid")
 
 _LAYER_TYPE_WORDS = {
     "full_attention": FULL, "attention": FULL, "global": FULL, "global_attention": FULL,
@@ -104,7 +106,29 @@ def load_hf_config(source: str) -> dict[str, Any]:
 
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     text = config.get("text_config")
-    return text if isinstance(text, Mapping) else config
+    return with_family_defaults(text if isinstance(text, Mapping) else config)
+
+
+def with_family_defaults(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The text config with the defaults transformers derives for fields a config may leave
+    out, where the layer mix or the state shapes depend on them (OLMo Hybrid)."""
+    if cfg.get("model_type") != "olmo_hybrid":
+        return cfg
+    out = dict(cfg)
+    heads, n = int(cfg.get("num_attention_heads") or 1), int(cfg.get("num_hidden_layers") or 0)
+    if out.get("layer_types") is None:
+        # Gated DeltaNet everywhere but every 4th layer (at least the last one is attention).
+        types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
+        if n and "full_attention" not in types:
+            types[-1] = "full_attention"
+        out["layer_types"] = types
+    for name in ("linear_num_key_heads", "linear_num_value_heads"):
+        out[name] = out.get(name) or heads
+    out["linear_key_head_dim"] = out.get("linear_key_head_dim") or int(
+        0.75 * int(cfg.get("hidden_size") or 0) / int(out["linear_num_key_heads"]))
+    out["linear_value_head_dim"] = out.get("linear_value_head_dim") or \
+        2 * int(out["linear_key_head_dim"])
+    return out
 
 
 def _first(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:

@@ -5,6 +5,11 @@ Gated delta rule, per value head, with q and k L2-normalised (q also by 1/sqrt(d
     S <- S * exp(g_t);   S <- S + k_t (outer) ((v_t - S^T k_t) * beta_t);   o_t = S^T q_t
 Prompt chunks run it in chunked form (`chunked_delta_rule`); single-token steps of all
 requests go in one batched update.
+
+beta_t = sigmoid(b_t) in Qwen3-Next/Qwen3.5; OLMo Hybrid may scale it by 2
+(`linear_allow_neg_eigval`), so that I - beta k k^T can have a negative eigenvalue:
+`beta_scale=2.0`. The gated output norm's eps is the config's `rms_norm_eps` unless
+`norm_eps` says otherwise (OLMo Hybrid: 1e-5).
 """
 
 from __future__ import annotations
@@ -37,8 +42,10 @@ class HeadNormWeight(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: Mapping[str, Any], layer: int) -> None:
+    def __init__(self, cfg: Mapping[str, Any], layer: int, *, beta_scale: float = 1.0,
+                 norm_eps: float | None = None) -> None:
         super().__init__()
+        self.beta_scale = beta_scale
         self.name = f"model.layers.{layer}.mamba"
         hidden = int(cfg["hidden_size"])
         self.num_k_heads = int(cfg["linear_num_key_heads"])
@@ -56,7 +63,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = HeadNormWeight(self.v_dim)
-        self.eps = float(cfg.get("rms_norm_eps", 1e-6))
+        self.eps = float(cfg.get("rms_norm_eps", 1e-6)) if norm_eps is None else norm_eps
         self.out_proj = nn.Linear(self.value_size, hidden, bias=False)
         self.act = activation(str(cfg.get("hidden_act", "silu")))
 
@@ -79,6 +86,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v, z, b, a = self._split(self.in_proj_qkvz(h), self.in_proj_ba(h))
         mixed = torch.cat([q, k, v], dim=-1)
         beta = torch.sigmoid(b.float())
+        if self.beta_scale != 1.0:
+            beta = beta * self.beta_scale
         g = -self.A_log.float().exp() * nn.functional.softplus(a.float() + self.dt_bias)
         out = torch.empty(h.shape[0], self.num_v_heads, self.v_dim, device=h.device)
         batched = meta.plain_steps  # single-token steps: all at once
@@ -90,10 +99,12 @@ class GatedDeltaNet(nn.Module):
                                                                    skip=batched):
             out[start:end] = self._request(mixed[start:end], beta[start:end], g[start:end],
                                            conv_state, state, saves)
-        # Gated norm per value head: normalise, weight, then gate with silu(z).
-        normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
-        gated = (self.norm.weight * normed.to(h.dtype)).float() * nn.functional.silu(z.float())
-        return self.out_proj(gated.to(h.dtype).flatten(1))
+        return self._output(out, z, h.dtype)
+
+    def _output(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The recurrence's out [T, v_heads, v_dim] through the gated norm and out_proj."""
+        return self.out_proj(  # type: ignore[no-any-return]
+            gated_head_norm(out, z, self.norm.weight, self.eps, dtype))
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [L, conv_dim] after the conv -> q, k [L, v_heads, k_dim] (L2-normalised, q also
@@ -131,6 +142,15 @@ class GatedDeltaNet(nn.Module):
         out, s = chunked_delta_rule(q, k, v, beta, g, state.float(), save_at)
         state.copy_(s.to(state.dtype))
         return out
+
+
+def gated_head_norm(out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The gated norm per value head: normalise out [T, v_heads, v_dim] (float32), weight,
+    then gate with silu(z). Returns [T, v_heads * v_dim] in `dtype`."""
+    normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + eps)
+    gated = (weight * normed.to(dtype)).float() * nn.functional.silu(z.float())
+    return gated.to(dtype).flatten(1)
 
 
 def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
