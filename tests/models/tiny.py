@@ -346,3 +346,14 @@ ARCHS["olmo_hybrid"] = ("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
     linear_value_head_dim=16))
 PERTURB_CONSTANTS.add("olmo_hybrid")
+
+# Zamba2: Mamba2 (8 heads of 16 in 2 groups, chunks of 16); layers 1, 3 and 4 run shared
+# attention blocks A, B, A (num_mem_blocks 2, tied as in the released models), RoPE, LoRA
+# adapters on q/k/v and the MLP per use; each use writes its own KV cache.
+ARCHS["zamba2"] = ("Zamba2Config", "Zamba2ForCausalLM", dict(
+    num_hidden_layers=6, layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid",
+                                            "mamba"],
+    num_key_value_heads=4, head_dim=32, n_mamba_heads=8, mamba_d_state=16, mamba_ngroups=2,
+    chunk_size=16, num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=8,
+    use_mem_rope=True, tie_word_embeddings=True))
+PERTURB_CONSTANTS.add("zamba2")

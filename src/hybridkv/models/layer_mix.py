@@ -42,6 +42,7 @@ SUPPORTED_MODEL_TYPES = (
     # issue 16: linear attention, SSM, convolution and recurrence families
     "mamba", "mamba2", "falcon_mamba", "lfm2", "lfm2_moe", "lfm3",
     "recurrent_gemma", "minimax",
+    "zamba2", "zamba",  # Mamba backbones with a shared attention block
     # issue 16: sliding + full attention families, dense and MoE decoders
     "qwen2_moe", "phi3", "ministral", "smollm3", "starcoder2", "phimoe",
     "cohere2", "exaone4", "olmo3", "granite_swa", "granitemoe_swa", "vaultgemma",
@@ -155,6 +156,8 @@ def layer_kinds(config: Mapping[str, Any]) -> list[tuple[str, ...]]:
         blocks = list(cfg.get("block_types") or ("recurrent", "recurrent", "attention"))
         return [(RG_LRU if blocks[i % len(blocks)] == "recurrent" else SLIDING,)
                 for i in range(n)]
+    if model_type in ("zamba", "zamba2"):
+        return _zamba_kinds(cfg, model_type, n)
     kinds = _attention_kinds(cfg, model_type, n)
     if model_type == "minimax":  # its linear attention is lightning attention
         kinds = [LIGHTNING if k == LINEAR else k for k in kinds]
@@ -164,6 +167,32 @@ def layer_kinds(config: Mapping[str, Any]) -> list[tuple[str, ...]]:
         kinds = [MAMBA if k == LINEAR else k for k in kinds]
     return [() if k == NONE else (MAMBA1 if k == MAMBA and model_type == "jamba" else k,)
             for k in kinds]
+
+
+def _zamba_kinds(cfg: Mapping[str, Any], model_type: str, n: int) -> list[tuple[str, ...]]:
+    """Zamba / Zamba2: Mamba layers (Mamba1 / Mamba2); "hybrid" ones also run the shared
+    attention block, with a KV cache of their own per layer. Zamba configs without the list
+    put them at layer 2 and every `attn_layer_period` from `attn_layer_offset + 3`, as
+    transformers does."""
+    mamba = MAMBA if model_type == "zamba2" else MAMBA1
+    words = cfg.get("layers_block_type")
+    if words is None and model_type == "zamba":
+        period, offset = int(cfg.get("attn_layer_period", 6)), int(cfg.get("attn_layer_offset", 4))
+        words = ["mamba", "mamba", "hybrid"] + [
+            "hybrid" if i % period == offset else "mamba" for i in range(n - 3)]
+    if not isinstance(words, list):
+        raise ValueError(f"{model_type}: layers_block_type (a list of 'mamba' / 'hybrid' per "
+                         f"layer) is missing")
+    kinds: list[tuple[str, ...]] = []
+    for word in words:
+        if word == "hybrid":
+            kinds.append((FULL, mamba))
+        elif word in ("mamba", "mamba2", "linear_attention"):
+            kinds.append((mamba,))
+        else:
+            raise ValueError(f"layers_block_type: unknown {model_type} layer type {word!r}; "
+                             f"accepted: hybrid, mamba, linear_attention")
+    return kinds
 
 
 def _attention_kinds(cfg: Mapping[str, Any], model_type: str, n: int) -> list[str]:
@@ -362,6 +391,10 @@ def attention_shape(cfg: Mapping[str, Any], layer: int, kind: str) -> tuple[int,
         # the key head size (one head size per page).
         return ((2 if kind == SLIDING else 1) * num_kv_heads,
                 max(head_size, int(cfg.get("v_head_dim") or head_size)))
+    if cfg.get("model_type") in ("zamba", "zamba2"):
+        # The shared block attends over [h | embedding]: heads of 2 x hidden / heads.
+        return num_kv_heads, int(_first(cfg, "attention_head_dim",
+                                        default=2 * int(cfg["hidden_size"]) // heads))
     if str(cfg.get("model_type", "")).startswith("gemma4") and kind == FULL:
         # transformers' Gemma 4 defaults, applied when per_layer_config is not saved.
         if cfg.get("attention_k_eq_v", False) and cfg.get("num_global_key_value_heads"):
@@ -418,9 +451,11 @@ def _spec_for(kind: str, cfg: Mapping[str, Any], block_size: int, dtype: str,
                          dtypes=(dtype, dtype))
     # Pure Mamba2 names its SSM heads plainly (`num_heads`, `head_dim`); hybrids prefix them.
     plain = ("num_heads", "head_dim") if cfg.get("model_type") == "mamba2" else ("", "")
-    n_heads = int(_first(cfg, "mamba_n_heads", "mamba_num_heads", plain[0]))
-    d_head = int(_first(cfg, "mamba_d_head", "mamba_head_dim", plain[1]))
-    n_groups = int(_first(cfg, "mamba_n_groups", "n_groups", default=1))
+    # Zamba2 spells them n_mamba_heads / mamba_headdim / mamba_ngroups.
+    n_heads = int(_first(cfg, "mamba_n_heads", "mamba_num_heads", "n_mamba_heads", plain[0]))
+    d_head = int(_first(cfg, "mamba_d_head", "mamba_head_dim", "mamba_headdim", plain[1],
+                        default=expand * hidden // n_heads))
+    n_groups = int(_first(cfg, "mamba_n_groups", "n_groups", "mamba_ngroups", default=1))
     d_inner = int(_first(cfg, "mamba_d_ssm", default=n_heads * d_head))
     # Mamba2: conv over [x, B, C]; SSM state [heads, head_dim, state].
     return MambaSpec(block_size=block_size,

@@ -55,6 +55,7 @@ MODELS: dict[str, str] = {
     "gemma3n_text": "hybridkv.models.gemma3n:Gemma3nForCausalLM",
     "gemma4": "hybridkv.models.gemma4:Gemma4ForCausalLM",
     "gemma4_text": "hybridkv.models.gemma4:Gemma4ForCausalLM",
+    "zamba2": "hybridkv.models.zamba:Zamba2ForCausalLM",
 }
 
 

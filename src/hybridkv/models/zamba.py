@@ -1,0 +1,90 @@
+"""Zamba2: Mamba2 layers; "hybrid" layers first run a shared transformer block (attention +
+MLP over [h | original embedding], layers/shared_block.py) and add its projection to their
+Mamba input. `num_mem_blocks` blocks take turns (ABAB...); each use has its own KV cache and
+its own low-rank adapters.
+
+The blocks are shared only where transformers shares them: it ties the later uses to the
+first `num_mem_blocks` blocks when `tie_word_embeddings` is on (then checkpoints hold the
+first copies only); otherwise every hybrid layer keeps a copy of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridkv.models.base import CausalLM
+from hybridkv.models.layer_mix import FULL
+from hybridkv.models.layers.mamba2 import Mamba2Mixer
+from hybridkv.models.layers.rotary import Rotary
+from hybridkv.models.layers.shared_block import (
+    AdaptedGatedMLP,
+    HybridLayer,
+    MambaBlock,
+    SharedAttention,
+    SharedTransformerBlock,
+)
+from hybridkv.models.text_config import TextConfig
+
+
+def mamba2_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The config in the field names Mamba2Mixer reads. Zamba2's mixer always has a conv
+    bias, and its gated norm a fixed eps of 1e-5."""
+    hidden = int(raw["hidden_size"])
+    inner = int(float(raw.get("mamba_expand", 2)) * hidden)
+    heads = int(raw.get("n_mamba_heads", 8))
+    bias = bool(raw.get("add_bias_linear", False))
+    return {**raw, "mamba_num_heads": heads,
+            "mamba_head_dim": int(raw.get("mamba_headdim") or inner // heads),
+            "n_groups": int(raw.get("mamba_ngroups", 1)), "use_bias": bias,
+            "projectors_bias": bias, "use_conv_bias": True, "layer_norm_epsilon": 1e-5,
+            "time_step_min": float(raw.get("time_step_min", 0.001))}
+
+
+def zamba2_block(cfg: TextConfig, block: int, hybrid_ids: list[int]) -> SharedTransformerBlock:
+    """Shared block `block`: it serves invocations j with j % num_mem_blocks == block."""
+    raw, hidden = cfg.raw, cfg.hidden_size
+    num_blocks, rank = int(raw.get("num_mem_blocks", 1)), int(raw.get("adapter_rank", 128))
+    used = [j % num_blocks == block for j in range(len(hybrid_ids))]
+    head_dim = int(raw.get("attention_head_dim") or 2 * hidden // cfg.num_heads)
+    attention = SharedAttention(
+        2 * hidden, hidden, cfg.num_heads, cfg.num_kv_heads, head_dim,
+        rotary=Rotary.from_config(raw, head_dim, FULL) if raw.get("use_mem_rope") else None,
+        adapters=(used, rank) if raw.get("use_shared_attention_adapter") else None)
+    mlp = AdaptedGatedMLP(hidden, cfg.intermediate_size, cfg.hidden_act,
+                          bias=bool(raw.get("add_bias_linear", False)), used=used, rank=rank)
+    return SharedTransformerBlock(hidden, cfg.rms_norm_eps, attention, mlp, adapted_ffn=True)
+
+
+def zamba2_layers(cfg: TextConfig) -> Iterable[nn.Module]:
+    hybrid_ids = [i for i, parts in enumerate(cfg.layer_kinds) if FULL in parts]
+    num_blocks = int(cfg.raw.get("num_mem_blocks", 1))
+    fields = mamba2_fields(cfg.raw)
+    blocks: list[SharedTransformerBlock] = []
+    for i in range(cfg.num_layers):
+        mamba = MambaBlock(Mamba2Mixer(fields, i), cfg.hidden_size, cfg.rms_norm_eps)
+        if i not in hybrid_ids:
+            yield mamba
+            continue
+        j = hybrid_ids.index(i)
+        if cfg.tie_word_embeddings and j >= num_blocks:
+            block = blocks[j % num_blocks]  # the same module: weights shared
+        else:
+            block = zamba2_block(cfg, j % num_blocks, hybrid_ids)
+        blocks.append(block)
+        yield HybridLayer(i, j, block, mamba, cfg.hidden_size, shared_name="shared_transformer")
+
+
+class Zamba2ForCausalLM(CausalLM):
+    norm_name = "final_layernorm"
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        cfg = TextConfig.from_hf(config, eps=1e-5, act="gelu", tied=True)
+        super().__init__(cfg, zamba2_layers(cfg))
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The original embeddings [T, layers, hidden] (a view): every hybrid layer's shared
+        block reads them beside its input."""
+        return h.unsqueeze(1).expand(-1, self.cfg.num_layers, -1)
