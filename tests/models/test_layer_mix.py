@@ -96,3 +96,17 @@ def test_transformers_5_spelling_of_mamba_layers():
     assert layer_kinds(config) == [("mamba",), ("full",), ()]
     spec = kv_layout_from_config(config).layer_specs["model.layers.0.mamba"]
     assert spec.shapes == ((8 * 16 + 2 * 2 * 16, 3), (8, 16, 16))
+
+
+def test_kimi_linear_keeps_one_latent_per_token_and_kda_states():
+    # Released configs list the MLA layers 1-indexed in linear_attn_config.full_attn_layers.
+    assert kinds_of("Kimi-Linear-48B-A3B-Instruct") == Counter({"kda": 20, "mla": 7})
+    layout = kv_layout_from_config(load_hf_config("Kimi-Linear-48B-A3B-Instruct"))
+    mla = layout.layer_specs["model.layers.3.self_attn"]
+    # kv_lora_rank 512 + qk_rope_head_dim 64, bf16: 1,152 bytes per token, no V (K/V of 32
+    # heads of 192 + 128 would be 20,480).
+    assert (mla.num_kv_heads, mla.head_size, mla.page_size_bytes) == (1, 576, 16 * 1152)
+    kda = layout.layer_specs["model.layers.0.mamba"]
+    # conv over [q, k, v] of 32 heads of 128, kernel 4 - 1; the state in float32
+    assert kda.shapes == ((3 * 32 * 128, 3), (32, 128, 128))
+    assert kda.dtypes == ("bfloat16", "float32")

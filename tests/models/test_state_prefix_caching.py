@@ -2,7 +2,8 @@
 identical to running without the cache. One model per state kind: Mamba2 + attention
 (NemotronH), Mamba1 alone with no attention group at all (Mamba), a short-convolution state
 (LFM2), Gated DeltaNet with split projections (Qwen3.5) and Griffin's RG-LRU beside
-sliding-window attention (RecurrentGemma) and lightning attention (MiniMax)."""
+sliding-window attention (RecurrentGemma), lightning attention (MiniMax) and Kimi Delta
+Attention beside latent attention (Kimi Linear)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ GREEDY = SamplingParams(max_tokens=8)
 
 
 @pytest.fixture(scope="module", params=["nemotron_h", "mamba", "lfm2", "qwen3_5_text",
-                                        "recurrent_gemma", "minimax", "zamba2"])
+                                        "recurrent_gemma", "minimax", "kimi_linear",
+                                        "zamba2"])
 def model_dir(request, tmp_path_factory):
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
 

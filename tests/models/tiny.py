@@ -357,3 +357,13 @@ ARCHS["zamba2"] = ("Zamba2Config", "Zamba2ForCausalLM", dict(
     chunk_size=16, num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=8,
     use_mem_rope=True, tie_word_embeddings=True))
 PERTURB_CONSTANTS.add("zamba2")
+
+# Kimi Linear: KDA (4 heads of 16, conv 4) on layers 0 and 2, latent attention without RoPE
+# (latent 32 + 8, queries through a rank-24 bottleneck) on 1 and 3; layer 0 dense, then top-2
+# of 8 grouped experts + a shared one. Norm scales and the router bias get noise.
+ARCHS["kimi_linear"] = ("KimiLinearConfig", "KimiLinearForCausalLM", dict(
+    num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
+    num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8,
+    qk_nope_head_dim=16, v_head_dim=16, linear_num_heads=4, linear_head_dim=16,
+    num_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32))
+PERTURB_CONSTANTS.add("kimi_linear")

@@ -22,6 +22,7 @@ from hybridkv.kv.spec import (
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
 )
 from hybridkv.models.config_check import ATTENTION_FREE, check_config
@@ -32,7 +33,11 @@ FULL, SLIDING, CHUNKED, MAMBA, MAMBA1, LINEAR, NONE = (
 CONV = "conv"  # a gated short convolution (LFM2): its last inputs are its state
 RG_LRU = "rg_lru"  # Griffin's recurrent block (RecurrentGemma): a conv and an RG-LRU state
 LIGHTNING = "lightning"  # MiniMax's decayed linear attention: a [heads, d, d] state
-STATE_KINDS = (MAMBA, MAMBA1, LINEAR, CONV, RG_LRU, LIGHTNING)
+KDA = "kda"  # Kimi Delta Attention: a conv and a [heads, d, d] state, decay per channel
+MLA = "mla"  # multi-head latent attention: one latent vector per token in the KV cache
+STATE_KINDS = (MAMBA, MAMBA1, LINEAR, CONV, RG_LRU, LIGHTNING, KDA)
+# Families of KDA layers beside MLA layers (their "linear_attention" / "full_attention").
+KDA_MLA_TYPES = ("kimi_linear", "bailing_hybrid")
 
 SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3",
@@ -48,6 +53,8 @@ SUPPORTED_MODEL_TYPES = (
     "cohere2", "exaone4", "olmo3", "granite_swa", "granitemoe_swa", "vaultgemma",
     "ministral3", "dots1", "exaone_moe", "cohere2_moe", "afmoe", "gemma4_unified_text",
     "mimo_v2_flash",
+    # issue 16: KDA linear attention + multi-head latent attention
+    "kimi_linear", "bailing_hybrid",
     # issue 16: more linear attention and recurrence families
     "olmo_hybrid")
 
@@ -151,6 +158,8 @@ def layer_kinds(config: Mapping[str, Any]) -> list[tuple[str, ...]]:
         return [(FULL, MAMBA)] * n
     if model_type in ATTENTION_FREE:
         return [(MAMBA if model_type == "mamba2" else MAMBA1,)] * n
+    if model_type in KDA_MLA_TYPES:
+        return [(KDA,) if k == LINEAR else (MLA,) for k in _kda_mla_kinds(cfg, model_type, n)]
     if model_type == "recurrent_gemma":
         # `block_types` repeats over the layers: recurrent blocks and local attention.
         blocks = list(cfg.get("block_types") or ("recurrent", "recurrent", "attention"))
@@ -193,6 +202,35 @@ def _zamba_kinds(cfg: Mapping[str, Any], model_type: str, n: int) -> list[tuple[
             raise ValueError(f"layers_block_type: unknown {model_type} layer type {word!r}; "
                              f"accepted: hybrid, mamba, linear_attention")
     return kinds
+
+
+def _kda_mla_kinds(cfg: Mapping[str, Any], model_type: str, n: int) -> list[str]:
+    """Kimi Linear / Ling 3.0: `layer_types`, else Kimi's released configs list the MLA
+    layers 1-indexed in `linear_attn_config.full_attn_layers`, else the family's default
+    (Kimi: every 4th layer from layer 4; Ling: the last of every `layer_group_size`)."""
+    if isinstance(cfg.get("layer_types"), list):
+        return [_word(w, "layer_types") for w in cfg["layer_types"]]
+    linear = cfg.get("linear_attn_config") or {}
+    if isinstance(linear.get("full_attn_layers"), list):
+        full = {int(i) - 1 for i in linear["full_attn_layers"]}
+        return [FULL if i in full else LINEAR for i in range(n)]
+    if model_type == "kimi_linear":
+        return [FULL if i and i % 4 == 0 else LINEAR for i in range(n)]
+    group = int(cfg.get("layer_group_size") or 6)
+    return [FULL if (i + 1) % group == 0 else LINEAR for i in range(n)]
+
+
+def kda_shape(cfg: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(heads, head size, conv kernel) of KDA layers: saved by transformers as `linear_*`,
+    by Kimi's released configs in `linear_attn_config`, by Ling's as the attention fields."""
+    linear = cfg.get("linear_attn_config") or {}
+    heads = _first(cfg, "linear_num_heads", default=linear.get("num_heads")
+                   or cfg.get("num_attention_heads"))
+    head_dim = _first(cfg, "linear_head_dim", default=linear.get("head_dim")
+                      or cfg.get("head_dim"))
+    kernel = _first(cfg, "linear_conv_kernel_dim", default=linear.get("short_conv_kernel_size")
+                    or cfg.get("short_conv_kernel_size") or 4)
+    return int(heads), int(head_dim), int(kernel)
 
 
 def _attention_kinds(cfg: Mapping[str, Any], model_type: str, n: int) -> list[str]:
@@ -306,7 +344,7 @@ def kv_layout_from_config(config: Mapping[str, Any], *, block_size: int = 16,
     return ModelKVLayout(
         model_type=model_type, layer_specs=specs, kv_sharing=_kv_sharing(cfg, kinds),
         layer_kinds=tuple(kinds),
-        max_position_embeddings=_first(cfg, "max_position_embeddings"))
+        max_position_embeddings=_first(cfg, "max_position_embeddings", "model_max_length"))
 
 
 def _kv_sharing(cfg: Mapping[str, Any], kinds: list[tuple[str, ...]]) -> dict[str, str]:
@@ -417,6 +455,16 @@ def _spec_for(kind: str, cfg: Mapping[str, Any], block_size: int, dtype: str,
             return ChunkedLocalAttentionSpec(
                 attention_chunk_size=int(cfg["attention_chunk_size"]), **attn)
         return FullAttentionSpec(**attn)
+    if kind == MLA:
+        # One latent per token: the normalised c_kv and the roped key part, no V.
+        return MLAAttentionSpec(block_size=block_size, dtype=dtype, num_kv_heads=1,
+                                head_size=int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"]))
+    if kind == KDA:
+        # The conv's last inputs over [q, k, v] and the state, float32 as the reference keeps.
+        heads, head_dim, kernel = kda_shape(cfg)
+        return MambaSpec(block_size=block_size,
+                         shapes=((3 * heads * head_dim, kernel - 1), (heads, head_dim, head_dim)),
+                         dtypes=(dtype, "float32"))
     if kind == LIGHTNING:
         heads = int(cfg["num_attention_heads"])
         head_dim = int(cfg.get("head_dim") or hidden // heads)

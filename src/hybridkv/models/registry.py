@@ -50,6 +50,7 @@ MODELS: dict[str, str] = {
     "lfm3": "hybridkv.models.lfm2:Lfm2ForCausalLM",
     "recurrent_gemma": "hybridkv.models.recurrent_gemma:RecurrentGemmaForCausalLM",
     "minimax": "hybridkv.models.minimax:MiniMaxForCausalLM",
+    "kimi_linear": "hybridkv.models.kimi_linear:KimiLinearForCausalLM",
     "olmo_hybrid": "hybridkv.models.olmo_hybrid:OlmoHybridForCausalLM",
     "gemma3n": "hybridkv.models.gemma3n:Gemma3nForCausalLM",
     "gemma3n_text": "hybridkv.models.gemma3n:Gemma3nForCausalLM",

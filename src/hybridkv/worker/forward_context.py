@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from hybridkv.worker.attention import AttentionBackend, AttentionMetadata, AttentionParams
+from hybridkv.worker.mla import MLAParams, mla_forward
 
 
 @dataclass
@@ -58,3 +59,11 @@ class ForwardContext:
         meta = self.metadata[self.layer_group[layer_name]]
         assert isinstance(meta, AttentionMetadata)
         return self.backend.forward(q, k, v, self.kv_caches[layer_name], meta, params)
+
+    def mla_attention(self, layer_name: str, q: torch.Tensor, latent: torch.Tensor,
+                      kv_b_weight: torch.Tensor, params: MLAParams) -> torch.Tensor:
+        """Multi-head latent attention (worker/mla.py): write the layer's latents, attend
+        over them up-projected by kv_b_weight. Returns [T, H, v_head_dim]."""
+        meta = self.metadata[self.layer_group[layer_name]]
+        assert isinstance(meta, AttentionMetadata)
+        return mla_forward(q, latent, self.kv_caches[layer_name], meta, kv_b_weight, params)

@@ -19,7 +19,7 @@ import torch
 
 from hybridkv.connector.canonical import group_blocks
 from hybridkv.kv.plan import KVCacheConfig
-from hybridkv.kv.spec import AttentionSpec, MambaSpec
+from hybridkv.kv.spec import AttentionSpec, MambaSpec, MLAAttentionSpec
 
 TORCH_DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -50,7 +50,11 @@ def allocate_kv_caches(config: KVCacheConfig, device: torch.device | str
         layer_specs = group.layer_specs or (group.spec,) * len(group.layer_names)
         for name, page_bytes, spec in zip(group.layer_names, group.layer_page_bytes,
                                           layer_specs, strict=True):
-            if isinstance(spec, AttentionSpec):
+            if isinstance(spec, MLAAttentionSpec):
+                # One latent per token, no K/V halves: [pages, per_page, block, head_size].
+                pages = blocks[:, :, offset:offset + page_bytes].view(torch_dtype(spec.dtype))
+                views[name] = pages.unflatten(2, (spec.block_size, spec.head_size))
+            elif isinstance(spec, AttentionSpec):
                 pages = blocks[:, :, offset:offset + page_bytes].view(torch_dtype(spec.dtype))
                 views[name] = pages.unflatten(2, (2, spec.block_size, -1, spec.head_size))
             elif isinstance(spec, MambaSpec):
