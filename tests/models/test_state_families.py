@@ -135,3 +135,47 @@ def test_olmo_hybrid_variants_match_transformers(extra, tmp_path):
     llm = LLM(str(model_dir), dtype="float32", max_model_len=128, kv_cache_memory="4MiB",
               max_num_batched_tokens=9)
     assert llm.generate(prompt, SamplingParams(max_tokens=NUM_NEW))[0].token_ids == ref_tokens
+
+
+@pytest.mark.parametrize("extra", [
+    dict(rescale_every=1, layer_norm_epsilon=0.05),
+    dict(rescale_every=0, layer_norm_epsilon=0.05),
+])
+def test_rwkv_rescaling_matches_transformers(extra, tmp_path):
+    """transformers halves RWKV's hidden states after every `rescale_every`-th block at
+    inference (and scales the output projections to match); only the LayerNorms' eps tells
+    that apart from not rescaling, so a large eps and a halving after every block make it
+    count. 0 switches it off."""
+    torch = pytest.importorskip("torch")
+    from hybridkv import LLM, SamplingParams
+    from tests.hooks import record_logits
+    from tests.models.test_against_transformers import NUM_NEW, hf_reference
+    from tests.models.tiny import build_tiny_model
+
+    model_dir = build_tiny_model("rwkv", tmp_path, **extra)
+    prompt = torch.randint(4, 256, (37,), generator=torch.Generator().manual_seed(5)).tolist()
+    [ref_tokens], [ref_logits] = hf_reference(model_dir, [prompt])
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=128, kv_cache_memory="4MiB",
+              max_num_batched_tokens=9)
+    llm.logits = record_logits(llm)
+    [out] = llm.generate(prompt, SamplingParams(max_tokens=NUM_NEW))
+    assert out.token_ids == ref_tokens
+    torch.testing.assert_close(torch.stack(llm.logits.pop(out.request_id)), ref_logits,
+                               atol=2e-4, rtol=1e-4)
+
+
+def test_rwkv_state_and_plan(tmp_path, capsys):
+    """RWKV-4 (RWKV/rwkv-4-169m-pile sizes; attention_hidden_size and intermediate_size left
+    out, as transformers derives them): one state group, no attention; per layer the last
+    inputs of time and channel mixing [2, 768] and the WKV numerator, denominator and max
+    [3, 768] in float32."""
+    config = dict(model_type="rwkv", hidden_size=768, num_hidden_layers=12, vocab_size=50277,
+                  context_length=1024, torch_dtype="bfloat16")
+    assert kinds_of(config) == Counter({"rwkv": 12})
+    spec = kv_layout_from_config(config).layer_specs["model.layers.11.mamba"]
+    assert spec.shapes == ((2, 768), (3, 768)) and spec.dtypes == ("bfloat16", "float32")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["plan", str(path), "--memory", "4GiB", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["ideal_fraction"] >= 0.99 and len(plan["groups"]) == 1

@@ -367,3 +367,9 @@ ARCHS["kimi_linear"] = ("KimiLinearConfig", "KimiLinearForCausalLM", dict(
     qk_nope_head_dim=16, v_head_dim=16, linear_num_heads=4, linear_head_dim=16,
     num_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32))
 PERTURB_CONSTANTS.add("kimi_linear")
+
+# RWKV-4 (no attention at all): 4 blocks, halved after every 2nd at inference (rescale_every).
+# Its LayerNorms and time_first start constant: perturbed so that ignoring them could not pass.
+ARCHS["rwkv"] = ("RwkvConfig", "RwkvForCausalLM", dict(
+    num_hidden_layers=4, attention_hidden_size=64, rescale_every=2))
+PERTURB_CONSTANTS.add("rwkv")

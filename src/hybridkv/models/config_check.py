@@ -14,7 +14,7 @@ MODEL_FIELDS = (*PLAN_FIELDS, "vocab_size", "intermediate_size")
 # Per-layer kinds; where present each must have one entry per layer.
 LAYER_LISTS = ("layer_types", "layers_block_type", "hybrid_override_pattern")
 # Pure state-space models: no attention layer, so no attention heads to read.
-ATTENTION_FREE = ("mamba", "mamba2", "falcon_mamba")
+ATTENTION_FREE = ("mamba", "mamba2", "falcon_mamba", "rwkv")
 # Positive integers where present.
 OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings",
                  "sliding_window", "attention_chunk_size")

@@ -35,7 +35,8 @@ RG_LRU = "rg_lru"  # Griffin's recurrent block (RecurrentGemma): a conv and an R
 LIGHTNING = "lightning"  # MiniMax's decayed linear attention: a [heads, d, d] state
 KDA = "kda"  # Kimi Delta Attention: a conv and a [heads, d, d] state, decay per channel
 MLA = "mla"  # multi-head latent attention: one latent vector per token in the KV cache
-STATE_KINDS = (MAMBA, MAMBA1, LINEAR, CONV, RG_LRU, LIGHTNING, KDA)
+RWKV = "rwkv"  # an RWKV-4 block: token-shift inputs and the WKV numerator/denominator/max
+STATE_KINDS = (MAMBA, MAMBA1, LINEAR, CONV, RG_LRU, LIGHTNING, KDA, RWKV)
 # Families of KDA layers beside MLA layers (their "linear_attention" / "full_attention").
 KDA_MLA_TYPES = ("kimi_linear", "bailing_hybrid")
 
@@ -56,7 +57,7 @@ SUPPORTED_MODEL_TYPES = (
     # issue 16: KDA linear attention + multi-head latent attention
     "kimi_linear", "bailing_hybrid",
     # issue 16: more linear attention and recurrence families
-    "olmo_hybrid")
+    "olmo_hybrid", "rwkv")
 
 _LAYER_TYPE_WORDS = {
     "full_attention": FULL, "attention": FULL, "global": FULL, "global_attention": FULL,
@@ -119,7 +120,11 @@ def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def with_family_defaults(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     """The text config with the defaults transformers derives for fields a config may leave
-    out, where the layer mix or the state shapes depend on them (OLMo Hybrid)."""
+    out, where the layer mix or the state shapes depend on them (OLMo Hybrid, RWKV)."""
+    if cfg.get("model_type") == "rwkv":
+        hidden = cfg.get("hidden_size")
+        return {**cfg, "attention_hidden_size": cfg.get("attention_hidden_size") or hidden,
+                "intermediate_size": cfg.get("intermediate_size") or 4 * int(hidden or 0)}
     if cfg.get("model_type") != "olmo_hybrid":
         return cfg
     out = dict(cfg)
@@ -156,6 +161,8 @@ def layer_kinds(config: Mapping[str, Any]) -> list[tuple[str, ...]]:
     n = int(cfg.get("num_hidden_layers") or len(listed))
     if model_type == "falcon_h1":
         return [(FULL, MAMBA)] * n
+    if model_type == "rwkv":
+        return [(RWKV,)] * n
     if model_type in ATTENTION_FREE:
         return [(MAMBA if model_type == "mamba2" else MAMBA1,)] * n
     if model_type in KDA_MLA_TYPES:
@@ -475,6 +482,12 @@ def _spec_for(kind: str, cfg: Mapping[str, Any], block_size: int, dtype: str,
         width = int(cfg.get("lru_width") or hidden)
         return MambaSpec(block_size=block_size,
                          shapes=((width, int(cfg.get("conv1d_width", 4)) - 1), (width,)),
+                         dtypes=(dtype, "float32"))
+    if kind == RWKV:
+        # The last inputs of time and channel mixing; the WKV numerator, denominator and
+        # running max, in float32 as the reference keeps them.
+        return MambaSpec(block_size=block_size,
+                         shapes=((2, hidden), (3, int(cfg["attention_hidden_size"]))),
                          dtypes=(dtype, "float32"))
     if kind == CONV:
         # The last `conv_L_cache - 1` inputs of a depthwise conv over the hidden channels.

@@ -52,6 +52,7 @@ MODELS: dict[str, str] = {
     "minimax": "hybridkv.models.minimax:MiniMaxForCausalLM",
     "kimi_linear": "hybridkv.models.kimi_linear:KimiLinearForCausalLM",
     "olmo_hybrid": "hybridkv.models.olmo_hybrid:OlmoHybridForCausalLM",
+    "rwkv": "hybridkv.models.rwkv:RwkvForCausalLM",
     "gemma3n": "hybridkv.models.gemma3n:Gemma3nForCausalLM",
     "gemma3n_text": "hybridkv.models.gemma3n:Gemma3nForCausalLM",
     "gemma4": "hybridkv.models.gemma4:Gemma4ForCausalLM",
