@@ -110,3 +110,17 @@ def test_kimi_linear_keeps_one_latent_per_token_and_kda_states():
     # conv over [q, k, v] of 32 heads of 128, kernel 4 - 1; the state in float32
     assert kda.shapes == ((3 * 32 * 128, 3), (32, 128, 128))
     assert kda.dtypes == ("bfloat16", "float32")
+
+
+def test_ling_layers_follow_layer_group_size_and_its_kda_uses_the_attention_fields():
+    # Ling 3.0 configs give no layer list: MLA closes every group of `layer_group_size`;
+    # KDA layers take the attention heads, head_dim and short_conv_kernel_size.
+    cfg = dict(model_type="bailing_hybrid", num_hidden_layers=12, hidden_size=2560,
+               num_attention_heads=32, num_key_value_heads=32, head_dim=128,
+               kv_lora_rank=512, qk_rope_head_dim=64, short_conv_kernel_size=4,
+               layer_group_size=6)
+    assert [parts[0] for parts in layer_kinds(cfg)] == (["kda"] * 5 + ["mla"]) * 2
+    layout = kv_layout_from_config(cfg)
+    assert layout.layer_specs["model.layers.5.self_attn"].head_size == 576
+    assert layout.layer_specs["model.layers.0.mamba"].shapes == ((3 * 32 * 128, 3),
+                                                                 (32, 128, 128))

@@ -373,3 +373,13 @@ PERTURB_CONSTANTS.add("kimi_linear")
 ARCHS["rwkv"] = ("RwkvConfig", "RwkvForCausalLM", dict(
     num_hidden_layers=4, attention_hidden_size=64, rescale_every=2))
 PERTURB_CONSTANTS.add("rwkv")
+
+# Ling 3.0 (Bailing hybrid): KDA (4 heads of 16, bounded gate) on layers 0-2, latent
+# attention with interleaved RoPE on 8 of 24 query dims and a head gate on layer 3; layer 0
+# dense, then top-2 of 8 grouped experts + a shared one. Constants get noise as for Kimi.
+ARCHS["bailing_hybrid"] = ("BailingHybridConfig", "BailingHybridForCausalLM", dict(
+    num_hidden_layers=4, layer_group_size=4, num_key_value_heads=4, kv_lora_rank=32,
+    qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_experts=8,
+    num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
+    first_k_dense_replace=1, num_mtp_layers=0, rope_theta=10000.0))
+PERTURB_CONSTANTS.add("bailing_hybrid")

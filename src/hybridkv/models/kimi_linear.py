@@ -18,11 +18,10 @@ from torch import nn
 from hybridkv.models.base import CausalLM
 from hybridkv.models.layer_mix import KDA, kda_shape
 from hybridkv.models.layers.decoder_layer import DecoderLayer, LayerNames
-from hybridkv.models.layers.grouped_topk import GroupedTopKRouter, SharedExpertsMoE
 from hybridkv.models.layers.kda import KimiDeltaAttention, fuse_qkv_conv
 from hybridkv.models.layers.mla import LatentAttention
 from hybridkv.models.layers.mlp import GatedMLP
-from hybridkv.models.layers.moe import ExpertMLPs
+from hybridkv.models.layers.routed_moe import is_sparse, routed_moe
 from hybridkv.models.text_config import TextConfig
 from hybridkv.models.weights import renamed
 
@@ -59,28 +58,6 @@ class KimiKDA(KimiDeltaAttention):
         return self.o_proj(o)  # type: ignore[no-any-return]
 
 
-def routed_moe(cfg: TextConfig) -> SharedExpertsMoE:
-    raw, hidden = cfg.raw, cfg.hidden_size
-    num_experts = int(_first(raw, "num_experts", "num_local_experts"))
-    size = int(raw["moe_intermediate_size"])
-    gate = GroupedTopKRouter(
-        hidden, num_experts, int(_first(raw, "num_experts_per_token", "num_experts_per_tok")),
-        num_groups=int(_first(raw, "num_expert_group", "n_group", default=1)),
-        topk_groups=int(_first(raw, "topk_group", default=1)),
-        renormalize=bool(_first(raw, "moe_renormalize", "norm_topk_prob", default=True)),
-        scale=float(raw.get("routed_scaling_factor") or 1.0))
-    shared = int(_first(raw, "num_shared_experts", "n_shared_experts", default=1))
-    return SharedExpertsMoE(hidden, gate, ExpertMLPs(num_experts, hidden, size, cfg.hidden_act),
-                            GatedMLP(hidden, size * shared, cfg.hidden_act) if shared else None)
-
-
-def is_sparse(raw: Mapping[str, Any], layer: int) -> bool:
-    types = raw.get("mlp_layer_types")
-    if types:
-        return bool(types[layer] == "sparse")
-    return layer >= int(_first(raw, "first_k_dense_replace", default=1))
-
-
 def kimi_layer(cfg: TextConfig, layer: int, kind: str | None) -> DecoderLayer:
     raw = cfg.raw
     mixer: nn.Module
@@ -89,8 +66,9 @@ def kimi_layer(cfg: TextConfig, layer: int, kind: str | None) -> DecoderLayer:
     else:
         head = int(raw["qk_nope_head_dim"]) + int(raw["qk_rope_head_dim"])
         mixer = LatentAttention(raw, layer, scale=head ** -0.5, rotary=None)
-    mlp: nn.Module = routed_moe(cfg) if is_sparse(raw, layer) else GatedMLP(
-        cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+    mlp: nn.Module = routed_moe(raw, cfg.hidden_size, cfg.hidden_act) if is_sparse(
+        raw, layer, first_dense=1) else GatedMLP(cfg.hidden_size, cfg.intermediate_size,
+                                                 cfg.hidden_act)
     return DecoderLayer(LayerNames("self_attn"), mixer, [mlp], cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -105,11 +83,3 @@ class KimiLinearForCausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(fuse_qkv_conv(renamed(weights, MOE_NAMES)))
 
-
-def _first(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:
-    for name in names:
-        if cfg.get(name) is not None:
-            return cfg[name]
-    if default is None:
-        raise ValueError(f"config.json: {names[0]} is missing")
-    return default

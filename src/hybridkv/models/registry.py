@@ -51,6 +51,7 @@ MODELS: dict[str, str] = {
     "recurrent_gemma": "hybridkv.models.recurrent_gemma:RecurrentGemmaForCausalLM",
     "minimax": "hybridkv.models.minimax:MiniMaxForCausalLM",
     "kimi_linear": "hybridkv.models.kimi_linear:KimiLinearForCausalLM",
+    "bailing_hybrid": "hybridkv.models.bailing_hybrid:BailingHybridForCausalLM",
     "olmo_hybrid": "hybridkv.models.olmo_hybrid:OlmoHybridForCausalLM",
     "rwkv": "hybridkv.models.rwkv:RwkvForCausalLM",
     "gemma3n": "hybridkv.models.gemma3n:Gemma3nForCausalLM",
