@@ -21,7 +21,7 @@ GREEDY = SamplingParams(max_tokens=8)
 
 @pytest.fixture(scope="module", params=["nemotron_h", "mamba", "lfm2", "qwen3_5_text",
                                         "recurrent_gemma", "minimax", "kimi_linear",
-                                        "zamba2", "rwkv"])
+                                        "zamba2", "zamba", "rwkv"])
 def model_dir(request, tmp_path_factory):
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
 

@@ -1,7 +1,7 @@
-"""Zamba2: the planner's view of its layer mix (a KV cache per use of the shared attention
-block, Mamba2 state everywhere), the shipped Zamba2-7B plan, shared blocks only where
-transformers ties them, and config variants refused. Outputs against transformers under
-the full engine matrix are in test_against_transformers.py (tiny "zamba2")."""
+"""Zamba2 and Zamba: the planner's view of their layer mix (a KV cache per use of the shared
+attention block, Mamba2 / Mamba1 state everywhere), the shipped Zamba2-7B plan, shared blocks
+only where transformers ties them, and config variants refused. Outputs against transformers
+under the full engine matrix are in test_against_transformers.py (tiny "zamba2", "zamba")."""
 
 from __future__ import annotations
 
@@ -51,17 +51,25 @@ def test_layer_list_is_required_and_checked():
         layer_kinds({**TINY, "layers_block_type": ["mamba", "attention", "mamba", "hybrid"]})
 
 
+def test_zamba_state_is_mamba1_and_attention_heads_follow_attention_head_dim():
+    zamba = dict(TINY, model_type="zamba", n_mamba_heads=2, attention_head_dim=16)
+    assert layer_kinds(zamba)[1] == ("full", "mamba1")
+    specs = kv_layout_from_config(zamba).layer_specs
+    # Mamba1 per channel, all heads together: conv [128, 3], SSM [128, 16].
+    assert specs["model.layers.0.mamba"].shapes == ((128, 3), (128, 16))
+    assert specs["model.layers.3.self_attn"].head_size == 16
+
+
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 from hybridkv.models.registry import build_model  # noqa: E402
 from tests.models.test_against_transformers import check, hf_reference, run  # noqa: E402
 from tests.models.tiny import build_tiny_model  # noqa: E402
 
 
-def shared_blocks(model):
-    return [layer.shared_transformer for layer in model.model.layers
-            if hasattr(layer, "shared_transformer")]
+def shared_blocks(model, name="shared_transformer"):
+    return [getattr(layer, name) for layer in model.model.layers if hasattr(layer, name)]
 
 
 def test_blocks_are_shared_only_where_transformers_ties_them():
@@ -81,6 +89,20 @@ def test_untied_blocks_match_transformers(tmp_path):
     tokens, logits = hf_reference(model_dir, prompts)
     llm, outs = run(model_dir, prompts, max_num_batched_tokens=9)
     check(llm, outs, tokens, logits)
+
+
+def test_zamba_layers_without_a_list_are_where_transformers_puts_them():
+    fields = dict(num_hidden_layers=15, attn_layer_period=6, attn_layer_offset=4)
+    words = transformers.ZambaConfig(**fields).layers_block_type
+    assert [i for i, w in enumerate(words) if w == "hybrid"] == [2, 7, 13]
+    config = dict(TINY, model_type="zamba", layers_block_type=None, **fields)
+    assert [i for i, k in enumerate(layer_kinds(config)) if "full" in k] == [2, 7, 13]
+
+
+def test_zamba_has_one_block_shared_by_every_use_when_tied():
+    config = dict(TINY, model_type="zamba", n_mamba_heads=2, tie_word_embeddings=True)
+    first, second = shared_blocks(build_model(config), "shared_transf")
+    assert first is second
 
 
 def test_attention_adapters_need_as_many_kv_heads_as_heads():

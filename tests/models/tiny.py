@@ -358,6 +358,13 @@ ARCHS["zamba2"] = ("Zamba2Config", "Zamba2ForCausalLM", dict(
     use_mem_rope=True, tie_word_embeddings=True))
 PERTURB_CONSTANTS.add("zamba2")
 
+# Zamba: multi-head Mamba1 (2 heads, dt rank 8); layers 1 and 4 run the one shared block
+# (tied), attention heads of 16 (attention_head_dim) over 2 KV heads, no positions.
+ARCHS["zamba"] = ("ZambaConfig", "ZambaForCausalLM", dict(
+    num_hidden_layers=5, layers_block_type=["mamba", "hybrid", "mamba", "mamba", "hybrid"],
+    n_mamba_heads=2, mamba_d_state=16, mamba_dt_rank=8, tie_word_embeddings=True))
+PERTURB_CONSTANTS.add("zamba")
+
 # Kimi Linear: KDA (4 heads of 16, conv 4) on layers 0 and 2, latent attention without RoPE
 # (latent 32 + 8, queries through a rank-24 bottleneck) on 1 and 3; layer 0 dense, then top-2
 # of 8 grouped experts + a shared one. Norm scales and the router bias get noise.

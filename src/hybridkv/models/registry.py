@@ -59,6 +59,7 @@ MODELS: dict[str, str] = {
     "gemma4": "hybridkv.models.gemma4:Gemma4ForCausalLM",
     "gemma4_text": "hybridkv.models.gemma4:Gemma4ForCausalLM",
     "zamba2": "hybridkv.models.zamba:Zamba2ForCausalLM",
+    "zamba": "hybridkv.models.zamba:ZambaForCausalLM",
 }
 
 
