@@ -179,3 +179,87 @@ def test_rwkv_state_and_plan(tmp_path, capsys):
     assert main(["plan", str(path), "--memory", "4GiB", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["ideal_fraction"] >= 0.99 and len(plan["groups"]) == 1
+
+
+def test_xlstm_state_and_plan(tmp_path, capsys):
+    """xLSTM at xLSTM-7B's sizes (hidden 4096, 8 heads, q/k half as wide as v, no attention
+    fields, no intermediate_size): one state group; per layer the memory [8, 256, 512] and
+    [n | m] [8, 257], float32 (inference_state_dtype) whatever the weights' dtype."""
+    config = dict(model_type="xlstm", hidden_size=4096, num_hidden_layers=32, num_heads=8,
+                  vocab_size=50304, qk_dim_factor=0.5, v_dim_factor=1.0,
+                  torch_dtype="bfloat16")
+    assert kinds_of(config) == Counter({"mlstm": 32})
+    spec = kv_layout_from_config(config).layer_specs["model.layers.31.mamba"]
+    assert spec.shapes == ((8, 256, 512), (8, 257)) and spec.dtypes == ("float32", "float32")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["plan", str(path), "--memory", "40GiB", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["ideal_fraction"] >= 0.99 and len(plan["groups"]) == 1
+
+
+def test_xlstm_strong_caps_match_transformers(tmp_path):
+    """Soft caps small enough to matter: gate pre-activations at 2, logits at 0.5."""
+    torch = pytest.importorskip("torch")
+    from hybridkv import LLM, SamplingParams
+    from tests.hooks import record_logits
+    from tests.models.test_against_transformers import NUM_NEW, hf_reference
+    from tests.models.tiny import build_tiny_model
+
+    model_dir = build_tiny_model("xlstm", tmp_path, gate_soft_cap=2.0,
+                                 output_logit_soft_cap=0.5)
+    prompt = torch.randint(4, 256, (37,), generator=torch.Generator().manual_seed(5)).tolist()
+    [ref_tokens], [ref_logits] = hf_reference(model_dir, [prompt])
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=128, kv_cache_memory="4MiB",
+              max_num_batched_tokens=9)
+    llm.logits = record_logits(llm)
+    [out] = llm.generate(prompt, SamplingParams(max_tokens=NUM_NEW))
+    assert out.token_ids == ref_tokens
+    torch.testing.assert_close(torch.stack(llm.logits.pop(out.request_id)), ref_logits,
+                               atol=2e-4, rtol=1e-4)
+
+
+def test_xlstm_loads_fused_weights(tmp_path):
+    """weight_mode="fused" checkpoints hold [q | k | v | o], [i | f] (weights and biases)
+    and the FFN's [gate | up] each in one tensor (transformers 5.23 cannot build such a model
+    from scratch: its initialiser fails, so the fused copy is made from a single one): same
+    tokens as the single-tensor checkpoint."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file, save_file
+
+    from hybridkv import LLM, SamplingParams
+    from tests.models.tiny import build_tiny_model
+
+    single = build_tiny_model("xlstm", tmp_path / "single")
+    tensors = load_file(single / "model.safetensors")
+    for layer in range(3):
+        mlstm, ffn = f"backbone.blocks.{layer}.mlstm_layer.", f"backbone.blocks.{layer}.ffn."
+        tensors[mlstm + "qkv_opreact.weight"] = torch.cat([tensors.pop(
+            f"{mlstm}{part}.weight") for part in ("q", "k", "v", "ogate_preact")])
+        for kind in ("weight", "bias"):
+            tensors[f"{mlstm}ifgate_preact.{kind}"] = torch.cat([tensors.pop(
+                f"{mlstm}{gate}_preact.{kind}") for gate in ("igate", "fgate")])
+        tensors[ffn + "proj_up_gate_z.weight"] = torch.cat([
+            tensors.pop(ffn + "proj_up_gate.weight"), tensors.pop(ffn + "proj_up.weight")])
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    save_file(tensors, fused / "model.safetensors")
+    config = json.loads((single / "config.json").read_text())
+    (fused / "config.json").write_text(json.dumps({**config, "weight_mode": "fused"}))
+    prompt = list(range(5, 40))
+    outputs = [LLM(str(d), dtype="float32", max_model_len=64, kv_cache_memory="4MiB")
+               .generate(prompt, SamplingParams(max_tokens=6))[0].token_ids
+               for d in (single, fused)]
+    assert outputs[0] == outputs[1]
+
+
+def test_xlstm_refuses_what_it_does_not_run():
+    pytest.importorskip("torch")
+    from hybridkv.models.registry import build_model
+
+    config = dict(model_type="xlstm", hidden_size=128, num_hidden_layers=1, num_heads=4,
+                  vocab_size=256)
+    with pytest.raises(NotImplementedError, match="use_bias"):
+        build_model(dict(config, use_bias=True))
+    with pytest.raises(ValueError, match="weight_mode"):
+        build_model(dict(config, weight_mode="other"))

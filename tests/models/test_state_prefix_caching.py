@@ -3,8 +3,8 @@ identical to running without the cache. One model per state kind: Mamba2 + atten
 (NemotronH), Mamba1 alone with no attention group at all (Mamba), a short-convolution state
 (LFM2), Gated DeltaNet with split projections (Qwen3.5) and Griffin's RG-LRU beside
 sliding-window attention (RecurrentGemma), lightning attention (MiniMax) and Kimi Delta
-Attention beside latent attention (Kimi Linear), and RWKV-4's token shifts and WKV
-(no attention either)."""
+Attention beside latent attention (Kimi Linear), RWKV-4's token shifts and WKV
+and xLSTM's mLSTM memories (no attention either)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ GREEDY = SamplingParams(max_tokens=8)
 
 @pytest.fixture(scope="module", params=["nemotron_h", "mamba", "lfm2", "qwen3_5_text",
                                         "recurrent_gemma", "minimax", "kimi_linear",
-                                        "zamba2", "zamba", "rwkv"])
+                                        "zamba2", "zamba", "rwkv", "xlstm"])
 def model_dir(request, tmp_path_factory):
     return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
 

@@ -390,3 +390,13 @@ ARCHS["bailing_hybrid"] = ("BailingHybridConfig", "BailingHybridForCausalLM", di
     num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
     first_k_dense_replace=1, num_mtp_layers=0, rope_theta=10000.0))
 PERTURB_CONSTANTS.add("bailing_hybrid")
+
+# xLSTM (no attention at all): 3 mLSTM blocks of 4 heads (q/k 16 wide, v 32; transformers'
+# cache needs widths that are multiples of 64), gates and logits soft-capped, float32 kernels.
+# Its gate weights start at zero and its norms at one: perturbed so that ignoring them could
+# not pass.
+ARCHS["xlstm"] = ("xLSTMConfig", "xLSTMForCausalLM", dict(
+    hidden_size=128, num_hidden_layers=3, num_heads=4, qk_dim_factor=0.5, v_dim_factor=1.0,
+    autocast_kernel_dtype="float32", chunk_size=16, gate_soft_cap=15.0,
+    output_logit_soft_cap=30.0))
+PERTURB_CONSTANTS.add("xlstm")

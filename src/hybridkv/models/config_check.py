@@ -14,7 +14,7 @@ MODEL_FIELDS = (*PLAN_FIELDS, "vocab_size", "intermediate_size")
 # Per-layer kinds; where present each must have one entry per layer.
 LAYER_LISTS = ("layer_types", "layers_block_type", "hybrid_override_pattern")
 # Pure state-space models: no attention layer, so no attention heads to read.
-ATTENTION_FREE = ("mamba", "mamba2", "falcon_mamba", "rwkv")
+ATTENTION_FREE = ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm")
 # Positive integers where present.
 OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings",
                  "sliding_window", "attention_chunk_size")
@@ -37,6 +37,8 @@ def check_config(config: object, source: str, *, for_model: bool) -> None:
             continue  # NemotronH: its per-layer pattern alone says how many layers
         if name == "num_attention_heads" and cfg.get("model_type") in ATTENTION_FREE:
             continue
+        if name == "intermediate_size" and cfg.get("model_type") == "xlstm":
+            continue  # xLSTM sizes its feed-forward by ffn_proj_factor
         if cfg.get(name) is None:
             raise ValueError(f"{where}{name} is missing")
         if name == "intermediate_size" and isinstance(cfg[name], list):

@@ -36,7 +36,8 @@ LIGHTNING = "lightning"  # MiniMax's decayed linear attention: a [heads, d, d] s
 KDA = "kda"  # Kimi Delta Attention: a conv and a [heads, d, d] state, decay per channel
 MLA = "mla"  # multi-head latent attention: one latent vector per token in the KV cache
 RWKV = "rwkv"  # an RWKV-4 block: token-shift inputs and the WKV numerator/denominator/max
-STATE_KINDS = (MAMBA, MAMBA1, LINEAR, CONV, RG_LRU, LIGHTNING, KDA, RWKV)
+MLSTM = "mlstm"  # xLSTM's matrix memory: C [heads, dk, dv] and [n | m] [heads, dk + 1]
+STATE_KINDS = (MAMBA, MAMBA1, LINEAR, CONV, RG_LRU, LIGHTNING, KDA, RWKV, MLSTM)
 # Families of KDA layers beside MLA layers (their "linear_attention" / "full_attention").
 KDA_MLA_TYPES = ("kimi_linear", "bailing_hybrid")
 
@@ -57,7 +58,7 @@ SUPPORTED_MODEL_TYPES = (
     # issue 16: KDA linear attention + multi-head latent attention
     "kimi_linear", "bailing_hybrid",
     # issue 16: more linear attention and recurrence families
-    "olmo_hybrid", "rwkv")
+    "olmo_hybrid", "rwkv", "xlstm")
 
 _LAYER_TYPE_WORDS = {
     "full_attention": FULL, "attention": FULL, "global": FULL, "global_attention": FULL,
@@ -163,6 +164,8 @@ def layer_kinds(config: Mapping[str, Any]) -> list[tuple[str, ...]]:
         return [(FULL, MAMBA)] * n
     if model_type == "rwkv":
         return [(RWKV,)] * n
+    if model_type == "xlstm":
+        return [(MLSTM,)] * int(cfg.get("num_hidden_layers") or cfg.get("num_blocks") or 0)
     if model_type in ATTENTION_FREE:
         return [(MAMBA if model_type == "mamba2" else MAMBA1,)] * n
     if model_type in KDA_MLA_TYPES:
@@ -489,6 +492,16 @@ def _spec_for(kind: str, cfg: Mapping[str, Any], block_size: int, dtype: str,
         return MambaSpec(block_size=block_size,
                          shapes=((2, hidden), (3, int(cfg["attention_hidden_size"]))),
                          dtypes=(dtype, "float32"))
+    if kind == MLSTM:
+        # Per head the memory C [qk_head, v_head] and the normaliser n [qk_head] with the
+        # max exponent m beside it, in `inference_state_dtype` (float32 by default).
+        width = int(cfg.get("hidden_size") or cfg["embedding_dim"])
+        heads = int(cfg.get("num_heads", 8))
+        dk = int(width * float(cfg.get("qk_dim_factor", 0.5))) // heads
+        dv = int(width * float(cfg.get("v_dim_factor", 1.0))) // heads
+        state = str(cfg.get("inference_state_dtype") or "float32")
+        return MambaSpec(block_size=block_size, shapes=((heads, dk, dv), (heads, dk + 1)),
+                         dtypes=(state, state))
     if kind == CONV:
         # The last `conv_L_cache - 1` inputs of a depthwise conv over the hidden channels.
         return MambaSpec(block_size=block_size, shapes=((hidden, int(cfg["conv_L_cache"]) - 1),),

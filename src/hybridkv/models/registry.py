@@ -54,6 +54,7 @@ MODELS: dict[str, str] = {
     "bailing_hybrid": "hybridkv.models.bailing_hybrid:BailingHybridForCausalLM",
     "olmo_hybrid": "hybridkv.models.olmo_hybrid:OlmoHybridForCausalLM",
     "rwkv": "hybridkv.models.rwkv:RwkvForCausalLM",
+    "xlstm": "hybridkv.models.xlstm:XLstmForCausalLM",
     "gemma3n": "hybridkv.models.gemma3n:Gemma3nForCausalLM",
     "gemma3n_text": "hybridkv.models.gemma3n:Gemma3nForCausalLM",
     "gemma4": "hybridkv.models.gemma4:Gemma4ForCausalLM",
