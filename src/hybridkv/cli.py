@@ -416,6 +416,7 @@ def run_generate(args: argparse.Namespace) -> int:
         kv_sharing_fast_prefill=args.kv_sharing_fast_prefill,
         allow_long_max_model_len=args.allow_long_max_model_len,
         block_hash_algo=args.block_hash_algo, threads=args.threads,
+        linear_kernel=args.linear_kernel,
         # From the environment, not a flag: a secret on the command line is visible to
         # every user of the machine (ps).
         block_hash_seed=os.environ.get(BLOCK_HASH_SEED_ENV) or None,
@@ -536,9 +537,14 @@ def add_server_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
 
 
 def add_threads_argument(parser: argparse.ArgumentParser | Any) -> None:
+    """--threads and --linear-kernel: how the model's compute runs."""
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch intra-op threads (default: the cores this process may "
                              "run on, from its CPU affinity mask)")
+    parser.add_argument("--linear-kernel", choices=["auto", "onednn", "torch"],
+                        default="auto",
+                        help="linear layers: oneDNN with prepacked weights (CPU), torch's "
+                             "F.linear, or auto: oneDNN where it runs (default)")
 
 
 def server_engine_options(args: argparse.Namespace) -> dict[str, object]:
@@ -546,7 +552,8 @@ def server_engine_options(args: argparse.Namespace) -> dict[str, object]:
     options: dict[str, object] = dict(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
-        enable_prefix_caching=args.enable_prefix_caching, threads=args.threads)
+        enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
+        linear_kernel=args.linear_kernel)
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
     return options

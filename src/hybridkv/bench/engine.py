@@ -95,14 +95,16 @@ def _median(timings: list[Timing], attr: str) -> float:
 
 
 def _run_case(model_dir: str, case: Case, *, repeat: int, with_transformers: bool,
-              threads: int | None, busy_neighbour: bool) -> dict[str, Any]:
+              threads: int | None, busy_neighbour: bool,
+              linear_kernel: str = "auto") -> dict[str, Any]:
     from hybridkv.bench.neighbour import busy_neighbour as neighbour
     from hybridkv.bench.neighbour import own_cores, split_cores
 
     prompts = _prompts(case.num_prompts, case.input_len, model_vocab(model_dir))
     options = dict(dtype="float32", max_model_len=case.input_len + case.output_len + 16,
                    max_num_seqs=case.num_prompts, kv_cache_memory="256MiB",
-                   max_num_batched_tokens=max(2048, case.input_len), threads=threads)
+                   max_num_batched_tokens=max(2048, case.input_len), threads=threads,
+                   linear_kernel=linear_kernel)
     ours: list[Timing] = []
     theirs: list[Timing] = []
     busy: list[Timing] = []
@@ -122,6 +124,7 @@ def _run_case(model_dir: str, case: Case, *, repeat: int, with_transformers: boo
     figures: dict[str, Any] = {
         "case": case.name, "num_prompts": case.num_prompts, "input_len": case.input_len,
         "output_len": case.output_len, "repeat": repeat, "threads": torch.get_num_threads(),
+        "linear_kernel": linear_kernel,
         "output_tokens_per_s": _median(ours, "output_tokens_per_s"),
         "input_tokens_per_s": _median(ours, "input_tokens_per_s")}
     if theirs:
@@ -141,12 +144,14 @@ def _run_case(model_dir: str, case: Case, *, repeat: int, with_transformers: boo
 def bench_throughput(model_dir: str, *, num_prompts: int, input_len: int, output_len: int,
                      repeat: int = 1, with_transformers: bool = True,
                      threads: int | None = None, busy_neighbour: bool = False,
-                     long_prompts: bool = False, as_json: bool = False) -> str:
+                     long_prompts: bool = False, as_json: bool = False,
+                     linear_kernel: str = "auto") -> str:
     cases = [Case("batch", num_prompts, input_len, output_len)]
     if long_prompts:
         cases.append(LONG_PROMPTS)
     results = [_run_case(model_dir, case, repeat=repeat, with_transformers=with_transformers,
-                         threads=threads, busy_neighbour=busy_neighbour) for case in cases]
+                         threads=threads, busy_neighbour=busy_neighbour,
+                         linear_kernel=linear_kernel) for case in cases]
     if as_json:
         return json.dumps(results[0] if len(results) == 1 else {"cases": results})
     return "\n\n".join(map(_format_case, results))
@@ -254,7 +259,8 @@ def run_throughput(args: argparse.Namespace) -> int:
                            input_len=args.input_len, output_len=args.output_len,
                            repeat=args.repeat, with_transformers=not args.no_transformers,
                            threads=args.threads, busy_neighbour=args.busy_neighbour,
-                           long_prompts=args.long_prompts, as_json=args.json))
+                           long_prompts=args.long_prompts, as_json=args.json,
+                           linear_kernel=args.linear_kernel))
     return 0
 
 

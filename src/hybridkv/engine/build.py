@@ -25,6 +25,7 @@ from hybridkv.kv.plan import KVCachePlan, format_bytes, plan_kv_cache
 from hybridkv.models.layer_mix import kv_layout_from_config
 from hybridkv.models.loader import load_model, read_config
 from hybridkv.sched.scheduler import Scheduler, SchedulerOutput
+from hybridkv.worker.cpu_malloc import keep_buffers_in_heap
 from hybridkv.worker.kv_cache import torch_dtype
 from hybridkv.worker.model_runner import ModelRunner, RunnerOutput
 from hybridkv.worker.threads import set_intra_op_threads
@@ -91,13 +92,16 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
     check_memory_budget(int(config.kv_cache_memory), device)
     # Before any torch work: the thread pool is sized once, on purpose (worker/threads.py).
     set_intra_op_threads(config.threads)
+    if device == "cpu":
+        keep_buffers_in_heap()  # activations reuse heap buffers, not fresh pages (see module)
     hf_config = read_config(Path(model_dir))
     text_cfg = hf_config.get("text_config") or hf_config
     dtype_name = config.dtype if config.dtype != "auto" else str(
         text_cfg.get("torch_dtype") or hf_config.get("torch_dtype")
         or hf_config.get("dtype") or "float32")
     dtype = torch_dtype(dtype_name)
-    loaded = load_model(model_dir, dtype=dtype, device=device, config=hf_config)
+    loaded = load_model(model_dir, dtype=dtype, device=device, config=hf_config,
+                        linear_kernel=config.linear_kernel)
     max_pos = int(text_cfg.get("max_position_embeddings") or 8192)
     max_model_len = config.max_model_len or min(max_pos, 8192)
     if max_model_len > max_pos and not config.allow_long_max_model_len:

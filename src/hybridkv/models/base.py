@@ -13,6 +13,7 @@ from hybridkv.models.layers.norms import RMSNorm
 from hybridkv.models.text_config import TextConfig
 from hybridkv.models.weights import load_named_weights
 from hybridkv.worker.forward_context import ForwardContext
+from hybridkv.worker.linear import Linear
 
 
 class CausalLM(nn.Module):
@@ -106,6 +107,12 @@ class CausalLM(nn.Module):
             else:
                 h = layer(h, positions, ctx, per_layer[:, i])
         return getattr(self.model, self.norm_name)(self.leave_layers(h))  # type: ignore[no-any-return]
+
+    def fuse_linears(self, kernel: str) -> None:
+        """The LM head on `kernel` (see worker/linear.py), unless it is the embedding."""
+        if isinstance(self.lm_head, nn.Linear) and \
+                self.lm_head.weight is not self.embed_tokens.weight:
+            self.lm_head = Linear([self.lm_head], kernel)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

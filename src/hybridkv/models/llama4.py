@@ -50,8 +50,9 @@ class Llama4Attention(Attention):
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
-        q, _ = self.queries(h)
-        k, v = self.keys_values(h)
+        q_out, k_out, v_out = self.project(h)
+        q, _ = self.queries(q_out)
+        k, v = self.keys_values(k_out, v_out)
         assert k is not None
         if self.use_rope:
             q = apply_rope_pairs(q, positions, self.inv_freq)

@@ -15,6 +15,7 @@ from torch import nn
 from hybridkv.models.config_check import check_config
 from hybridkv.models.layer_mix import SUPPORTED_MODEL_TYPES
 from hybridkv.models.registry import build_model
+from hybridkv.worker.linear import choose_kernel, fuse_linears
 
 
 @dataclass
@@ -115,8 +116,10 @@ def read_tokenizer(path: Path) -> Any:
 
 
 def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: torch.device | str,
-               config: dict[str, Any] | None = None) -> LoadedModel:
-    """`config`: the directory's config.json when the caller has read it already."""
+               config: dict[str, Any] | None = None,
+               linear_kernel: str | None = "auto") -> LoadedModel:
+    """`config`: the directory's config.json when the caller has read it already;
+    `linear_kernel`: see worker/linear.py (None: leave the checkpoint's nn.Linear modules)."""
     path = Path(model_dir)
     config = config if config is not None else read_config(path)
     # The small files first: a broken tokenizer is reported before minutes of weights load.
@@ -132,6 +135,8 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: torch.devic
     model.load_weights(iter_weights(path))  # type: ignore[operator]
     model.to(device)
     model.eval()
+    if linear_kernel is not None:
+        fuse_linears(model, choose_kernel(linear_kernel, device, dtype))
     return LoadedModel(model, config, tokenizer, eos)
 
 

@@ -2,6 +2,7 @@
 RoPE (whole or partial head), `ctx.attention` over the layer's KV cache, o_proj.
 
 Each tensor goes through its steps in this order (a step is skipped when its option is off):
+    (q_proj, k_proj, v_proj: one GEMM once `fuse_linears` ran)
     q: q_proj -> [split off the output gate] -> q_norm -> RoPE
     k: k_proj -> [x key_multiplier] -> k_norm -> RoPE
     v: v_proj (or the raw keys, `values_are_keys`) -> [scale-free RMS norm]
@@ -23,6 +24,7 @@ from hybridkv.models.layers.rotary import Rotary
 from hybridkv.models.text_config import TextConfig
 from hybridkv.worker.attention import AttentionParams
 from hybridkv.worker.forward_context import ForwardContext
+from hybridkv.worker.linear import Linear
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +79,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(s.head_dim, s.eps, s.norm_offset) if (
             s.qk_norm and not reads_shared_kv) else None
         self.sinks = nn.Parameter(torch.zeros(s.num_heads)) if s.sinks else None
+        self.has_k, self.has_v = self.k_proj is not None, self.v_proj is not None
+        self.qkv: Linear | None = None  # set by fuse_linears
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -86,17 +90,36 @@ class Attention(nn.Module):
                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
                                torch.Tensor | None]:
         """(q, k, v, gate) with RoPE applied: what variants change before `attend`."""
-        q, gate = self.queries(h)
-        k, v = self.keys_values(h)
+        q_out, k_out, v_out = self.project(h)
+        q, gate = self.queries(q_out)
+        k, v = self.keys_values(k_out, v_out)
         if self.rotary is not None:
             cos, sin = self.rotary.cos_sin(positions, ctx)
             q = self.rotary.rotate(q, cos, sin)
             k = self.rotary.rotate(k, cos, sin) if k is not None else None
         return q, k, v, gate
 
-    def queries(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(q [T, Hq, D] before RoPE, output gate [T, Hq, D] or None)."""
-        q = self.q_proj(h).unflatten(-1, (self.num_heads, -1))
+    def project(self, h: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The q, k and v projections of h, [T, width] each (k, v None where the layer has no
+        such projection): one GEMM once `fuse_linears` has run."""
+        if self.qkv is not None:
+            outs = iter(self.qkv.split(h))
+            return next(outs), next(outs) if self.has_k else None, \
+                next(outs) if self.has_v else None
+        return (self.q_proj(h), self.k_proj(h) if self.k_proj is not None else None,
+                self.v_proj(h) if self.v_proj is not None else None)
+
+    def fuse_linears(self, kernel: str) -> None:
+        """q/k/v as one GEMM and o_proj on `kernel` (see worker/linear.py)."""
+        projections = [p for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None]
+        self.qkv = Linear(projections, kernel)
+        self.q_proj = self.k_proj = self.v_proj = None
+        self.o_proj = Linear([self.o_proj], kernel)
+
+    def queries(self, q_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q_proj's output -> (q [T, Hq, D] before RoPE, output gate [T, Hq, D] or None)."""
+        q = q_out.unflatten(-1, (self.num_heads, -1))
         gate = None
         if self.shape.output_gate:
             q, gate = q.chunk(2, -1)
@@ -104,15 +127,16 @@ class Attention(nn.Module):
             q = self.q_norm(q)
         return q, gate
 
-    def keys_values(self, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(k before RoPE, v), each [T, Hk, D]; (None, None) for a KV-sharing layer."""
-        if self.k_proj is None:
+    def keys_values(self, k_out: torch.Tensor | None, v_out: torch.Tensor | None
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """k_proj's and v_proj's outputs -> (k before RoPE, v), each [T, Hk, D]; (None, None)
+        for a KV-sharing layer."""
+        if k_out is None:
             return None, None
-        raw_k = k = self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        raw_k = k = k_out.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.shape.key_multiplier != 1.0:
             k = k * self.shape.key_multiplier
-        v = raw_k if self.v_proj is None else self.v_proj(h).unflatten(
-            -1, (self.num_kv_heads, self.head_dim))
+        v = raw_k if v_out is None else v_out.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.k_norm is not None:
             k = self.k_norm(k)
         if self.shape.value_norm:

@@ -18,11 +18,12 @@ class FlatQKNormAttention(Attention):
         self.q_norm = RMSNorm(self.num_heads * self.head_dim, self.shape.eps)
         self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, self.shape.eps)
 
-    def queries(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def queries(self, q_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert self.q_norm is not None
-        return self.q_norm(self.q_proj(h)).unflatten(-1, (self.num_heads, -1)), None
+        return self.q_norm(q_out).unflatten(-1, (self.num_heads, -1)), None
 
-    def keys_values(self, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        assert self.k_norm is not None and self.k_proj is not None and self.v_proj is not None
-        k = self.k_norm(self.k_proj(h)).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        return k, self.v_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
+    def keys_values(self, k_out: torch.Tensor | None, v_out: torch.Tensor | None
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        assert self.k_norm is not None and k_out is not None and v_out is not None
+        k = self.k_norm(k_out).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return k, v_out.unflatten(-1, (self.num_kv_heads, self.head_dim))

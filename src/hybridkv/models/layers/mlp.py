@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from hybridkv.models.layers.activations import activation
+from hybridkv.worker.linear import GatedLinear, Linear
 
 
 class GatedMLP(nn.Module):
@@ -14,7 +15,9 @@ class GatedMLP(nn.Module):
       (gate-up, down) instead of gate_proj / up_proj / down_proj.
     - `activation_sparsity` (Gemma 3n): the gate keeps only values above
       mean + std * Φ⁻¹(sparsity) of each token (a Gaussian top-k) before the activation.
-    - `multipliers` (Falcon-H1 µP): (on the gate's pre-activation, on the output)."""
+    - `multipliers` (Falcon-H1 µP): (on the gate's pre-activation, on the output).
+    After `fuse_linears`, gate and up are one GEMM (or two with the activation and product
+    as post-ops, see worker/linear.py) and the checkpoint's modules are gone."""
 
     def __init__(self, hidden: int, intermediate: int, act: str, *, bias: bool = False,
                  fused: tuple[str, str] | None = None, activation_sparsity: float = 0.0,
@@ -28,14 +31,52 @@ class GatedMLP(nn.Module):
         else:
             self.add_module(fused[0], nn.Linear(hidden, 2 * intermediate, bias=bias))
             self.add_module(fused[1], nn.Linear(intermediate, hidden, bias=bias))
-        self.act = activation(act)
+        self.act, self.act_name = activation(act), act
         self.std_multiplier = float(torch.distributions.Normal(0.0, 1.0).icdf(
             torch.tensor(activation_sparsity, dtype=torch.float32))) \
             if activation_sparsity > 0 else None
         self.gate_multiplier, self.down_multiplier = multipliers
+        # Set by fuse_linears: the whole act(gate) * up, or gate and up as one GEMM when the
+        # gate changes before its activation; and down.
+        self.gated: GatedLinear | None = None
+        self.gate_up: Linear | None = None
+        self.down: Linear | None = None
+
+    def _projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        if self.fused is None:
+            return self.gate_proj, self.up_proj, self.down_proj
+        gate_up: nn.Linear = getattr(self, self.fused[0])
+        halves = []
+        for rows in gate_up.weight.detach().chunk(2):
+            half = nn.Linear(gate_up.in_features, rows.shape[0], bias=False,
+                             device=rows.device, dtype=rows.dtype)
+            half.weight.data = rows
+            halves.append(half)
+        if gate_up.bias is not None:
+            for half, bias in zip(halves, gate_up.bias.detach().chunk(2), strict=True):
+                half.bias = nn.Parameter(bias)
+        return halves[0], halves[1], getattr(self, self.fused[1])
+
+    def fuse_linears(self, kernel: str) -> None:
+        gate, up, down = self._projections()
+        if self.std_multiplier is None and self.gate_multiplier == 1.0:
+            self.gated = GatedLinear(gate, up, self.act_name, self.act, kernel)
+        else:
+            self.gate_up = Linear([gate, up], kernel)
+        self.down = Linear([down], kernel)
+        for name in (("gate_proj", "up_proj", "down_proj") if self.fused is None
+                     else self.fused):
+            delattr(self, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is None:
+        if self.gated is not None:
+            assert self.down is not None
+            out = self.down(self.gated(x))
+            return out * self.down_multiplier if self.down_multiplier != 1.0 else out
+        if self.gate_up is not None:
+            gate, up = self.gate_up.split(x)
+            down = self.down
+        elif self.fused is None:
             gate, up, down = self.gate_proj(x), self.up_proj(x), self.down_proj
         else:
             gate, up = getattr(self, self.fused[0])(x).chunk(2, dim=-1)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hybridkv.models.layers.attention import Attention
+from hybridkv.worker.forward_context import ForwardContext
 
 
 class OutputGatedAttention(Attention):
@@ -18,6 +19,8 @@ class OutputGatedAttention(Attention):
         self.gate_proj = nn.Linear(self.shape.hidden_size, self.num_heads * self.head_dim,
                                    bias=False)
 
-    def queries(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        q, _ = super().queries(h)
-        return q, self.gate_proj(h).unflatten(-1, (self.num_heads, self.head_dim))
+    def rotated_qkv(self, h: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                               torch.Tensor | None]:
+        q, k, v, _ = super().rotated_qkv(h, positions, ctx)
+        return q, k, v, self.gate_proj(h).unflatten(-1, (self.num_heads, self.head_dim))

@@ -29,10 +29,11 @@ class PaddedValueAttention(Attention):
         self.o_proj = nn.Linear(s.num_heads * value_head_dim, s.hidden_size,
                                 bias=s.bias if s.o_bias is None else s.o_bias)
 
-    def keys_values(self, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        assert self.k_proj is not None and self.v_proj is not None
-        k = self.k_proj(h).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(h).unflatten(-1, (self.num_kv_heads, self.value_head_dim))
+    def keys_values(self, k_out: torch.Tensor | None, v_out: torch.Tensor | None
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        assert k_out is not None and v_out is not None
+        k = k_out.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v_out.unflatten(-1, (self.num_kv_heads, self.value_head_dim))
         if self.value_scale != 1.0:
             v = v * self.value_scale
         return k, nn.functional.pad(v, (0, self.head_dim - self.value_head_dim))
