@@ -63,6 +63,9 @@ def test_zamba_state_is_mamba1_and_attention_heads_follow_attention_head_dim():
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from hybridkv.models.loader import load_model  # noqa: E402
 from hybridkv.models.registry import build_model  # noqa: E402
 from tests.models.test_against_transformers import check, hf_reference, run  # noqa: E402
 from tests.models.tiny import build_tiny_model  # noqa: E402
@@ -103,6 +106,37 @@ def test_zamba_has_one_block_shared_by_every_use_when_tied():
     config = dict(TINY, model_type="zamba", n_mamba_heads=2, tie_word_embeddings=True)
     first, second = shared_blocks(build_model(config), "shared_transf")
     assert first is second
+
+
+def with_own_copy_of_block_a(model_dir, noise):
+    """Rewrite the checkpoint with a copy of layer 1's block (A) for layer 4, its later
+    use: `noise` 0 gives the same values."""
+    path = model_dir / "model.safetensors"
+    weights = load_file(path)
+    gen = torch.Generator().manual_seed(2)
+    for name in [n for n in weights if n.startswith("model.layers.1.shared_transformer.")]:
+        tensor = weights[name]
+        weights[name.replace("layers.1.", "layers.4.")] = \
+            tensor + noise * torch.randn(tensor.shape, generator=gen)
+    save_file(weights, path, metadata={"format": "pt"})
+
+
+def test_a_later_use_runs_its_own_copy_where_a_tied_checkpoint_has_other_values(tmp_path):
+    model_dir = build_tiny_model("zamba2", tmp_path)
+    with_own_copy_of_block_a(model_dir, 0.1)
+    prompts = [list(range(5, 45)), list(range(60, 83))]
+    tokens, logits = hf_reference(model_dir, prompts)  # transformers does not tie them then
+    llm, outs = run(model_dir, prompts)
+    check(llm, outs, tokens, logits)
+    a, b, a2 = shared_blocks(llm.engine.runner.model)
+    assert a2 is not a and b is not a
+
+
+def test_a_copy_with_the_same_values_stays_tied(tmp_path):
+    model_dir = build_tiny_model("zamba2", tmp_path)
+    with_own_copy_of_block_a(model_dir, 0.0)
+    a, _, a2 = shared_blocks(load_model(model_dir, dtype=torch.float32, device="cpu").model)
+    assert a2 is a
 
 
 def test_attention_adapters_need_as_many_kv_heads_as_heads():

@@ -10,7 +10,8 @@ first copies only); otherwise every hybrid layer keeps a copy of its own."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import copy
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from hybridkv.models.layers.shared_block import (
     SharedTransformerBlock,
 )
 from hybridkv.models.text_config import TextConfig
+from hybridkv.models.weights import load_named_weights
 
 
 def mamba2_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -98,6 +100,41 @@ def hybrid_layers(cfg: TextConfig, mixer: Callable[[int], nn.Module],
 
 class _ZambaLM(CausalLM):
     norm_name = "final_layernorm"
+
+    def __init__(self, cfg: TextConfig, layers: Iterable[nn.Module]) -> None:
+        super().__init__(cfg, layers)
+        # Hybrid layers running a block an earlier layer holds -> their checkpoint prefix.
+        holders: set[int] = set()
+        self.borrowers: dict[int, str] = {}
+        for i, layer in enumerate(self.model.layers):  # type: ignore[arg-type]
+            if isinstance(layer, HybridLayer):
+                if id(layer.shared) in holders:
+                    self.borrowers[i] = f"model.layers.{i}.{layer.shared_name}."
+                holders.add(id(layer.shared))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """As transformers loads a tied model: a later use keeps the shared block unless the
+        checkpoint holds a copy of its own with other values; then it runs that copy."""
+        copies: dict[int, dict[str, torch.Tensor]] = {i: {} for i in self.borrowers}
+
+        def shared_ones() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                layer = next((i for i, p in self.borrowers.items() if name.startswith(p)), None)
+                if layer is None:
+                    yield name, tensor
+                else:
+                    copies[layer][name[len(self.borrowers[layer]):]] = tensor
+
+        super().load_weights(shared_ones())
+        for i, tensors in copies.items():
+            layer = self.model.layers[i]
+            params = dict(layer.shared.named_parameters())
+            if all(n in params and torch.equal(t.to(params[n].dtype), params[n])
+                   for n, t in tensors.items()):
+                continue  # none, or the same values: stays tied
+            own = copy.deepcopy(layer.shared)
+            load_named_weights(own, tensors.items(), model_type=self.cfg.model_type, tied=False)
+            layer.run_own(own)
 
     def per_layer_inputs(self, input_ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """The original embeddings [T, layers, hidden] (a view): every hybrid layer's shared

@@ -154,8 +154,16 @@ class HybridLayer(nn.Module):
         self.mamba_decoder = mamba_decoder
         self.cache, self.invocation = f"model.layers.{layer}.self_attn", invocation
 
+    @property
+    def shared(self) -> SharedTransformerBlock:
+        return getattr(self, self.shared_name)  # type: ignore[no-any-return]
+
+    def run_own(self, block: SharedTransformerBlock) -> None:
+        """Run `block` from now on instead of the one shared with other layers."""
+        setattr(self, self.shared_name, block)
+
     def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                 embedding: torch.Tensor) -> torch.Tensor:
-        shared = getattr(self, self.shared_name)
-        t = shared(h, embedding, positions, ctx, cache=self.cache, invocation=self.invocation)
+        t = self.shared(h, embedding, positions, ctx, cache=self.cache,
+                        invocation=self.invocation)
         return self.mamba_decoder(h, positions, ctx, extra=self.linear(t))  # type: ignore[no-any-return]
