@@ -240,13 +240,21 @@ def _gather_padded(kv_cache: torch.Tensor, meta: AttentionMetadata,
     block) when kernel blocks split manager blocks), each [P, n * kernel_block, Hk, D]."""
     flat = _flat_blocks(kv_cache)
     if len(index) == 1 and flat is not None:
-        # Rows of one block's K (or V) are contiguous: index_select over a 2-D view of
-        # them is a plain row copy, much faster than gathering a strided 4-D view.
+        # A block's K (or V) is one contiguous row: gathering rows is a plain row copy,
+        # much faster than gathering a strided 4-D view.
         ids = index[0].flatten()
         shape = (*index[0].shape[:1], -1, *flat.shape[3:])
-        rows = flat.flatten(2)  # [num_blocks, 2, block * Hk * D]
-        keys = rows[:, 0].index_select(0, ids).view(shape)
-        values = rows[:, 1].index_select(0, ids).view(shape)
+        rows, per_block = _page_rows(flat)
+        if rows is not None:
+            # One index_select from an evenly strided source (2.4x faster than from the
+            # K or V half of each block as a strided view): all K rows, then all V rows.
+            ids = ids * per_block
+            kv = rows.index_select(0, torch.cat([ids, ids + 1]))
+            keys, values = kv.view(2, *shape)
+            return keys, values
+        halves = flat.flatten(2)  # [num_blocks, 2, block * Hk * D]
+        keys = halves[:, 0].index_select(0, ids).view(shape)
+        values = halves[:, 1].index_select(0, ids).view(shape)
         return keys, values
     if len(index) == 1:  # padded large pages: no flat block view
         blocks = index[0]
@@ -289,6 +297,19 @@ def _attend_padded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("pkgql,plkd->pqkgd", probs, values.float())
     return out.reshape(num_reqs, num_q, num_heads, head_dim).to(q.dtype)
+
+
+def _page_rows(flat: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """The blocks of a [num_blocks, 2, block, Hk, D] view as rows of one K (or V) page each,
+    [rows, block * Hk * D], where block b's K is row b * per_block and its V the next one;
+    (None, 0) when the group's block is not a whole number of such pages (layers of other
+    sizes share it)."""
+    page = flat[0, 0].numel()
+    if flat.stride(0) % page or flat.stride(1) != page:
+        return None, 0
+    per_block = flat.stride(0) // page
+    num_rows = (flat.shape[0] - 1) * per_block + 2
+    return flat.as_strided((num_rows, page), (page, 1)), per_block
 
 
 def _flat_blocks(kv_cache: torch.Tensor) -> torch.Tensor | None:
