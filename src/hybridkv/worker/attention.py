@@ -31,6 +31,10 @@ class PaddedBatch:
     q_pos: torch.Tensor
     gather: tuple[torch.Tensor, ...]  # [P, n] index into the KV view (see `_gather_padded`)
     all_valid: bool  # no padding slot: outputs go straight back by `tokens`
+    # Every row is a whole prompt so far (its chunk starts at position 0): without padding,
+    # the mask is plain causal, which SDPA can skip instead of reading (about 2x faster).
+    from_start: bool = False
+    max_seq_len: int = 0
     _masks: dict[tuple[int | None, int | None], torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -140,9 +144,11 @@ class AttentionMetadata:
             blocks = kernel_ids // k_per_block
             gather = (blocks // self.blocks_per_page, blocks % self.blocks_per_page,
                       kernel_ids % k_per_block)
+        seq_lens = [self.seq_lens[r] for r in rows]
         return PaddedBatch(tokens=start + slot, valid=col < q_len,
                            q_pos=seq - q_len + slot, gather=gather,
-                           all_valid=min(lens) == max_q)
+                           all_valid=min(lens) == max_q, from_start=seq_lens == lens,
+                           max_seq_len=max(seq_lens))
 
 
 @dataclass(frozen=True)
@@ -204,6 +210,13 @@ class TorchReferenceBackend:
                       batch: PaddedBatch, params: AttentionParams) -> torch.Tensor:
         """q [P, Qm, Hq, D] -> [P, Qm, Hq, D] over each request's cached context."""
         keys, values = _gather_padded(kv_cache, meta, batch.gather)  # [P, L, Hk, D]
+        local = min((x for x in (params.sliding_window, params.chunk_size) if x is not None),
+                    default=None)
+        if batch.all_valid and batch.from_start and params.softcap is None and \
+                params.sinks is None and (local is None or batch.max_seq_len <= local):
+            # Prompts from position 0 that no window or chunk cuts: causal alone decides.
+            num_q = q.shape[1]
+            return _attend_padded(q, keys[:, :num_q], values[:, :num_q], None, params)
         allowed = batch.mask(params.sliding_window, params.chunk_size,
                              meta.kernel_block_size)  # [P, Qm, L]
         return _attend_padded(q, keys, values, allowed, params)
@@ -269,8 +282,9 @@ def _gather_padded(kv_cache: torch.Tensor, meta: AttentionMetadata,
 
 
 def _attend_padded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                   allowed: torch.Tensor, params: AttentionParams) -> torch.Tensor:
-    """q [P, Qm, Hq, D] over keys/values [P, L, Hk, D] where `allowed` [P, Qm, L]."""
+                   allowed: torch.Tensor | None, params: AttentionParams) -> torch.Tensor:
+    """q [P, Qm, Hq, D] over keys/values [P, L, Hk, D] where `allowed` [P, Qm, L]; None:
+    causal, the queries and keys both at positions 0.. (then without soft-cap or sinks)."""
     num_reqs, num_q, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[2]
     group = num_heads // num_kv_heads
@@ -279,9 +293,10 @@ def _attend_padded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         # inputs, or the CPU build takes its slow math path.
         out = nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=allowed[:, None], scale=params.scale,
-            enable_gqa=group > 1)  # [P, Hq, Qm, D]
+            attn_mask=None if allowed is None else allowed[:, None], scale=params.scale,
+            is_causal=allowed is None, enable_gqa=group > 1)  # [P, Hq, Qm, D]
         return out.transpose(1, 2)
+    assert allowed is not None
     # Query heads grouped by the KV head they share: [P, Qm, Hk, G, D]
     qg = q.float().view(num_reqs, num_q, num_kv_heads, group, head_dim)
     scores = torch.einsum("pqkgd,plkd->pkgql", qg, keys.float()) * params.scale
