@@ -22,7 +22,7 @@ from hybridkv.connector.offload.redis_tier import PASSWORD_ENV, parse_remote_url
 from hybridkv.connector.offload.store import TierSpec, parse_tier_spec
 from hybridkv.connector.scheduler import STORE_POLICIES
 from hybridkv.kv.plan import KVCacheConfig, KVCachePlan, format_bytes, parse_bytes, plan_kv_cache
-from hybridkv.kv.spec import KVCacheSpec, MLAAttentionSpec, dtype_size
+from hybridkv.kv.spec import AttentionSpec, KVCacheSpec, MLAAttentionSpec, dtype_size
 from hybridkv.models.layer_mix import (
     kv_layout_from_config,
     load_hf_config,
@@ -272,9 +272,15 @@ def _tier_lines(tiers: list[OffloadTier], config: KVCacheConfig) -> list[str]:
     return lines
 
 
-def _kind_label(spec: KVCacheSpec) -> str:
-    """A group's kind in the plan table; MLA groups (pages of latents, no K/V) say so."""
-    return f"{spec.kind} (MLA)" if isinstance(spec, MLAAttentionSpec) else spec.kind
+def _kind_label(spec: KVCacheSpec, layer_specs: tuple[KVCacheSpec, ...] = ()) -> str:
+    """A group's kind in the plan table; MLA groups (pages of latents, no K/V) and groups of
+    K-only pages (raw keys, values derived from them) say so."""
+    if isinstance(spec, MLAAttentionSpec):
+        return f"{spec.kind} (MLA)"
+    keys_only = [isinstance(s, AttentionSpec) and s.keys_only for s in layer_specs or (spec,)]
+    if all(keys_only):
+        return f"{spec.kind} (K-only)"
+    return f"{spec.kind} ({sum(keys_only)} K-only)" if any(keys_only) else spec.kind
 
 
 def _plan_table(model: str, model_type: str, main: KVCachePlan, hybrid: KVCachePlan,
@@ -292,8 +298,9 @@ def _plan_table(model: str, model_type: str, main: KVCachePlan, hybrid: KVCacheP
     for g in cfg.groups:
         window = getattr(g.spec, "sliding_window", None) or getattr(
             g.spec, "attention_chunk_size", None) or "-"
+        kind = _kind_label(g.spec, g.layer_specs)
         lines.append(
-            f"{g.group_id:>5}  {_kind_label(g.spec):<15} {window!s:>7} {len(g.layer_names):>6} "
+            f"{g.group_id:>5}  {kind:<15} {window!s:>7} {len(g.layer_names):>6} "
             f"{len(g.shared_layer_names):>6} {g.block_size:>9} {format_bytes(g.block_bytes):>12} "
             f"{g.blocks_per_large_page:>11} "
             f"{format_bytes(g.padding_bytes_per_large_page(cfg.large_page_bytes)):>10}")

@@ -151,10 +151,11 @@ def to_full_attention(spec: KVCacheSpec) -> KVCacheSpec:
     if isinstance(spec, SlidingWindowSpec):
         return FullAttentionSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
                                  head_size=spec.head_size, dtype=spec.dtype,
-                                 sliding_window=spec.sliding_window)
+                                 keys_only=spec.keys_only, sliding_window=spec.sliding_window)
     if isinstance(spec, ChunkedLocalAttentionSpec):
         return FullAttentionSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
                                  head_size=spec.head_size, dtype=spec.dtype,
+                                 keys_only=spec.keys_only,
                                  attention_chunk_size=spec.attention_chunk_size)
     return spec
 

@@ -85,11 +85,16 @@ class AttentionSpec(KVCacheSpec):
     num_kv_heads: int
     head_size: int
     dtype: str = "bf16"
+    # A K-only page: the values are a function of the keys' projection (Gemma 4's
+    # values-equal-keys layers), so a page holds that projection alone and the layer derives
+    # K and V from it when it reads the page. Same manager policy, half the bytes.
+    keys_only: bool = False
 
     @property
     def bytes_per_token(self) -> int:
-        # K and V, each [num_kv_heads, head_size].
-        return 2 * self.num_kv_heads * self.head_size * dtype_size(self.dtype)
+        # K and V (or the keys alone), each [num_kv_heads, head_size].
+        halves = 1 if self.keys_only else 2
+        return halves * self.num_kv_heads * self.head_size * dtype_size(self.dtype)
 
     @property
     def page_size_bytes(self) -> int:
@@ -119,6 +124,11 @@ class FullAttentionSpec(AttentionSpec):
 class MLAAttentionSpec(FullAttentionSpec):
     """Multi-head latent attention: one latent vector per token instead of K and V.
     `head_size` is the latent width (kv_lora_rank + rope dim), `num_kv_heads` is 1."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.keys_only:
+            raise ValueError("MLAAttentionSpec pages hold latents; keys_only does not apply")
 
     @property
     def bytes_per_token(self) -> int:

@@ -2,7 +2,8 @@
 
 What differs from Gemma 3n (whose attention and per-layer inputs it shares): no AltUp or
 Laurel; full-attention layers have their own head size and KV heads (`per_layer_config`),
-may take values equal to keys (`attention_k_eq_v`) and use "proportional" RoPE; layers that
+may take values equal to keys (`attention_k_eq_v`: K-only pages, K and V derived from the raw
+keys at each read) and use "proportional" RoPE; layers that
 read shared KV may have a double-width MLP; an MoE block can run next to the MLP, routed on
 the residual stream; each layer's output is scaled by a stored `layer_scalar`.
 """
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from hybridkv.models.base import CausalLM
-from hybridkv.models.layer_mix import FULL, SLIDING, attention_shape
+from hybridkv.models.layer_mix import FULL, SLIDING, attention_shape, values_are_keys
 from hybridkv.models.layers.attention import Attention, AttentionShape
 from hybridkv.models.layers.mlp import GatedMLP
 from hybridkv.models.layers.moe import Routing, StackedExperts, act_glu, route
@@ -55,7 +56,7 @@ class Gemma4DecoderLayer(PerLayerInputLayer):
         num_kv_heads, head_dim = attention_shape(raw, layer, kind)
         shape = AttentionShape.from_config(
             cfg, num_kv_heads=num_kv_heads, head_dim=head_dim, qk_norm=True, value_norm=True,
-            values_are_keys=bool(raw.get("attention_k_eq_v", False)) and kind == FULL)
+            values_are_keys=values_are_keys(raw, cfg.model_type, kind))
         self.self_attn = Attention(
             layer, shape, AttentionParams(
                 scale=1.0, sliding_window=cfg.sliding_window if kind == SLIDING else None),
@@ -109,9 +110,10 @@ class Gemma4ForCausalLM(CausalLM):
             cfg.hidden_size, cfg.num_layers, per_layer,
             int(raw.get("vocab_size_per_layer_input") or cfg.vocab_size),
             cfg.rms_norm_eps) if per_layer else None
-        super().__init__(cfg, (Gemma4DecoderLayer(cfg, i, kind or FULL)
-                               for i, kind in enumerate(cfg.kinds)),
-                         embed_scale=cfg.hidden_size ** 0.5, model=model)
+        layers = [Gemma4DecoderLayer(cfg, i, kind or FULL) for i, kind in enumerate(cfg.kinds)]
+        for layer, target in cfg.kv_targets.items():
+            layers[layer].self_attn.read_keys_of(layers[target].self_attn)
+        super().__init__(cfg, layers, embed_scale=cfg.hidden_size ** 0.5, model=model)
         self.has_per_layer_inputs = model is not None
 
     def per_layer_inputs(self, input_ids: torch.Tensor, h: torch.Tensor

@@ -350,7 +350,7 @@ def kv_layout_from_config(config: Mapping[str, Any], *, block_size: int = 16,
         for kind in parts:
             name = f"model.layers.{i}." + ("mamba" if kind in STATE_KINDS
                                            else "self_attn")
-            specs[name] = _spec_for(kind, cfg, block_size, dtype, i)
+            specs[name] = _spec_for(kind, cfg, block_size, dtype, i, model_type)
     return ModelKVLayout(
         model_type=model_type, layer_specs=specs, kv_sharing=_kv_sharing(cfg, kinds),
         layer_kinds=tuple(kinds),
@@ -431,7 +431,8 @@ def attention_shape(cfg: Mapping[str, Any], layer: int, kind: str) -> tuple[int,
     head_size = int(_first(cfg, "head_dim", default=int(cfg["hidden_size"]) // heads))
     per_layer = cfg.get("per_layer_config")
     if isinstance(per_layer, Mapping):
-        override = per_layer.get(str(layer)) or per_layer.get(layer) or {}
+        # transformers saves the keys zero-padded to the widest index ("05" of 30 layers).
+        override = next((v for k, v in per_layer.items() if int(k) == layer), None) or {}
         return (int(override.get("num_key_value_heads", num_kv_heads)),
                 int(override.get("head_dim", head_size)))
     if cfg.get("model_type") == "mimo_v2_flash":
@@ -451,13 +452,21 @@ def attention_shape(cfg: Mapping[str, Any], layer: int, kind: str) -> tuple[int,
     return num_kv_heads, head_size
 
 
+def values_are_keys(cfg: Mapping[str, Any], model_type: str, kind: str) -> bool:
+    """Whether a layer's values come from its key projection (Gemma 4's full layers with
+    `attention_k_eq_v`: V = v_norm(raw), K = RoPE(k_norm(raw))): its page then holds the raw
+    keys alone (a K-only page) and the layer derives K and V from them."""
+    return model_type.startswith("gemma4") and kind == FULL and \
+        bool(cfg.get("attention_k_eq_v", False))
+
+
 def _spec_for(kind: str, cfg: Mapping[str, Any], block_size: int, dtype: str,
-              layer: int) -> KVCacheSpec:
+              layer: int, model_type: str) -> KVCacheSpec:
     hidden = int(cfg["hidden_size"])
     if kind in (FULL, SLIDING, CHUNKED):
         num_kv_heads, head_size = attention_shape(cfg, layer, kind)
         attn = dict(block_size=block_size, dtype=dtype, num_kv_heads=num_kv_heads,
-                    head_size=head_size)
+                    head_size=head_size, keys_only=values_are_keys(cfg, model_type, kind))
         if kind == SLIDING:
             window = _first(cfg, "sliding_window", "attention_window_size")  # RecurrentGemma
             return SlidingWindowSpec(sliding_window=int(window), **attn)

@@ -3,10 +3,21 @@
 The torch reference backend runs anywhere torch runs (CPU is the tested path): it writes K/V
 through the slot mapping, then attends request by request over the request's blocks with
 causal, sliding-window and chunked masks, GQA, logit soft-capping and attention sinks.
+
+K-only pages (`AttentionParams.derive_kv`; Gemma 4's values-equal-keys layers) hold one
+tensor per token, the raw key projection, instead of K and V:
+
+    K/V pages     [pages, blocks_per_page, 2, block, Hk, D]   K and V as the layer wrote them
+    K-only pages  [pages, blocks_per_page, block, Hk, D]      raw keys; at each read the
+                  layer's `derive_kv(raw [P, L, Hk, D], positions [L])` -> (K, V)
+
+A context's positions are 0..L-1 (block order is position order), so RoPE of the derived keys
+is exact; everything after the gather (plans, padding, masks) is the same for both layouts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol
@@ -160,6 +171,9 @@ class AttentionParams:
     chunk_size: int | None = None
     softcap: float | None = None
     sinks: torch.Tensor | None = None  # [num_heads] learned sink logits
+    # K-only pages: raw keys [..., L, Hk, D] at positions [L] -> (K, V), each [..., L, Hk, D].
+    derive_kv: Callable[[torch.Tensor, torch.Tensor],
+                        tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class AttentionBackend(Protocol):
@@ -178,11 +192,21 @@ class TorchReferenceBackend:
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
                 params: AttentionParams) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hk, D] or None (KV sharing: the cache is already written);
-        kv_cache [pages, blocks_per_page, 2, block, Hk, D]. Returns [T, Hq, D].
+        kv_cache [pages, blocks_per_page, 2, block, Hk, D]. Returns [T, Hq, D]. With
+        `params.derive_kv`: k holds raw keys, v is None, kv_cache is K-only (no `2` dim).
 
         One call per batch of the plan (all single-token requests together, prompt chunks
         of similar lengths together); only a chunk longer than its window goes alone."""
-        if k is not None and v is not None:
+        keys_only = params.derive_kv is not None
+        if keys_only != (kv_cache.dim() == 5):
+            raise ValueError(
+                "the layer derives K and V from raw keys but its pages hold K and V"
+                if keys_only else "K-only pages need a layer that derives K and V from them "
+                "(AttentionParams.derive_kv)")
+        if k is not None and keys_only:
+            pages, slots, offsets = meta.write_index
+            kv_cache[pages, slots, offsets] = k.to(kv_cache.dtype)
+        elif k is not None and v is not None:
             self._write(k, v, kv_cache, meta)
         batches, alone = meta.plan(params.sliding_window, params.chunk_size)
         if len(batches) == 1 and not alone and batches[0].all_valid and \
@@ -201,7 +225,7 @@ class TorchReferenceBackend:
                 out[batch.tokens[batch.valid]] = res[batch.valid]
         for r in alone:
             start, end = meta.query_start_loc[r], meta.query_start_loc[r + 1]
-            keys, values = self._gather(kv_cache, meta, r)
+            keys, values = self._gather(kv_cache, meta, r, params)
             out[start:end] = _attend(q[start:end], keys, values, meta.seq_lens[r], params)
         return out
 
@@ -209,14 +233,15 @@ class TorchReferenceBackend:
     def _attend_batch(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                       batch: PaddedBatch, params: AttentionParams) -> torch.Tensor:
         """q [P, Qm, Hq, D] -> [P, Qm, Hq, D] over each request's cached context."""
-        keys, values = _gather_padded(kv_cache, meta, batch.gather)  # [P, L, Hk, D]
         local = min((x for x in (params.sliding_window, params.chunk_size) if x is not None),
                     default=None)
         if batch.all_valid and batch.from_start and params.softcap is None and \
                 params.sinks is None and (local is None or batch.max_seq_len <= local):
             # Prompts from position 0 that no window or chunk cuts: causal alone decides.
             num_q = q.shape[1]
-            return _attend_padded(q, keys[:, :num_q], values[:, :num_q], None, params)
+            keys, values = _context_kv(kv_cache, meta, batch.gather, params, num_q)
+            return _attend_padded(q, keys, values, None, params)
+        keys, values = _context_kv(kv_cache, meta, batch.gather, params)  # [P, L, Hk, D]
         allowed = batch.mask(params.sliding_window, params.chunk_size,
                              meta.kernel_block_size)  # [P, Qm, L]
         return _attend_padded(q, keys, values, allowed, params)
@@ -230,8 +255,8 @@ class TorchReferenceBackend:
         kv_cache[pages, slots, 1, offsets] = v.to(kv_cache.dtype)
 
     @staticmethod
-    def _gather(kv_cache: torch.Tensor, meta: AttentionMetadata, r: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(kv_cache: torch.Tensor, meta: AttentionMetadata, r: int,
+                params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor]:
         """One request's keys and values, [seq_len, Hk, D] each."""
         kb = meta.kernel_block_size
         seq_len = meta.seq_lens[r]
@@ -243,8 +268,39 @@ class TorchReferenceBackend:
             blocks = kernel_ids // k_per_block
             index = (blocks // meta.blocks_per_page, blocks % meta.blocks_per_page,
                      kernel_ids % k_per_block)
+        keys, values = _context_kv(kv_cache, meta, index, params, seq_len)
+        return keys[0], values[0]
+
+
+def _context_kv(kv_cache: torch.Tensor, meta: AttentionMetadata,
+                index: tuple[torch.Tensor, ...], params: AttentionParams,
+                length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the blocks in `index` (see `_gather_padded`), their first
+    `length` positions (None: all), [P, L, Hk, D] each: read from K/V pages, or derived by
+    the layer from K-only pages' raw keys at positions 0..L-1."""
+    if params.derive_kv is None:
         keys, values = _gather_padded(kv_cache, meta, index)
-        return keys[0, :seq_len], values[0, :seq_len]
+        return keys[:, :length], values[:, :length]
+    raw = _gather_raw_keys(kv_cache, meta, index)[:, :length]
+    return params.derive_kv(raw, torch.arange(raw.shape[1], device=raw.device))
+
+
+def _gather_raw_keys(kv_cache: torch.Tensor, meta: AttentionMetadata,
+                     index: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The raw keys of the blocks in `index` from K-only pages [pages, per_page, block, Hk,
+    D]: [P, n * kernel_block, Hk, D]."""
+    flat = _flat_blocks(kv_cache)
+    if len(index) == 1 and flat is not None:  # [num_blocks, block, Hk, D]: one row copy
+        ids = index[0]
+        return flat.index_select(0, ids.flatten()).view(ids.shape[0], -1, *flat.shape[2:])
+    if len(index) == 1:  # padded large pages: no flat block view
+        blocks = index[0]
+        raw = kv_cache[blocks // meta.blocks_per_page, blocks % meta.blocks_per_page]
+    else:  # kernel blocks inside manager blocks
+        split = kv_cache.unflatten(2, (meta.block_size // meta.kernel_block_size,
+                                       meta.kernel_block_size))
+        raw = split[index[0], index[1], index[2]]
+    return raw.flatten(1, 2)  # [P, n, block, Hk, D] -> [P, L, Hk, D]
 
 
 def _gather_padded(kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -328,8 +384,9 @@ def _page_rows(flat: torch.Tensor) -> tuple[torch.Tensor | None, int]:
 
 
 def _flat_blocks(kv_cache: torch.Tensor) -> torch.Tensor | None:
-    """[num_blocks, 2, block, H, D] view of [pages, per_page, ...] when the large pages have
-    no padding for this group (then blocks are evenly spaced), else None."""
+    """[num_blocks, 2, block, H, D] (K-only: [num_blocks, block, H, D]) view of [pages,
+    per_page, ...] when the large pages have no padding for this group (then blocks are
+    evenly spaced), else None."""
     if not kv_cache[0, 0].is_contiguous():  # a block's K and V must be plain rows
         return None
     if kv_cache.shape[1] == 1:  # one block per page (a size-1 dim's stride is arbitrary)

@@ -3,6 +3,7 @@
     arena (int8)  [num_large_pages, large_page_bytes]
     group view    [num_large_pages, blocks_per_page, block_bytes]   (padding left out)
     layer view    [num_large_pages, blocks_per_page, 2, block_size, num_kv_heads, head_size]
+                  (K-only pages: no K/V dimension; MLA: [..., block_size, latent])
 
 Block id b of a group lies at (page b // blocks_per_page, slot b % blocks_per_page). A block
 holds its group's layers' pages back to back, so one block is one byte range; the layer views
@@ -54,6 +55,11 @@ def allocate_kv_caches(config: KVCacheConfig, device: torch.device | str
                 # One latent per token, no K/V halves: [pages, per_page, block, head_size].
                 pages = blocks[:, :, offset:offset + page_bytes].view(torch_dtype(spec.dtype))
                 views[name] = pages.unflatten(2, (spec.block_size, spec.head_size))
+            elif isinstance(spec, AttentionSpec) and spec.keys_only:
+                # Raw keys only (K and V are derived from them): [pages, per_page, block,
+                # Hk, D].
+                pages = blocks[:, :, offset:offset + page_bytes].view(torch_dtype(spec.dtype))
+                views[name] = pages.unflatten(2, (spec.block_size, -1, spec.head_size))
             elif isinstance(spec, AttentionSpec):
                 pages = blocks[:, :, offset:offset + page_bytes].view(torch_dtype(spec.dtype))
                 views[name] = pages.unflatten(2, (2, spec.block_size, -1, spec.head_size))

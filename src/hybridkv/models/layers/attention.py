@@ -9,11 +9,18 @@ Each tensor goes through its steps in this order (a step is skipped when its opt
     out: attention -> [x sigmoid(output gate)] -> o_proj
 A layer that reads another layer's KV cache (KV sharing) has no k/v projections or k norm:
 it computes queries only.
+
+Values-equal-keys layers keep K-only pages: they write the raw keys (k_proj's output) and hand
+the backend `derive_kv`, which turns a context's raw keys into K (k norm, RoPE at the context
+positions) and V (its norm) exactly as a K/V page would hold them. A layer sharing such a
+layer's cache derives with that layer's norms and RoPE (`read_keys_of`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -81,6 +88,15 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(s.num_heads)) if s.sinks else None
         self.has_k, self.has_v = self.k_proj is not None, self.v_proj is not None
         self.qkv: Linear | None = None  # set by fuse_linears
+        # K-only pages: the layer whose norms and RoPE turn the raw keys into K and V (this
+        # one, or for a KV-sharing layer its target's: see `read_keys_of`).
+        self.keys_only = s.values_are_keys
+        self.kv_deriver: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = (
+            self.derive_kv if s.values_are_keys and not reads_shared_kv else None)
+
+    def read_keys_of(self, target: Attention) -> None:
+        """KV sharing: this layer reads `target`'s cache; K-only pages are read as it does."""
+        self.kv_deriver = target.kv_deriver
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -92,11 +108,16 @@ class Attention(nn.Module):
         """(q, k, v, gate) with RoPE applied: what variants change before `attend`."""
         q_out, k_out, v_out = self.project(h)
         q, gate = self.queries(q_out)
-        k, v = self.keys_values(k_out, v_out)
+        if self.keys_only:  # K-only pages take the raw keys; K and V come at each read
+            k = None if k_out is None else k_out.unflatten(-1, (self.num_kv_heads, -1))
+            v = None
+        else:
+            k, v = self.keys_values(k_out, v_out)
         if self.rotary is not None:
             cos, sin = self.rotary.cos_sin(positions, ctx)
             q = self.rotary.rotate(q, cos, sin)
-            k = self.rotary.rotate(k, cos, sin) if k is not None else None
+            if k is not None and not self.keys_only:
+                k = self.rotary.rotate(k, cos, sin)
         return q, k, v, gate
 
     def project(self, h: torch.Tensor
@@ -133,19 +154,40 @@ class Attention(nn.Module):
         for a KV-sharing layer."""
         if k_out is None:
             return None, None
-        raw_k = k = k_out.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        raw_k = k_out.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = raw_k if v_out is None else v_out.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return self.normed_keys_values(raw_k, v)
+
+    def normed_keys_values(self, raw_k: torch.Tensor, v: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw keys and values [..., Hk, D] -> (k before RoPE, v) after their norms."""
+        k = raw_k
         if self.shape.key_multiplier != 1.0:
             k = k * self.shape.key_multiplier
-        v = raw_k if v_out is None else v_out.unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.k_norm is not None:
             k = self.k_norm(k)
         if self.shape.value_norm:
             v = rms_normalize(v, self.shape.eps)
         return k, v
 
+    def derive_kv(self, raw: torch.Tensor, positions: torch.Tensor, *, ctx: ForwardContext
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K-only pages: a context's raw keys [P, L, Hk, D] at positions [L] -> (K, V), each
+        [P, L, Hk, D], equal to what this layer would have written to K/V pages."""
+        k, v = self.normed_keys_values(raw, raw)
+        if self.rotary is not None:
+            # The context's positions are 0..L-1: one cos/sin per length and RoPE per step.
+            r = self.rotary
+            cos, sin = ctx.rope_cos_sin(positions, ("context", raw.shape[1], r.key),
+                                        r.inv_freq, r.scaling)
+            k = r.rotate(k, cos, sin)
+        return k, v
+
     def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                gate: torch.Tensor | None, ctx: ForwardContext) -> torch.Tensor:
         params = self.params if self.sinks is None else replace(self.params, sinks=self.sinks)
+        if self.kv_deriver is not None:
+            params = replace(params, derive_kv=partial(self.kv_deriver, ctx=ctx))
         out = ctx.attention(self.name, q, k, v, params).flatten(1)
         if gate is not None:
             out = out * torch.sigmoid(gate.flatten(1))
