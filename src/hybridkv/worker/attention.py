@@ -35,6 +35,10 @@ class PaddedBatch:
         tokens [P, Qm]  flat token index of each query slot
         valid  [P, Qm]  real slots
         q_pos  [P, Qm]  positions of the queries
+        key_start [P, 1]  position of each row's first gathered key; None: 0 for all. With
+                          a window or chunk, only the kernel blocks some query can see
+                          are gathered (a decode step of a sliding layer reads the window,
+                          not the whole context)
     """
 
     tokens: torch.Tensor
@@ -46,6 +50,8 @@ class PaddedBatch:
     # the mask is plain causal, which SDPA can skip instead of reading (about 2x faster).
     from_start: bool = False
     max_seq_len: int = 0
+    key_start: torch.Tensor | None = None
+    rows: tuple[int, ...] = ()  # the requests, as indices into the metadata's lists
     _masks: dict[tuple[int | None, int | None], torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -60,6 +66,8 @@ class PaddedBatch:
         if mask is None:
             num_pos = self.num_kv * kernel_block_size
             k_pos = torch.arange(num_pos, device=self.q_pos.device)[None, None, :]
+            if self.key_start is not None:
+                k_pos = k_pos + self.key_start[:, :, None]
             q_pos = self.q_pos[:, :, None]
             mask = k_pos <= q_pos
             if window is not None:
@@ -85,7 +93,9 @@ class AttentionMetadata:
     # chunk is longer than the window/chunk (attended alone, in query blocks).
     _plans: dict[tuple[int | None, int | None],
                  tuple[list[PaddedBatch], list[int]]] = field(default_factory=dict)
-    _batches: dict[tuple[int, ...], PaddedBatch] = field(default_factory=dict)
+    # (rows, first visible kernel block per row or None) -> batch
+    _batches: dict[tuple[tuple[int, ...], tuple[int, ...] | None], PaddedBatch] = field(
+        default_factory=dict)
 
     # Everything below depends only on the batch, not on the layer: computed once per step
     # by the first layer that asks, reused by the others.
@@ -124,16 +134,42 @@ class AttentionMetadata:
                     groups.append([r])
                 else:
                     groups[-1].append(r)
-            self._plans[key] = ([self._batch(tuple(g)) for g in groups], alone)
+            self._plans[key] = ([self._batch(tuple(g), window, chunk) for g in groups],
+                                alone)
         return self._plans[key]
 
-    def _batch(self, rows: tuple[int, ...]) -> PaddedBatch:
-        batch = self._batches.get(rows)
+    def _batch(self, rows: tuple[int, ...], window: int | None, chunk: int | None
+               ) -> PaddedBatch:
+        first = self._first_kernel_blocks(rows, window, chunk)
+        key = (rows, first)
+        batch = self._batches.get(key)
         if batch is None:
-            batch = self._batches[rows] = self._make_batch(rows)
+            batch = self._batches[key] = self._make_batch(rows, first)
         return batch
 
-    def _make_batch(self, rows: tuple[int, ...]) -> PaddedBatch:
+    def whole_context_batch(self, batch: PaddedBatch) -> PaddedBatch:
+        """The same requests with every context read from position 0."""
+        return self._batch(batch.rows, None, None)
+
+    def _first_kernel_blocks(self, rows: tuple[int, ...], window: int | None,
+                             chunk: int | None) -> tuple[int, ...] | None:
+        """Per row, the first kernel block any of its queries can see; None when that is
+        block 0 for every row (full attention, or contexts within the window)."""
+        if window is None and chunk is None:
+            return None
+        first = []
+        for r in rows:
+            first_q = self.seq_lens[r] - self.query_lens[r]
+            lo = 0
+            if window is not None:
+                lo = max(lo, first_q - window + 1)
+            if chunk is not None:
+                lo = max(lo, first_q // chunk * chunk)
+            first.append(lo // self.kernel_block_size)
+        return tuple(first) if any(first) else None
+
+    def _make_batch(self, rows: tuple[int, ...], first: tuple[int, ...] | None
+                    ) -> PaddedBatch:
         device = self.slot_mapping.device
         lens = [self.query_lens[r] for r in rows]
         max_q = max(lens)
@@ -145,8 +181,19 @@ class AttentionMetadata:
         col = torch.arange(max_q, device=device)[None, :]
         slot = torch.minimum(col, q_len - 1)  # padding repeats the last query
         kb = self.kernel_block_size
-        num_kernel = -(-max(self.seq_lens[r] for r in rows) // kb)
-        kernel_ids = self.block_table[torch.tensor(rows, device=device), :num_kernel]
+        table = self.block_table[torch.tensor(rows, device=device)]
+        key_start = None
+        if first is None:
+            kernel_ids = table[:, :-(-max(self.seq_lens[r] for r in rows) // kb)]
+        else:
+            # Each row from its first visible block; columns past a row's last block
+            # repeat the table's last column and are masked (their positions are past the
+            # row's context).
+            num = max(-(-self.seq_lens[r] // kb) - f for r, f in zip(rows, first, strict=True))
+            first_t = torch.tensor(first, dtype=torch.int64, device=device)[:, None]
+            cols = (first_t + torch.arange(num, device=device)).clamp(max=table.shape[1] - 1)
+            kernel_ids = table.gather(1, cols)
+            key_start = first_t * kb
         k_per_block = self.block_size // kb
         gather: tuple[torch.Tensor, ...]
         if k_per_block == 1:
@@ -159,7 +206,7 @@ class AttentionMetadata:
         return PaddedBatch(tokens=start + slot, valid=col < q_len,
                            q_pos=seq - q_len + slot, gather=gather,
                            all_valid=min(lens) == max_q, from_start=seq_lens == lens,
-                           max_seq_len=max(seq_lens))
+                           max_seq_len=max(seq_lens), key_start=key_start, rows=rows)
 
 
 @dataclass(frozen=True)
@@ -241,6 +288,9 @@ class TorchReferenceBackend:
             num_q = q.shape[1]
             keys, values = _context_kv(kv_cache, meta, batch.gather, params, num_q)
             return _attend_padded(q, keys, values, None, params)
+        if batch.key_start is not None and params.derive_kv is not None:
+            # K-only pages derive RoPE for positions 0..L-1: read the whole contexts.
+            batch = meta.whole_context_batch(batch)
         keys, values = _context_kv(kv_cache, meta, batch.gather, params)  # [P, L, Hk, D]
         allowed = batch.mask(params.sliding_window, params.chunk_size,
                              meta.kernel_block_size)  # [P, Qm, L]
