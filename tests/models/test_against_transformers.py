@@ -17,7 +17,7 @@ from tests.models.tiny import build_tiny_model  # noqa: E402
 
 ARCHS = list(TINY_ARCHS)  # every architecture tests/models/tiny.py can build
 # Architectures whose last layers read earlier layers' KV (fast prefill applies).
-KV_SHARING = {"gemma3n", "gemma4_text"}
+KV_SHARING = {"gemma3n", "gemma4_text", "gemma4_unified_text"}
 NUM_NEW = 16
 # Lengths cross the 16-token windows and the 16-token blocks.
 PROMPT_LENS = (40, 23, 7)
