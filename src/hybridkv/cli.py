@@ -14,6 +14,7 @@ import math
 import os
 import signal
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn, TypeVar
@@ -71,6 +72,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False or "default" in help:
             return action.help
         return super()._get_help_string(action)
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        # Model names such as gpt-oss-20b stay whole on one line.
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 def add_command(subparsers: argparse._SubParsersAction[_Parser],

@@ -26,6 +26,7 @@ def kinds_of(name):
     ("Mistral-7B-v0.1", {"sliding": 32}),
     ("Qwen3-8B", {"full": 36}),                            # use_sliding_window false
     ("Llama-3.1-8B", {"full": 32}),
+    ("SmolLM3-3B", {"full": 36}),                          # NoPE layers hold full KV too
     ("Qwen3-Next-80B-A3B-Instruct", {"linear_attention": 36, "full": 12}),
     ("AI21-Jamba-1.5-Mini", {"mamba1": 28, "full": 4}),    # attn_layer_period / offset
     ("granite-4.0-h-tiny", {"mamba": 36, "full": 4}),

@@ -23,6 +23,8 @@ def kinds_of(config):
     ("falcon-mamba-7b", {"mamba1": 64}),                       # no attention group at all
     ("LFM2-350M", {"conv": 10, "full": 6}),                    # full_attn_idxs
     ("LFM2-8B-A1B", {"conv": 18, "full": 6}),                  # layer_types
+    ("Qwen3.5-0.8B", {"linear_attention": 18, "full": 6}),     # text_config inside qwen3_5
+    ("MiniMax-M1-40k-hf", {"lightning": 70, "full": 10}),      # every 8th layer softmax
 ])
 def test_layer_mix_and_plan_of_shipped_configs(name, expected, capsys):
     assert kinds_of(load_hf_config(name)) == Counter(expected)
