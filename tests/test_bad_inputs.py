@@ -154,6 +154,8 @@ ENGINE = [
     ({"kv_eviction": "random"}, "kv_eviction"),
     ({"attention_backend": "flash"}, "attention backend"),
     ({"block_hash_algo": "md5"}, "block_hash_algo"),
+    ({"linear_kernel": "mkl"}, "linear_kernel"),
+    ({"linear_kernel": "onednn", "dtype": "fp16"}, "linear_kernel 'onednn' needs"),
     ({"max_batch": 3}, "unknown engine option"),
     ({"kv_sharing_fast_prefill": True}, "kv_sharing_fast_prefill needs"),
 ]
