@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
+
+import torch
 
 
 @dataclass
@@ -18,6 +20,7 @@ class StateMetadata:
     init_from: list[tuple[int, int] | None]
     # Per request: states to save, as (tokens into this step's chunk, page, slot).
     checkpoints: list[list[tuple[int, int, int]]]
+    _plain_tokens: dict[torch.device, torch.Tensor] = field(default_factory=dict)
 
     @cached_property
     def plain_steps(self) -> list[int]:
@@ -27,3 +30,12 @@ class StateMetadata:
         return [r for r in range(len(self.state_pages))
                 if loc[r + 1] - loc[r] == 1 and self.has_initial_state[r]
                 and self.init_from[r] is None and not self.checkpoints[r]]
+
+    def plain_step_tokens(self, device: torch.device) -> torch.Tensor:
+        """The flat batch index of each of `plain_steps`' tokens, built once per step for
+        all the group's layers."""
+        tokens = self._plain_tokens.get(device)
+        if tokens is None:
+            tokens = self._plain_tokens[device] = torch.tensor(
+                [self.query_start_loc[r] for r in self.plain_steps], device=device)
+        return tokens

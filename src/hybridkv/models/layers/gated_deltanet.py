@@ -92,7 +92,7 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty(h.shape[0], self.num_v_heads, self.v_dim, device=h.device)
         batched = meta.plain_steps  # single-token steps: all at once
         if batched:
-            tokens = torch.tensor([meta.query_start_loc[r] for r in batched], device=h.device)
+            tokens = meta.plain_step_tokens(h.device)
             out[tokens] = self._decode_batch(mixed[tokens], beta[tokens], g[tokens], meta,
                                              batched, states)
         for start, end, conv_state, state, saves in request_states(meta, states,

@@ -61,7 +61,7 @@ class Mamba1Mixer(nn.Module):
         y = torch.empty_like(x)
         batched = meta.plain_steps  # single-token steps: all at once
         if batched:
-            tokens = torch.tensor([meta.query_start_loc[r] for r in batched], device=h.device)
+            tokens = meta.plain_step_tokens(h.device)
             y[tokens] = self._decode_batch(x[tokens], meta, batched, states)
         for start, end, conv_state, ssm_state, saves in request_states(meta, states,
                                                                         skip=batched):

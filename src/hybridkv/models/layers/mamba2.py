@@ -81,7 +81,7 @@ class Mamba2Mixer(nn.Module):
         y = torch.empty(h.shape[0], self.inner, dtype=h.dtype, device=h.device)
         batched = meta.plain_steps
         if batched:
-            tokens = torch.tensor([meta.query_start_loc[r] for r in batched], device=h.device)
+            tokens = meta.plain_step_tokens(h.device)
             y[tokens] = self._decode_batch(xbc[tokens], dt[tokens], meta, batched, states)
         for start, end, conv_state, ssm_state, saves in request_states(meta, states,
                                                                         skip=batched):

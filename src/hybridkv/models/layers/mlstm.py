@@ -89,7 +89,7 @@ class MLstmLayer(nn.Module):
         h = torch.empty(v.shape, dtype=torch.float32, device=x.device)  # [T, H, dv]
         rows = meta.plain_steps  # single-token steps: all at once
         if rows:
-            tokens = torch.tensor([meta.query_start_loc[r] for r in rows], device=x.device)
+            tokens = meta.plain_step_tokens(x.device)
             pages, slots = state_places(meta, rows, x.device)
             cs, nms = states
             h[tokens], c, nm = mlstm_step(q[tokens], k[tokens], v[tokens], i[tokens],

@@ -137,7 +137,7 @@ class RwkvBlock(nn.Module):
         out = torch.empty_like(h)
         rows = meta.plain_steps  # single-token steps: all at once
         if rows:
-            tokens = torch.tensor([meta.query_start_loc[r] for r in rows], device=h.device)
+            tokens = meta.plain_step_tokens(h.device)
             out[tokens] = self._decode_batch(h[tokens], states, *state_places(meta, rows,
                                                                              h.device))
         for start, end, shift, wkv, saves in request_states(meta, states, skip=rows):
