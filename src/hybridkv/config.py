@@ -61,7 +61,7 @@ class EngineConfig:
     disable_hybrid_kv_cache: bool = False
     dtype: str = "auto"  # the checkpoint's dtype ("auto"), or bf16 / fp16 / fp32
     device: str = "auto"  # cuda when available, else cpu
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
     scheduling_policy: str = "fcfs"  # or "priority": lower `priority` values first
     mamba_checkpoint_interval: int = 0  # also save state checkpoints every N blocks
     mamba_checkpoint_branch_points: bool = True  # and where requests leave a cached prefix

@@ -40,10 +40,14 @@ def dense(q, keys, values, q_pos, params):
     return torch.einsum("hqk,khd->qhd", probs, values)
 
 
+BACKENDS = ["torch", "cpu"]  # "cpu": short query runs read the pages in place (C kernel)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", ["flat", "multi_block_pages", "padded_pages"])
 @pytest.mark.parametrize("kernel_block", [BS, BS // 2])
 @pytest.mark.parametrize("feature", ["plain", "window", "chunk", "softcap", "sinks"])
-def test_paged_attention_equals_dense(layout, kernel_block, feature):
+def test_paged_attention_equals_dense(layout, kernel_block, feature, backend):
     torch.manual_seed(0)
     per_page = 1 if layout == "flat" else 3
     num_pages = 12
@@ -62,12 +66,13 @@ def test_paged_attention_equals_dense(layout, kernel_block, feature):
     tables = [[5, 9, 14], [30, 4], [7, 20, 33]]  # manager block ids (page = id // per_page)
     if layout == "flat":
         tables = [[5, 9, 11], [10, 4], [1, 2, 3]]
-    check_paged_attention(kv, per_page, kernel_block, params, lens, new, tables)
+    check_paged_attention(kv, per_page, kernel_block, params, lens, new, tables, backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kernel_block", [BS, BS // 2])
 @pytest.mark.parametrize("feature", ["plain", "window", "softcap", "sinks"])
-def test_a_mixed_batch_attends_in_batches(kernel_block, feature):
+def test_a_mixed_batch_attends_in_batches(kernel_block, feature, backend):
     """Decodes, prompt chunks of near lengths (one padded batch), a short chunk (a batch of
     its own) and, with a window, a chunk longer than it (alone): every token as dense."""
     torch.manual_seed(1)
@@ -79,7 +84,8 @@ def test_a_mixed_batch_attends_in_batches(kernel_block, feature):
         sinks=torch.randn(H_Q) if feature == "sinks" else None)
     lens, new = [9, 17, 6, 11, 14, 3, 20], [1, 1, 6, 5, 4, 2, 12]
     tables = [[1, 2], [3, 4, 5], [6], [7, 8], [9, 10], [11], [12, 13, 14]]
-    meta = check_paged_attention(kv, per_page, kernel_block, params, lens, new, tables)
+    meta = check_paged_attention(kv, per_page, kernel_block, params, lens, new, tables,
+                                 backend)
     # [query slots per request] of each call: the decodes; the 12-token chunk; the chunks of
     # 6, 5 and 4 padded to 6; the 2-token chunk. With the window of 7, the 12 goes alone.
     batches, alone = meta.plan(params.sliding_window, params.chunk_size)
@@ -90,7 +96,28 @@ def test_a_mixed_batch_attends_in_batches(kernel_block, feature):
         assert shapes == [(2, 1), (1, 12), (3, 6), (1, 2)] and alone == []
 
 
-def check_paged_attention(kv, per_page, kernel_block, params, lens, new, tables):
+@pytest.mark.parametrize("feature", ["plain", "window", "chunk", "softcap", "sinks"])
+def test_in_place_kernel_over_long_contexts(feature):
+    """Decode steps and short chunks over contexts across the kernel's 32-key tiles (the
+    running softmax rescales between tiles), two query heads per KV head."""
+    torch.manual_seed(2)
+    per_page = 2
+    kv = torch.zeros(40, per_page, 2, BS, H_KV, D)
+    params = AttentionParams(
+        scale=1 / math.sqrt(D), sliding_window=37 if feature == "window" else None,
+        chunk_size=24 if feature == "chunk" else None,
+        softcap=2.0 if feature == "softcap" else None,
+        sinks=torch.randn(H_Q) if feature == "sinks" else None)
+    lens, new = [1, 32, 33, 65, 100, 71], [1, 1, 1, 1, 3, 16]
+    tables, next_block = [], 0
+    for n in lens:
+        tables.append(list(range(next_block, next_block + -(-n // BS))))
+        next_block += len(tables[-1])
+    check_paged_attention(kv, per_page, BS, params, lens, new, tables, "cpu")
+
+
+def check_paged_attention(kv, per_page, kernel_block, params, lens, new, tables,
+                          backend="torch"):
     """Requests with contexts `lens`, the last `new` tokens of each scheduled this step,
     blocks from `tables`: the backend's output equals dense attention, token by token."""
     keys_all = [torch.randn(n, H_KV, D) for n in lens]
@@ -116,18 +143,23 @@ def check_paged_attention(kv, per_page, kernel_block, params, lens, new, tables)
     q = torch.randn(loc[-1], H_Q, D)
     k_new = torch.cat([k[-m:] for k, m in zip(keys_all, new, strict=True)])
     v_new = torch.cat([v[-m:] for v, m in zip(values_all, new, strict=True)])
-    out = get_backend("torch").forward(q, k_new, v_new, kv, meta, params)
+    out = get_backend(backend).forward(q, k_new, v_new, kv, meta, params)
     expect = torch.cat([
         dense(q[loc[r]:loc[r + 1]], keys_all[r], values_all[r],
               torch.arange(lens[r] - new[r], lens[r]), params) for r in range(len(lens))])
     torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
     # And as one group of layers sees it: a second layer reusing the step's plan.
-    torch.testing.assert_close(get_backend("torch").forward(q, None, None, kv, meta, params),
+    torch.testing.assert_close(get_backend(backend).forward(q, None, None, kv, meta, params),
                                expect, atol=1e-5, rtol=1e-5)
     return meta
 
 
 def test_unknown_backend_lists_the_known_ones():
-    with pytest.raises(ValueError, match="unknown attention backend 'flash'; available: torch"):
+    with pytest.raises(ValueError,
+                       match="unknown attention backend 'flash'; available: auto, cpu, torch"):
         get_backend("flash")
     assert isinstance(get_backend("torch"), TorchReferenceBackend)
+    assert type(get_backend("auto", "cpu")).__name__ == "CPUPagedBackend"
+    assert type(get_backend("auto", "meta")) is TorchReferenceBackend
+    with pytest.raises(ValueError, match="attention backend 'cpu' runs on CPU devices"):
+        get_backend("cpu", "meta")

@@ -91,11 +91,12 @@ class AttentionMetadata:
     blocks_per_page: int  # of the group's KV views: block b is (page b // n, slot b % n)
     # Per (window, chunk): the batches to attend in one call each, and the requests whose
     # chunk is longer than the window/chunk (attended alone, in query blocks).
-    _plans: dict[tuple[int | None, int | None],
+    _plans: dict[tuple[int | None, int | None, int],
                  tuple[list[PaddedBatch], list[int]]] = field(default_factory=dict)
     # (rows, first visible kernel block per row or None) -> batch
     _batches: dict[tuple[tuple[int, ...], tuple[int, ...] | None], PaddedBatch] = field(
         default_factory=dict)
+    _short_rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
     # Everything below depends only on the batch, not on the layer: computed once per step
     # by the first layer that asks, reused by the others.
@@ -111,16 +112,32 @@ class AttentionMetadata:
         loc = self.query_start_loc
         return [loc[r + 1] - loc[r] for r in range(len(self.seq_lens))]
 
-    def plan(self, window: int | None, chunk: int | None
+    @cached_property
+    def host_lens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """query_start_loc and seq_lens as int64 CPU tensors (for kernels given pointers)."""
+        return (torch.tensor(self.query_start_loc, dtype=torch.int64),
+                torch.tensor(self.seq_lens, dtype=torch.int64))
+
+    def short_rows(self, max_query: int) -> torch.Tensor:
+        """The requests with at most `max_query` queries this step, int64 CPU tensor."""
+        rows = self._short_rows.get(max_query)
+        if rows is None:
+            rows = self._short_rows[max_query] = torch.tensor(
+                [r for r, n in enumerate(self.query_lens) if n <= max_query],
+                dtype=torch.int64)
+        return rows
+
+    def plan(self, window: int | None, chunk: int | None, skip_short: int = 0
              ) -> tuple[list[PaddedBatch], list[int]]:
         """(batches, requests attended alone). Single-token requests form one batch; prompt
         chunks are batched by length (a batch's chunks are within 2x of its longest, so
         padding costs at most about as much as the real work); with a window or chunk, a
-        chunk longer than it goes alone, in query blocks (O(n * window), not O(n^2))."""
-        key = (window, chunk)
+        chunk longer than it goes alone, in query blocks (O(n * window), not O(n^2)).
+        Requests of at most `skip_short` queries are left out (another kernel takes them)."""
+        key = (window, chunk, skip_short)
         if key not in self._plans:
             local = min((x for x in (window, chunk) if x is not None), default=None)
-            lens = self.query_lens
+            lens = [0 if n <= skip_short else n for n in self.query_lens]
             decode = [r for r, n in enumerate(lens) if n == 1]
             alone = [r for r, n in enumerate(lens) if n > 1 and local is not None
                      and n > local]
@@ -244,6 +261,12 @@ class TorchReferenceBackend:
 
         One call per batch of the plan (all single-token requests together, prompt chunks
         of similar lengths together); only a chunk longer than its window goes alone."""
+        self.write(k, v, kv_cache, meta, params)
+        return self.attend(q, kv_cache, meta, params)
+
+    def write(self, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
+              meta: AttentionMetadata, params: AttentionParams) -> None:
+        """This step's K and V (raw keys on K-only pages) into their slots."""
         keys_only = params.derive_kv is not None
         if keys_only != (kv_cache.dim() == 5):
             raise ValueError(
@@ -255,15 +278,22 @@ class TorchReferenceBackend:
             kv_cache[pages, slots, offsets] = k.to(kv_cache.dtype)
         elif k is not None and v is not None:
             self._write(k, v, kv_cache, meta)
-        batches, alone = meta.plan(params.sliding_window, params.chunk_size)
-        if len(batches) == 1 and not alone and batches[0].all_valid and \
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               params: AttentionParams, out: torch.Tensor | None = None,
+               skip_short: int = 0) -> torch.Tensor:
+        """Every request's queries over its context; with `skip_short`, requests of at most
+        that many queries are left out (`out` then holds their rows already)."""
+        batches, alone = meta.plan(params.sliding_window, params.chunk_size, skip_short)
+        if out is None and len(batches) == 1 and not alone and batches[0].all_valid and \
                 batches[0].tokens.numel() == q.shape[0]:
             # One batch holding every token (a decode step; equal prompt chunks): rows
             # are already in flat order, nothing to scatter back.
             batch = batches[0]
             return self._attend_batch(q.view(*batch.tokens.shape, *q.shape[1:]), kv_cache,
                                       meta, batch, params).flatten(0, 1)
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         for batch in batches:
             res = self._attend_batch(q[batch.tokens], kv_cache, meta, batch, params)
             if batch.all_valid:
@@ -510,11 +540,24 @@ def _attend_block(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_s
 
 
 BACKENDS: dict[str, type[TorchReferenceBackend]] = {"torch": TorchReferenceBackend}
+BACKEND_NAMES = ("auto", "cpu", "torch")
 
 
-def get_backend(name: str) -> AttentionBackend:
+def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
+    """"torch": gather + SDPA, any device; "cpu": decode reads the pages in place (a C
+    kernel compiled on first use, worker/cpu_attention.py); "auto": "cpu" on CPU devices
+    where the kernel compiles, else "torch"."""
+    from hybridkv.worker import cpu_attention, native  # registers "cpu"
+
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; available: "
+                         f"{', '.join(BACKEND_NAMES)}")
+    name = cpu_attention.choose_backend(name, device)
+    if name == "cpu" and torch.device(device).type != "cpu":
+        raise ValueError(f"attention backend 'cpu' runs on CPU devices, not "
+                         f"{torch.device(device).type}; use 'auto' or 'torch'")
     try:
         return BACKENDS[name]()
-    except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; available: "
-                         f"{', '.join(BACKENDS)}") from None
+    except native.NativeBuildError as exc:
+        raise ValueError(f"attention backend 'cpu' needs its C kernel: {exc}; use 'auto' "
+                         f"or 'torch'") from None

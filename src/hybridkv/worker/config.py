@@ -12,7 +12,7 @@ class RunnerConfig:
     max_num_seqs: int  # rows of the persistent batch and of every block table
     max_model_len: int
     device: str = "cpu"  # a torch device string, already resolved ("auto" is not accepted)
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
     kernel_block_size: int | None = None  # must divide every attention group's block size
     # Run layers that only read other layers' KV on the sampled tokens only.
     kv_sharing_fast_prefill: bool = False

@@ -69,7 +69,7 @@ class ModelRunner:
             for g in kv_config.groups]
         self.blocks_per_page = [g.blocks_per_large_page for g in kv_config.groups]
         self.is_state_group = [g.spec.is_state for g in kv_config.groups]
-        self.backend = get_backend(config.attention_backend)
+        self.backend = get_backend(config.attention_backend, self.device)
         self.sampler = Sampler()
         self.logits_hook: LogitsHook | None = None
         # A KV connector's worker half (offload tiers), registered on this arena.

@@ -1,0 +1,127 @@
+"""The "cpu" attention backend: decode steps read the paged KV cache in place.
+
+At decode the torch backend's cost is mostly the copy of every context out of its blocks
+(`index_select`) before SDPA reads that copy again. Here requests with at most
+`MAX_QUERY` queries this step (decode, short chunks) are attended by a C kernel
+(worker/native/paged_attention.c) that walks each request's blocks directly, one pass over
+its keys and values; longer prompt chunks go to the torch backend's batched SDPA, which is
+the faster of the two once a chunk has many queries. Writes are the torch backend's.
+
+The kernel takes float32 K/V pages; other dtypes and K-only pages (Gemma 4) take the torch
+path for the whole layer. `choose_backend("auto")` picks this backend on CPU devices when
+the kernel compiles here, the torch backend elsewhere (CUDA runs SDPA).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any
+
+import torch
+
+from hybridkv.worker import native
+from hybridkv.worker.attention import (
+    BACKENDS,
+    AttentionMetadata,
+    AttentionParams,
+    TorchReferenceBackend,
+)
+
+logger = logging.getLogger(__name__)
+
+# Up to this many queries per request the in-place kernel is faster than gather + SDPA
+# (its cost grows with queries x context, SDPA's tiles amortise the gather).
+MAX_QUERY = 16
+
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+_ARGTYPES: list[Any] = [
+    _PTR, _I64, _I64,  # q, token stride, head stride
+    _PTR, _I64, _I64,  # out, token stride, head stride
+    _PTR, _I64, _I64, _I64, _I64, _I64,  # cache: page, slot, K->V, token, head strides
+    _I64, _I64, _I64,  # block size, kernel block size, blocks per page
+    _PTR, _I64,  # block table, its row stride
+    _PTR, _I64,  # rows, number of rows
+    _PTR, _PTR,  # query_start_loc, seq_lens
+    _I64, _I64, _I64,  # heads, KV heads, head dim
+    ctypes.c_float, _I64, _I64, ctypes.c_float, _PTR,  # scale, window, chunk, softcap, sinks
+]
+
+
+class CPUPagedBackend(TorchReferenceBackend):
+    name = "cpu"
+
+    def __init__(self) -> None:
+        kernel = native.load("paged_attention").hkv_paged_attention_f32
+        kernel.argtypes = _ARGTYPES
+        kernel.restype = ctypes.c_int
+        self._kernel = kernel
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                params: AttentionParams) -> torch.Tensor:
+        self.write(k, v, kv_cache, meta, params)
+        if not _in_place_ok(q, kv_cache, params):
+            return self.attend(q, kv_cache, meta, params)
+        rows = meta.short_rows(MAX_QUERY)
+        if rows.numel() == 0:
+            return self.attend(q, kv_cache, meta, params)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self._attend_in_place(q, out, kv_cache, meta, params, rows)
+        if rows.numel() == len(meta.seq_lens):
+            return out
+        return self.attend(q, kv_cache, meta, params, out=out, skip_short=MAX_QUERY)
+
+    def _attend_in_place(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
+                         meta: AttentionMetadata, params: AttentionParams,
+                         rows: torch.Tensor) -> None:
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        table = meta.block_table
+        if table.stride(1) != 1 or table.dtype != torch.int64:
+            table = table.to(torch.int64).contiguous()
+        query_start_loc, seq_lens = meta.host_lens
+        sinks = params.sinks
+        if sinks is not None:
+            sinks = sinks.detach().float().contiguous()
+        cs = kv_cache.stride()
+        status = self._kernel(
+            q.data_ptr(), q.stride(0), q.stride(1),
+            out.data_ptr(), out.stride(0), out.stride(1),
+            kv_cache.data_ptr(), cs[0], cs[1], cs[2], cs[3], cs[4],
+            meta.block_size, meta.kernel_block_size, meta.blocks_per_page,
+            table.data_ptr(), table.stride(0),
+            rows.data_ptr(), rows.numel(),
+            query_start_loc.data_ptr(), seq_lens.data_ptr(),
+            num_heads, kv_cache.shape[4], head_dim,
+            params.scale, params.sliding_window or 0, params.chunk_size or 0,
+            params.softcap or 0.0, None if sinks is None else sinks.data_ptr())
+        if status != 0:
+            raise RuntimeError(f"paged attention kernel refused its arguments ({status}): "
+                               f"{num_heads} heads, {kv_cache.shape[4]} KV heads, "
+                               f"head dim {head_dim}")
+
+
+def _in_place_ok(q: torch.Tensor, kv_cache: torch.Tensor, params: AttentionParams) -> bool:
+    """Float32 K/V pages on the CPU, rows of unit stride (the kernel's one layout)."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32
+            and kv_cache.dtype == torch.float32 and kv_cache.dim() == 6
+            and params.derive_kv is None and q.stride(2) == 1 and kv_cache.stride(5) == 1
+            and q.shape[1] * q.shape[2] <= 1 << 16)
+
+
+BACKENDS["cpu"] = CPUPagedBackend
+
+
+def choose_backend(name: str, device: torch.device | str) -> str:
+    """"auto": the in-place CPU kernel on CPU devices where it compiles, else torch."""
+    if name != "auto":
+        return name
+    if torch.device(device).type != "cpu":
+        return "torch"
+    try:
+        native.load("paged_attention")
+    except native.NativeBuildError as exc:
+        logger.warning("attention backend 'cpu' unavailable (%s); using 'torch'", exc)
+        return "torch"
+    return "cpu"

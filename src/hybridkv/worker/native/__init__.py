@@ -1,0 +1,90 @@
+"""C kernels for the CPU, compiled on first use and loaded with ctypes.
+
+The sources sit beside this file. Each is compiled once per machine with the system C
+compiler (`cc`, or `$CC`) for this CPU (`-march=native`) into the cache directory
+(`$HYBRIDKV_CACHE_DIR`, else `$XDG_CACHE_HOME/hybridkv`, else `~/.cache/hybridkv`), under a
+name that hashes the source, the flags, the compiler's version and the CPU's model and flags,
+so a shared home on different machines never loads a library built for another CPU. A
+compile takes about a second; a build goes to a temporary file renamed into place, so
+processes starting together never load a half-written library.
+
+No torch here: callers pass data pointers (see worker/cpu_attention.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCES = Path(__file__).parent
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC")
+
+
+class NativeBuildError(RuntimeError):
+    """The C compiler is missing or failed: the caller decides whether that is fatal."""
+
+
+_loaded: dict[str, ctypes.CDLL] = {}
+
+
+def cache_dir() -> Path:
+    if os.environ.get("HYBRIDKV_CACHE_DIR"):
+        return Path(os.environ["HYBRIDKV_CACHE_DIR"]) / "native"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "hybridkv" / "native"
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise NativeBuildError("no C compiler found (set CC, or install gcc)")
+    return cc
+
+
+def _cpu_identity() -> str:
+    """The CPU's model and feature flags (Linux), else the platform's description."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(keep))  # the first core's lines are enough
+
+
+def load(name: str) -> ctypes.CDLL:
+    """The compiled library of `<name>.c`, built if this machine has no copy yet."""
+    if name in _loaded:
+        return _loaded[name]
+    source = SOURCES / f"{name}.c"
+    cc = _compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeBuildError(f"C compiler {cc!r} does not run: {exc}") from None
+    key = hashlib.sha256("\0".join([source.read_text(), " ".join(FLAGS), version,
+                                    _cpu_identity()]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run([cc, *FLAGS, "-o", tmp, str(source), "-lm"],
+                                  capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise NativeBuildError(f"compiling {source.name} failed: "
+                                       f"{done.stderr.strip().splitlines()[-1:]}")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    library = ctypes.CDLL(str(target))
+    _loaded[name] = library
+    return library

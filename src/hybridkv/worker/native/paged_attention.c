@@ -1,0 +1,200 @@
+/* Attention of short query runs (decode steps) over the paged KV cache, read in place.
+
+   The torch path copies each request's context out of its blocks and then reads the copy
+   again in SDPA; at decode, where a step attends one query per request, that copy is most of
+   the attention's time. Here each (query, KV head) walks the request's kernel blocks directly
+   with an online softmax (running max, sum and output), for all query heads that share the
+   KV head at once, so each key and value row is read once per step.
+
+   Float32 only; one thread. Addressing follows the KV view [pages, blocks_per_page, 2, block,
+   Hk, D] given by its strides, so padded large pages and kernel blocks inside manager blocks
+   need no special case. Masks: causal, sliding window, chunked local attention; optional logit
+   soft-cap and per-head sink logits, as in worker/attention.py. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define TILE 32 /* at most this many keys scored before the running softmax is updated */
+
+typedef struct {
+    const float *cache;
+    int64_t page_stride, slot_stride, kv_stride, token_stride, head_stride;
+    int64_t block_size, kernel_block_size, blocks_per_page;
+} kv_view;
+
+/* Address of token `pos` of a request (K; V is kv_stride further), head 0. */
+static inline const float *token_row(const kv_view *kv, const int64_t *table, int64_t pos) {
+    int64_t kid = table[pos / kv->kernel_block_size];
+    int64_t per = kv->block_size / kv->kernel_block_size;
+    int64_t block = kid / per;
+    int64_t offset = (kid % per) * kv->kernel_block_size + pos % kv->kernel_block_size;
+    return kv->cache + (block / kv->blocks_per_page) * kv->page_stride
+           + (block % kv->blocks_per_page) * kv->slot_stride + offset * kv->token_stride;
+}
+
+/* exp(x) for x <= 0 (scores minus their running max), written so loops over it vectorise:
+   x = n ln2 + r with |r| <= ln2/2, exp(r) by its Taylor series to r^6 (relative error
+   below 2e-7, as expf's last bit), times 2^n built in the exponent bits. Below -87 the
+   result is flushed to 0 (exp(-87) is 1.6e-38; such keys weigh nothing next to the max). */
+static inline float exp_nonpositive(float x) {
+    const float clamped = x < -87.f ? -87.f : x;
+    const float n = nearbyintf(clamped * 1.44269504088896341f);
+    const float r = clamped - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    float p = 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
+    return x < -87.f ? 0.f : p * scale.f;
+}
+
+/* 16 floats as one SIMD value (GCC/Clang vector extension: AVX-512 here, two AVX2 or four
+   NEON registers elsewhere); unaligned loads and stores through memcpy. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
+static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
+
+/* A tree, not a chain of 15 dependent adds (which is what a reduction loop compiles to). */
+static inline float sum16(v16 x) {
+    v8 y = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
+           + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 z = __builtin_shufflevector(y, y, 0, 1, 2, 3) + __builtin_shufflevector(y, y, 4, 5, 6, 7);
+    return (z[0] + z[2]) + (z[1] + z[3]);
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    if (n % 16 == 0) {
+        v16 acc = load16(a) * load16(b);
+        for (int64_t d = 16; d < n; d += 16) acc += load16(a + d) * load16(b + d);
+        return sum16(acc);
+    }
+    float s = 0.f;
+    for (int64_t d = 0; d < n; d++) s += a[d] * b[d];
+    return s;
+}
+
+/* out[d] = out[d] * c + sum_t p[t] * rows[t * stride + d]: the running output of one head
+   over a tile. Four 16-wide slices at a time stay in registers across the tile's rows, so
+   the adds of consecutive rows do not wait on each other. */
+static inline void weigh_rows(float *restrict out, float c, const float *restrict p,
+                              const float *rows, int64_t stride, int64_t n, int64_t dim) {
+    int64_t d = 0;
+    if (dim % 16 == 0) {
+        for (; d + 64 <= dim; d += 64) {
+            v16 a0 = load16(out + d) * c, a1 = load16(out + d + 16) * c;
+            v16 a2 = load16(out + d + 32) * c, a3 = load16(out + d + 48) * c;
+            for (int64_t t = 0; t < n; t++) {
+                const float *row = rows + t * stride + d;
+                a0 += p[t] * load16(row);
+                a1 += p[t] * load16(row + 16);
+                a2 += p[t] * load16(row + 32);
+                a3 += p[t] * load16(row + 48);
+            }
+            store16(out + d, a0); store16(out + d + 16, a1);
+            store16(out + d + 32, a2); store16(out + d + 48, a3);
+        }
+        for (; d < dim; d += 16) {
+            v16 acc = load16(out + d) * c;
+            for (int64_t t = 0; t < n; t++) acc += p[t] * load16(rows + t * stride + d);
+            store16(out + d, acc);
+        }
+        return;
+    }
+    for (; d < dim; d++) {
+        float acc = out[d] * c;
+        for (int64_t t = 0; t < n; t++) acc += p[t] * rows[t * stride + d];
+        out[d] = acc;
+    }
+}
+
+/* Returns 0, or a negative code for arguments it cannot take (checked by the caller too). */
+int hkv_paged_attention_f32(
+    const float *q, int64_t q_token_stride, int64_t q_head_stride,
+    float *out, int64_t out_token_stride, int64_t out_head_stride,
+    const float *cache, int64_t page_stride, int64_t slot_stride, int64_t kv_stride,
+    int64_t token_stride, int64_t head_stride,
+    int64_t block_size, int64_t kernel_block_size, int64_t blocks_per_page,
+    const int64_t *block_table, int64_t table_stride,
+    const int64_t *rows, int64_t num_rows,
+    const int64_t *query_start_loc, const int64_t *seq_lens,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    float scale, int64_t window, int64_t chunk, float softcap, const float *sinks) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 ||
+        num_heads * head_dim > (1 << 16))
+        return -1;
+    const int64_t group = num_heads / num_kv_heads;
+    kv_view kv = {cache, page_stride, slot_stride, kv_stride, token_stride, head_stride,
+                  block_size, kernel_block_size, blocks_per_page};
+    float qs[group * head_dim];  /* scaled queries of one KV head's group, [G, D] */
+    float acc[group * head_dim]; /* running outputs [G, D] */
+    float scores[group][TILE];
+    float run_max[group], run_sum[group];
+
+    for (int64_t i = 0; i < num_rows; i++) {
+        const int64_t r = rows[i];
+        const int64_t first_tok = query_start_loc[r];
+        const int64_t num_q = query_start_loc[r + 1] - first_tok;
+        const int64_t seq_len = seq_lens[r];
+        const int64_t *table = block_table + r * table_stride;
+        for (int64_t j = 0; j < num_q; j++) {
+            const int64_t tok = first_tok + j;
+            const int64_t pos = seq_len - num_q + j;
+            int64_t lo = 0;
+            if (window > 0 && pos - window + 1 > lo) lo = pos - window + 1;
+            if (chunk > 0 && pos / chunk * chunk > lo) lo = pos / chunk * chunk;
+            for (int64_t kh = 0; kh < num_kv_heads; kh++) {
+                for (int64_t g = 0; g < group; g++) {
+                    const float *src = q + tok * q_token_stride + (kh * group + g) * q_head_stride;
+                    for (int64_t d = 0; d < head_dim; d++) qs[g * head_dim + d] = src[d] * scale;
+                    run_max[g] = sinks ? sinks[kh * group + g] : -INFINITY;
+                    run_sum[g] = sinks ? 1.f : 0.f;
+                }
+                memset(acc, 0, sizeof(float) * group * head_dim);
+                for (int64_t t0 = lo; t0 <= pos;) {
+                    /* A tile never crosses a kernel block: its rows are evenly spaced. */
+                    const int64_t block_end = (t0 / kernel_block_size + 1) * kernel_block_size;
+                    const int64_t end = block_end <= pos + 1 ? block_end : pos + 1;
+                    const int64_t n = end - t0 < TILE ? end - t0 : TILE;
+                    const float *k0 = token_row(&kv, table, t0) + kh * head_stride;
+                    t0 += n;
+                    for (int64_t t = 0; t < n; t++)
+                        for (int64_t g = 0; g < group; g++)
+                            scores[g][t] = dot(qs + g * head_dim, k0 + t * token_stride, head_dim);
+                    for (int64_t g = 0; g < group; g++) {
+                        float *s = scores[g];
+                        if (softcap > 0.f)
+                            for (int64_t t = 0; t < n; t++) s[t] = tanhf(s[t] / softcap) * softcap;
+                        float tile_max = s[0];
+                        for (int64_t t = 1; t < n; t++) tile_max = s[t] > tile_max ? s[t] : tile_max;
+                        const float new_max = tile_max > run_max[g] ? tile_max : run_max[g];
+                        const float correction = run_max[g] == -INFINITY ? 0.f
+                                                 : expf(run_max[g] - new_max);
+                        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+                        for (int64_t t = 0; t < n; t++) {
+                            s[t] = exp_nonpositive(s[t] - new_max);
+                            sum += s[t];
+                        }
+                        run_sum[g] = run_sum[g] * correction + sum;
+                        run_max[g] = new_max;
+                        weigh_rows(acc + g * head_dim, correction, s, k0 + kv_stride,
+                                   token_stride, n, head_dim);
+                    }
+                }
+                for (int64_t g = 0; g < group; g++) {
+                    float *dst = out + tok * out_token_stride + (kh * group + g) * out_head_stride;
+                    const float inv = 1.f / run_sum[g];
+                    for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[g * head_dim + d] * inv;
+                }
+            }
+        }
+    }
+    return 0;
+}
