@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#define PREFETCH_BLOCKS 2 /* how far ahead the next blocks are fetched */
 #define TILE 32 /* at most this many keys scored before the running softmax is updated */
 
 typedef struct {
@@ -132,10 +133,14 @@ int hkv_paged_attention_f32(
     const int64_t group = num_heads / num_kv_heads;
     kv_view kv = {cache, page_stride, slot_stride, kv_stride, token_stride, head_stride,
                   block_size, kernel_block_size, blocks_per_page};
-    float qs[group * head_dim];  /* scaled queries of one KV head's group, [G, D] */
-    float acc[group * head_dim]; /* running outputs [G, D] */
-    float scores[group][TILE];
-    float run_max[group], run_sum[group];
+    float qs[num_heads * head_dim];  /* scaled queries of one position, [Hq, D] */
+    float acc[num_heads * head_dim]; /* running outputs [Hq, D] */
+    float scores[TILE];
+    float run_max[num_heads], run_sum[num_heads];
+    /* The bytes of one kernel block's K (or V) rows, prefetched a block ahead: the block
+       table's indirection hides the next block from the hardware prefetcher. */
+    const int64_t block_bytes = (kernel_block_size - 1) * token_stride * 4
+                                + num_kv_heads * head_stride * 4;
 
     for (int64_t i = 0; i < num_rows; i++) {
         const int64_t r = rows[i];
@@ -149,50 +154,71 @@ int hkv_paged_attention_f32(
             int64_t lo = 0;
             if (window > 0 && pos - window + 1 > lo) lo = pos - window + 1;
             if (chunk > 0 && pos / chunk * chunk > lo) lo = pos / chunk * chunk;
-            for (int64_t kh = 0; kh < num_kv_heads; kh++) {
-                for (int64_t g = 0; g < group; g++) {
-                    const float *src = q + tok * q_token_stride + (kh * group + g) * q_head_stride;
-                    for (int64_t d = 0; d < head_dim; d++) qs[g * head_dim + d] = src[d] * scale;
-                    run_max[g] = sinks ? sinks[kh * group + g] : -INFINITY;
-                    run_sum[g] = sinks ? 1.f : 0.f;
+            for (int64_t h = 0; h < num_heads; h++) {
+                const float *src = q + tok * q_token_stride + h * q_head_stride;
+                for (int64_t d = 0; d < head_dim; d++) qs[h * head_dim + d] = src[d] * scale;
+                run_max[h] = sinks ? sinks[h] : -INFINITY;
+                run_sum[h] = sinks ? 1.f : 0.f;
+            }
+            memset(acc, 0, sizeof(float) * num_heads * head_dim);
+            for (int64_t t0 = lo; t0 <= pos;) {
+                /* A tile never crosses a kernel block: its rows are evenly spaced. */
+                const int64_t block_end = (t0 / kernel_block_size + 1) * kernel_block_size;
+                const int64_t end = block_end <= pos + 1 ? block_end : pos + 1;
+                const int64_t n = end - t0 < TILE ? end - t0 : TILE;
+                const float *row0 = token_row(&kv, table, t0);
+                if (t0 % kernel_block_size == 0) {
+                    /* The block PREFETCH_BLOCKS ahead, in this row or the next one's first. */
+                    const float *ahead = NULL;
+                    const int64_t at = block_end + (PREFETCH_BLOCKS - 1) * kernel_block_size;
+                    if (at <= pos)
+                        ahead = token_row(&kv, table, at);
+                    else if (j + 1 == num_q && i + 1 < num_rows) {
+                        const int64_t r2 = rows[i + 1];
+                        const int64_t k2 = (at - pos - 1) / kernel_block_size;
+                        if (k2 * kernel_block_size < seq_lens[r2])
+                            ahead = token_row(&kv, block_table + r2 * table_stride,
+                                              k2 * kernel_block_size);
+                    }
+                    if (ahead != NULL)
+                        for (int64_t b = 0; b < block_bytes; b += 64) {
+                            __builtin_prefetch((const char *)ahead + b, 0, 2);
+                            __builtin_prefetch((const char *)(ahead + kv_stride) + b, 0, 2);
+                        }
                 }
-                memset(acc, 0, sizeof(float) * group * head_dim);
-                for (int64_t t0 = lo; t0 <= pos;) {
-                    /* A tile never crosses a kernel block: its rows are evenly spaced. */
-                    const int64_t block_end = (t0 / kernel_block_size + 1) * kernel_block_size;
-                    const int64_t end = block_end <= pos + 1 ? block_end : pos + 1;
-                    const int64_t n = end - t0 < TILE ? end - t0 : TILE;
-                    const float *k0 = token_row(&kv, table, t0) + kh * head_stride;
-                    t0 += n;
-                    for (int64_t t = 0; t < n; t++)
-                        for (int64_t g = 0; g < group; g++)
-                            scores[g][t] = dot(qs + g * head_dim, k0 + t * token_stride, head_dim);
+                t0 += n;
+                for (int64_t kh = 0; kh < num_kv_heads; kh++) {
+                    const float *k0 = row0 + kh * head_stride;
                     for (int64_t g = 0; g < group; g++) {
-                        float *s = scores[g];
+                        const int64_t h = kh * group + g;
+                        for (int64_t t = 0; t < n; t++)
+                            scores[t] = dot(qs + h * head_dim, k0 + t * token_stride, head_dim);
                         if (softcap > 0.f)
-                            for (int64_t t = 0; t < n; t++) s[t] = tanhf(s[t] / softcap) * softcap;
-                        float tile_max = s[0];
-                        for (int64_t t = 1; t < n; t++) tile_max = s[t] > tile_max ? s[t] : tile_max;
-                        const float new_max = tile_max > run_max[g] ? tile_max : run_max[g];
-                        const float correction = run_max[g] == -INFINITY ? 0.f
-                                                 : expf(run_max[g] - new_max);
+                            for (int64_t t = 0; t < n; t++)
+                                scores[t] = tanhf(scores[t] / softcap) * softcap;
+                        float tile_max = scores[0];
+                        for (int64_t t = 1; t < n; t++)
+                            tile_max = scores[t] > tile_max ? scores[t] : tile_max;
+                        const float new_max = tile_max > run_max[h] ? tile_max : run_max[h];
+                        const float correction = run_max[h] == -INFINITY ? 0.f
+                                                 : expf(run_max[h] - new_max);
                         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
                         for (int64_t t = 0; t < n; t++) {
-                            s[t] = exp_nonpositive(s[t] - new_max);
-                            sum += s[t];
+                            scores[t] = exp_nonpositive(scores[t] - new_max);
+                            sum += scores[t];
                         }
-                        run_sum[g] = run_sum[g] * correction + sum;
-                        run_max[g] = new_max;
-                        weigh_rows(acc + g * head_dim, correction, s, k0 + kv_stride,
+                        run_sum[h] = run_sum[h] * correction + sum;
+                        run_max[h] = new_max;
+                        weigh_rows(acc + h * head_dim, correction, scores, k0 + kv_stride,
                                    token_stride, n, head_dim);
                     }
                 }
-                for (int64_t g = 0; g < group; g++) {
-                    float *dst = out + tok * out_token_stride + (kh * group + g) * out_head_stride;
-                    const float inv = 1.f / run_sum[g];
-                    for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[g * head_dim + d] * inv;
-                }
+            }
+            for (int64_t h = 0; h < num_heads; h++) {
+                float *dst = out + tok * out_token_stride + h * out_head_stride;
+                const float inv = 1.f / run_sum[h];
+                for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[h * head_dim + d] * inv;
             }
         }
     }
