@@ -25,7 +25,9 @@ from hybridkv.kv.plan import KVCachePlan, format_bytes, plan_kv_cache
 from hybridkv.models.layer_mix import kv_layout_from_config
 from hybridkv.models.loader import load_model, read_config
 from hybridkv.sched.scheduler import Scheduler, SchedulerOutput
+from hybridkv.worker.cpu_attention import choose_backend
 from hybridkv.worker.cpu_malloc import keep_buffers_in_heap
+from hybridkv.worker.cpu_ops import use_cpu_ops
 from hybridkv.worker.kv_cache import torch_dtype
 from hybridkv.worker.model_runner import ModelRunner, RunnerOutput
 from hybridkv.worker.threads import set_intra_op_threads
@@ -102,6 +104,8 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
     dtype = torch_dtype(dtype_name)
     loaded = load_model(model_dir, dtype=dtype, device=device, config=hf_config,
                         linear_kernel=config.linear_kernel)
+    if choose_backend(config.attention_backend, device) == "cpu":
+        use_cpu_ops(loaded.model)  # the C norms and RoPE that go with the C attention
     max_pos = int(text_cfg.get("max_position_embeddings") or 8192)
     max_model_len = config.max_model_len or min(max_pos, 8192)
     if max_model_len > max_pos and not config.allow_long_max_model_len:

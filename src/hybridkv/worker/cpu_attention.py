@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.worker import native
+from hybridkv.worker import cpu_ops, native
 from hybridkv.worker.attention import (
     BACKENDS,
     AttentionMetadata,
@@ -72,6 +72,17 @@ class CPUPagedBackend(TorchReferenceBackend):
         if rows.numel() == len(meta.seq_lens):
             return out
         return self.attend(q, kv_cache, meta, params, out=out, skip_short=MAX_QUERY)
+
+    def write(self, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
+              meta: AttentionMetadata, params: AttentionParams) -> None:
+        if k is not None and v is not None and params.derive_kv is None and \
+                kv_cache.dim() == 6 and kv_cache.dtype == torch.float32 and \
+                kv_cache.stride(5) == 1 and cpu_ops.takes(k) and cpu_ops.takes(v) and \
+                k.shape == v.shape == (meta.slot_mapping.shape[0], *kv_cache.shape[4:]):
+            cpu_ops.write_kv(k, v, kv_cache, meta.slot_mapping, meta.block_size,
+                             meta.blocks_per_page)
+            return
+        super().write(k, v, kv_cache, meta, params)
 
     def _attend_in_place(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
                          meta: AttentionMetadata, params: AttentionParams,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridkv.worker import cpu_ops
+
 
 class RMSNorm(nn.Module):
     """`offset=1.0` is Gemma's `(1 + w)` form, computed in float32 then cast back."""
@@ -15,8 +17,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps = eps
         self.offset = offset
+        self.native_ops = False  # float32 CPU rows in one C call (worker/cpu_ops.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_ops and x.dim() <= 3 and cpu_ops.takes(x) and \
+                self.weight.dtype == torch.float32:
+            return cpu_ops.rms_norm(x, self.weight, self.eps, self.offset)
         # Normalise in float32 (as the reference implementations do), one fused op.
         normed = nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         if self.offset:

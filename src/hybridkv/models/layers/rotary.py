@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from hybridkv.models.layer_mix import SLIDING
+from hybridkv.worker import cpu_ops
 from hybridkv.worker.forward_context import ForwardContext
 
 
@@ -135,6 +136,7 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # Layers with equal RoPE parameters share one cos/sin per step.
         self.key = rope_key(self.rotary_dim, params)
+        self.native_ops = False  # float32 CPU rows in one C call (worker/cpu_ops.py)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], head_dim: int, kind: str) -> Rotary:
@@ -147,6 +149,10 @@ class Rotary(nn.Module):
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] -> the same with its first `rotary_dim` rotated."""
+        if self.native_ops and x.dim() == 3 and cpu_ops.takes(x) and \
+                cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous() \
+                and cos.shape == (x.shape[0], 1, self.rotary_dim):
+            return cpu_ops.rope(x, cos, sin, self.rotary_dim)
         if not self.partial:
             return apply_rope(x, cos, sin)
         d = self.rotary_dim

@@ -1,0 +1,92 @@
+"""RMSNorm, RoPE and K/V writes for float32 tensors on the CPU, one C call each
+(worker/native/cpu_ops.c).
+
+A decode step's norms and rotations are tiny ([batch, width] rows), so torch's cost there
+is per op, not per element: RMSNorm alone runs five ops (about 15-30 us per call for 32
+rows, against ~2 us here). Models call these through `RMSNorm` and `Rotary` once
+`use_cpu_ops(model)` has switched them on (the loader does, on CPU devices where the C
+library builds, with the "cpu" attention backend); any other dtype or device takes the
+torch formulas, which stay the reference the tests compare against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridkv.worker import native
+
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_SIGNATURES: dict[str, list[Any]] = {
+    "hkv_rms_norm_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _F32, _F32],
+    "hkv_rope_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64],
+    "hkv_write_kv_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR,
+                         _I64, _I64, _I64, _I64, _I64, _I64, _I64],
+}
+_lib: ctypes.CDLL | None = None
+
+
+def library() -> ctypes.CDLL:
+    """The compiled ops (built on first use; NativeBuildError where no compiler runs)."""
+    global _lib
+    if _lib is None:
+        lib = native.load("cpu_ops")
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+        _lib = lib
+    return _lib
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether these kernels take x: float32 on the CPU, unit stride along its last dim."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
+    """(n0, stride0, n1, stride1) of x's rows: [T, D] or [T, H, D]."""
+    if x.dim() == 2:
+        return x.shape[0], x.stride(0), 1, 0
+    return x.shape[0], x.stride(0), x.shape[1], x.stride(1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+             offset: float = 0.0) -> torch.Tensor:
+    """x / rms(x) * (offset + weight) over the last dim; x [T, D] or [T, H, D]."""
+    n0, s0, n1, s1 = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    library().hkv_rms_norm_f32(x.data_ptr(), s0, s1, out.data_ptr(), n0, n1, x.shape[-1],
+                               None if weight is None else weight.data_ptr(), offset, eps)
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
+         ) -> torch.Tensor:
+    """x [T, H, D] with the first `rotary_dim` of each head rotated (half-split pairs);
+    cos/sin [T, 1, rotary_dim] contiguous."""
+    n0, s0, n1, s1 = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    library().hkv_rope_f32(x.data_ptr(), s0, s1, out.data_ptr(), n0, n1, x.shape[-1],
+                           cos.data_ptr(), sin.data_ptr(), rotary_dim)
+    return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, block_size: int, blocks_per_page: int) -> None:
+    """k/v [T, Hk, D] into their slots of K/V pages [pages, per_page, 2, block, Hk, D]."""
+    cs = kv_cache.stride()
+    library().hkv_write_kv_f32(
+        k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+        k.shape[0], k.shape[1], k.shape[2], slot_mapping.data_ptr(), kv_cache.data_ptr(),
+        cs[0], cs[1], cs[2], cs[3], cs[4], block_size, blocks_per_page)
+
+
+def use_cpu_ops(model: nn.Module) -> None:
+    """Switch on these kernels in every module that has them (a `native_ops` attribute)."""
+    library()
+    for module in model.modules():
+        if isinstance(getattr(module, "native_ops", None), bool):
+            module.__dict__["native_ops"] = True  # a plain attribute, not a submodule

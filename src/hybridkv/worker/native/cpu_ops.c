@@ -1,0 +1,71 @@
+/* Per-token ops around attention on the CPU, float32: RMSNorm, RoPE, K/V writes.
+
+   Each is a few microseconds of work on a decode step's [batch, width] rows, where a torch
+   op costs a dispatch per step of its formula (RMSNorm is five ops on the CPU: pow, mean,
+   add, rsqrt, mul, each allocating). Here each is one call over all rows. Inputs are rows
+   of `dim` contiguous floats addressed by two strides (tokens, then heads), so q and k read
+   straight out of a fused q/k/v projection's output. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* out[t, h, :] = x[t, h, :] / rms(x[t, h, :]) * (offset + w); w NULL: no weight. */
+void hkv_rms_norm_f32(const float *x, int64_t x_stride0, int64_t x_stride1, float *out,
+                      int64_t n0, int64_t n1, int64_t dim, const float *w, float offset,
+                      float eps) {
+    for (int64_t t = 0; t < n0; t++)
+        for (int64_t h = 0; h < n1; h++) {
+            const float *row = x + t * x_stride0 + h * x_stride1;
+            float *dst = out + (t * n1 + h) * dim;
+            float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t d = 0; d < dim; d++) ss += row[d] * row[d];
+            const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+            if (w == NULL)
+                for (int64_t d = 0; d < dim; d++) dst[d] = row[d] * inv;
+            else
+                for (int64_t d = 0; d < dim; d++) dst[d] = row[d] * inv * (offset + w[d]);
+        }
+}
+
+/* RoPE, the half-split convention: the first `rot` of each head rotated by (cos, sin) of
+   the token ([n0, rot] rows, the first half's angles repeated in the second), the rest of
+   the head copied. out is [n0, n1, dim] contiguous. */
+void hkv_rope_f32(const float *x, int64_t x_stride0, int64_t x_stride1, float *out,
+                  int64_t n0, int64_t n1, int64_t dim, const float *cos, const float *sin,
+                  int64_t rot) {
+    const int64_t half = rot / 2;
+    for (int64_t t = 0; t < n0; t++) {
+        const float *c = cos + t * rot, *s = sin + t * rot;
+        for (int64_t h = 0; h < n1; h++) {
+            const float *row = x + t * x_stride0 + h * x_stride1;
+            float *dst = out + (t * n1 + h) * dim;
+            for (int64_t i = 0; i < half; i++) {
+                dst[i] = row[i] * c[i] - row[i + half] * s[i];
+                dst[i + half] = row[i + half] * c[i + half] + row[i] * s[i + half];
+            }
+            if (rot < dim) memcpy(dst + rot, row + rot, sizeof(float) * (dim - rot));
+        }
+    }
+}
+
+/* K and V rows ([n0 tokens, n1 heads, dim], two strides each) into their slots of the KV
+   view [pages, blocks_per_page, 2, block, Hk, D] (strides in floats). */
+void hkv_write_kv_f32(const float *k, int64_t k_stride0, int64_t k_stride1, const float *v,
+                      int64_t v_stride0, int64_t v_stride1, int64_t n0, int64_t n1,
+                      int64_t dim, const int64_t *slots, float *cache, int64_t page_stride,
+                      int64_t slot_stride, int64_t kv_stride, int64_t token_stride,
+                      int64_t head_stride, int64_t block_size, int64_t blocks_per_page) {
+    for (int64_t t = 0; t < n0; t++) {
+        const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+        float *base = cache + (block / blocks_per_page) * page_stride
+                      + (block % blocks_per_page) * slot_stride + offset * token_stride;
+        for (int64_t h = 0; h < n1; h++) {
+            memcpy(base + h * head_stride, k + t * k_stride0 + h * k_stride1,
+                   sizeof(float) * dim);
+            memcpy(base + kv_stride + h * head_stride, v + t * v_stride0 + h * v_stride1,
+                   sizeof(float) * dim);
+        }
+    }
+}

@@ -1,0 +1,64 @@
+"""The C norms, RoPE and K/V writes (worker/cpu_ops.py) against the torch formulas they
+replace, on the strided views the model hands them (q and k out of a fused projection)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hybridkv.models.layers.norms import RMSNorm  # noqa: E402
+from hybridkv.models.layers.rotary import apply_rope  # noqa: E402
+from hybridkv.worker import cpu_ops  # noqa: E402
+
+
+def fused_views(tokens=5, heads=3, kv_heads=2, dim=24):
+    """q [T, H, D] and k [T, Hk, D] as views into one [T, (H + 2 Hk) * D] projection."""
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    q = qkv[:, :heads * dim].unflatten(-1, (heads, dim))
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].unflatten(-1, (kv_heads, dim))
+    v = qkv[:, (heads + kv_heads) * dim:].unflatten(-1, (kv_heads, dim))
+    return q, k, v
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("shape", ["rows", "heads_of_fused_projection"])
+def test_rms_norm_equals_torch(offset, shape):
+    torch.manual_seed(0)
+    x = torch.randn(7, 40) if shape == "rows" else fused_views()[0]
+    norm = RMSNorm(x.shape[-1], 1e-6, offset)
+    with torch.no_grad():
+        norm.weight.normal_()
+    expect = norm(x)
+    norm.native_ops = True
+    got = norm(x)
+    assert got.shape == expect.shape
+    torch.testing.assert_close(got, expect, atol=2e-6, rtol=2e-6)
+    assert not torch.equal(cpu_ops.rms_norm(x, None, 1e-6), expect)  # the weight counts
+
+
+@pytest.mark.parametrize("rotary_dim", [24, 12])
+def test_rope_equals_torch(rotary_dim):
+    torch.manual_seed(1)
+    q, _, _ = fused_views()
+    angles = torch.randn(q.shape[0], 1, rotary_dim // 2)
+    cos = torch.cat([angles.cos(), angles.cos()], -1) * 1.3
+    sin = torch.cat([angles.sin(), angles.sin()], -1) * 1.3
+    expect = torch.cat([apply_rope(q[..., :rotary_dim], cos, sin), q[..., rotary_dim:]], -1)
+    torch.testing.assert_close(cpu_ops.rope(q, cos, sin, rotary_dim), expect,
+                               atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("per_page", [1, 3])
+def test_write_kv_lands_where_the_torch_write_does(per_page):
+    torch.manual_seed(2)
+    block, kv_heads, dim = 4, 2, 24
+    _, k, v = fused_views(tokens=6, kv_heads=kv_heads, dim=dim)
+    slots = torch.tensor([0, 5, 6, 17, 30, 47])  # manager slots: block * 4 + offset
+    pages = torch.zeros(12 // per_page, per_page, 2, block, kv_heads, dim)
+    cpu_ops.write_kv(k, v, pages, slots, block, per_page)
+    expect = torch.zeros_like(pages)
+    blocks, offsets = slots // block, slots % block
+    expect[blocks // per_page, blocks % per_page, 0, offsets] = k
+    expect[blocks // per_page, blocks % per_page, 1, offsets] = v
+    assert torch.equal(pages, expect)
