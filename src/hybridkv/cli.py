@@ -428,7 +428,7 @@ def run_generate(args: argparse.Namespace) -> int:
         kv_sharing_fast_prefill=args.kv_sharing_fast_prefill,
         allow_long_max_model_len=args.allow_long_max_model_len,
         block_hash_algo=args.block_hash_algo, threads=args.threads,
-        linear_kernel=args.linear_kernel,
+        linear_kernel=args.linear_kernel, attention_backend=args.attention_backend,
         # From the environment, not a flag: a secret on the command line is visible to
         # every user of the machine (ps).
         block_hash_seed=os.environ.get(BLOCK_HASH_SEED_ENV) or None,
@@ -549,7 +549,7 @@ def add_server_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
 
 
 def add_threads_argument(parser: argparse.ArgumentParser | Any) -> None:
-    """--threads and --linear-kernel: how the model's compute runs."""
+    """--threads, --linear-kernel and --attention-backend: how the model's compute runs."""
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch intra-op threads (default: the cores this process may "
                              "run on, from its CPU affinity mask)")
@@ -557,6 +557,11 @@ def add_threads_argument(parser: argparse.ArgumentParser | Any) -> None:
                         default="auto",
                         help="linear layers: oneDNN with prepacked weights (CPU), torch's "
                              "F.linear, or auto: oneDNN where it runs (default)")
+    parser.add_argument("--attention-backend", choices=["auto", "cpu", "torch"],
+                        default="auto",
+                        help="cpu: C kernels (paged attention read in place, norms, RoPE; "
+                             "compiled on first use); torch: gather + SDPA; auto: cpu on CPU "
+                             "devices where it compiles (default)")
 
 
 def server_engine_options(args: argparse.Namespace) -> dict[str, object]:
@@ -565,7 +570,7 @@ def server_engine_options(args: argparse.Namespace) -> dict[str, object]:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
         enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
-        linear_kernel=args.linear_kernel)
+        linear_kernel=args.linear_kernel, attention_backend=args.attention_backend)
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
     return options

@@ -83,9 +83,12 @@ def test_prefix_cache_hit_gives_the_same_outputs(reference):
 
 
 def test_prefix_caching_off(reference):
-    # Also the "torch" linear kernel (the one CUDA runs; the others run oneDNN's on CPU).
+    # Also the "torch" linear kernel and attention backend (what CUDA runs; the other cases
+    # run oneDNN's GEMMs and the C attention, norms and RoPE on CPU).
     _, model_dir, prompts, tokens, logits = reference
-    llm, outs = run(model_dir, prompts, enable_prefix_caching=False, linear_kernel="torch")
+    llm, outs = run(model_dir, prompts, enable_prefix_caching=False, linear_kernel="torch",
+                    attention_backend="torch")
+    assert llm.engine.runner.backend.name == "torch"
     check(llm, outs, tokens, logits)
     assert llm.engine.kv_manager.stats.num_hit_tokens == 0
 

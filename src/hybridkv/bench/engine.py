@@ -96,7 +96,8 @@ def _median(timings: list[Timing], attr: str) -> float:
 
 def _run_case(model_dir: str, case: Case, *, repeat: int, with_transformers: bool,
               threads: int | None, busy_neighbour: bool,
-              linear_kernel: str = "auto") -> dict[str, Any]:
+              linear_kernel: str = "auto", attention_backend: str = "auto"
+              ) -> dict[str, Any]:
     from hybridkv.bench.neighbour import busy_neighbour as neighbour
     from hybridkv.bench.neighbour import own_cores, split_cores
 
@@ -104,7 +105,7 @@ def _run_case(model_dir: str, case: Case, *, repeat: int, with_transformers: boo
     options = dict(dtype="float32", max_model_len=case.input_len + case.output_len + 16,
                    max_num_seqs=case.num_prompts, kv_cache_memory="256MiB",
                    max_num_batched_tokens=max(2048, case.input_len), threads=threads,
-                   linear_kernel=linear_kernel)
+                   linear_kernel=linear_kernel, attention_backend=attention_backend)
     ours: list[Timing] = []
     theirs: list[Timing] = []
     busy: list[Timing] = []
@@ -124,7 +125,7 @@ def _run_case(model_dir: str, case: Case, *, repeat: int, with_transformers: boo
     figures: dict[str, Any] = {
         "case": case.name, "num_prompts": case.num_prompts, "input_len": case.input_len,
         "output_len": case.output_len, "repeat": repeat, "threads": torch.get_num_threads(),
-        "linear_kernel": linear_kernel,
+        "linear_kernel": linear_kernel, "attention_backend": attention_backend,
         "output_tokens_per_s": _median(ours, "output_tokens_per_s"),
         "input_tokens_per_s": _median(ours, "input_tokens_per_s")}
     if theirs:
@@ -145,13 +146,14 @@ def bench_throughput(model_dir: str, *, num_prompts: int, input_len: int, output
                      repeat: int = 1, with_transformers: bool = True,
                      threads: int | None = None, busy_neighbour: bool = False,
                      long_prompts: bool = False, as_json: bool = False,
-                     linear_kernel: str = "auto") -> str:
+                     linear_kernel: str = "auto", attention_backend: str = "auto") -> str:
     cases = [Case("batch", num_prompts, input_len, output_len)]
     if long_prompts:
         cases.append(LONG_PROMPTS)
     results = [_run_case(model_dir, case, repeat=repeat, with_transformers=with_transformers,
                          threads=threads, busy_neighbour=busy_neighbour,
-                         linear_kernel=linear_kernel) for case in cases]
+                         linear_kernel=linear_kernel, attention_backend=attention_backend)
+               for case in cases]
     if as_json:
         return json.dumps(results[0] if len(results) == 1 else {"cases": results})
     return "\n\n".join(map(_format_case, results))
@@ -159,8 +161,8 @@ def bench_throughput(model_dir: str, *, num_prompts: int, input_len: int, output
 
 def _format_case(f: dict[str, Any]) -> str:
     lines = [f"{f['case']}: {f['num_prompts']} prompts x {f['input_len']} tokens in, "
-             f"{f['output_len']} out, float32, {f['threads']} torch threads, medians of "
-             f"{f['repeat']}",
+             f"{f['output_len']} out, float32, {f['threads']} torch threads, attention "
+             f"{f['attention_backend']}, linear {f['linear_kernel']}, medians of {f['repeat']}",
              f"hybridkv      {f['output_tokens_per_s']:9.1f} output tokens/s "
              f"{f['input_tokens_per_s']:11.1f} prompt tokens/s (whole run)"]
     if "ratio" in f:
@@ -260,7 +262,8 @@ def run_throughput(args: argparse.Namespace) -> int:
                            repeat=args.repeat, with_transformers=not args.no_transformers,
                            threads=args.threads, busy_neighbour=args.busy_neighbour,
                            long_prompts=args.long_prompts, as_json=args.json,
-                           linear_kernel=args.linear_kernel))
+                           linear_kernel=args.linear_kernel,
+                           attention_backend=args.attention_backend))
     return 0
 
 
