@@ -46,6 +46,7 @@ _ARGTYPES: list[Any] = [
     _PTR, _PTR,  # query_start_loc, seq_lens
     _I64, _I64, _I64,  # heads, KV heads, head dim
     ctypes.c_float, _I64, _I64, ctypes.c_float, _PTR,  # scale, window, chunk, softcap, sinks
+    _I64,  # threads
 ]
 
 
@@ -106,7 +107,8 @@ class CPUPagedBackend(TorchReferenceBackend):
             query_start_loc.data_ptr(), seq_lens.data_ptr(),
             num_heads, kv_cache.shape[4], head_dim,
             params.scale, params.sliding_window or 0, params.chunk_size or 0,
-            params.softcap or 0.0, None if sinks is None else sinks.data_ptr())
+            params.softcap or 0.0, None if sinks is None else sinks.data_ptr(),
+            torch.get_num_threads() if rows.numel() > 1 else 1)
         if status != 0:
             raise RuntimeError(f"paged attention kernel refused its arguments ({status}): "
                                f"{num_heads} heads, {kv_cache.shape[4]} KV heads, "

@@ -23,7 +23,9 @@ import tempfile
 from pathlib import Path
 
 SOURCES = Path(__file__).parent
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC")
+# -fopenmp: a library links libgomp.so.1, and torch has loaded its own copy under that name
+# by the time one is loaded here, so the kernels' threads are torch's pool, not a second one.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 
 
 class NativeBuildError(RuntimeError):

@@ -2,14 +2,15 @@
 
    The torch path copies each request's context out of its blocks and then reads the copy
    again in SDPA; at decode, where a step attends one query per request, that copy is most of
-   the attention's time. Here each (query, KV head) walks the request's kernel blocks directly
-   with an online softmax (running max, sum and output), for all query heads that share the
-   KV head at once, so each key and value row is read once per step.
+   the attention's time. Here each query walks its request's kernel blocks directly, every
+   head at once block by block (so a block is read in address order, once per step), with an
+   online softmax per head (running max, sum and output) and the block two ahead prefetched.
 
-   Float32 only; one thread. Addressing follows the KV view [pages, blocks_per_page, 2, block,
-   Hk, D] given by its strides, so padded large pages and kernel blocks inside manager blocks
-   need no special case. Masks: causal, sliding window, chunked local attention; optional logit
-   soft-cap and per-head sink logits, as in worker/attention.py. */
+   Float32 only; requests split across threads. Addressing follows the KV view [pages,
+   blocks_per_page, 2, block, Hk, D] given by its strides, so padded large pages and kernel
+   blocks inside manager blocks need no special case. Masks: causal, sliding window, chunked
+   local attention; optional logit soft-cap and per-head sink logits, as in
+   worker/attention.py. */
 
 #include <math.h>
 #include <stdint.h>
@@ -126,23 +127,27 @@ int hkv_paged_attention_f32(
     const int64_t *rows, int64_t num_rows,
     const int64_t *query_start_loc, const int64_t *seq_lens,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    float scale, int64_t window, int64_t chunk, float softcap, const float *sinks) {
+    float scale, int64_t window, int64_t chunk, float softcap, const float *sinks,
+    int64_t num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 ||
         num_heads * head_dim > (1 << 16))
         return -1;
     const int64_t group = num_heads / num_kv_heads;
     kv_view kv = {cache, page_stride, slot_stride, kv_stride, token_stride, head_stride,
                   block_size, kernel_block_size, blocks_per_page};
-    float qs[num_heads * head_dim];  /* scaled queries of one position, [Hq, D] */
-    float acc[num_heads * head_dim]; /* running outputs [Hq, D] */
-    float scores[TILE];
-    float run_max[num_heads], run_sum[num_heads];
     /* The bytes of one kernel block's K (or V) rows, prefetched a block ahead: the block
        table's indirection hides the next block from the hardware prefetcher. */
     const int64_t block_bytes = (kernel_block_size - 1) * token_stride * 4
                                 + num_kv_heads * head_stride * 4;
 
+    /* Requests are independent: split across torch's OpenMP threads (the library links the
+       libgomp torch has loaded, so both share one pool). */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
     for (int64_t i = 0; i < num_rows; i++) {
+        float qs[num_heads * head_dim];  /* scaled queries of one position, [Hq, D] */
+        float acc[num_heads * head_dim]; /* running outputs [Hq, D] */
+        float scores[TILE];
+        float run_max[num_heads], run_sum[num_heads];
         const int64_t r = rows[i];
         const int64_t first_tok = query_start_loc[r];
         const int64_t num_q = query_start_loc[r + 1] - first_tok;
