@@ -13,6 +13,36 @@ from hybridkv.worker.attention import AttentionBackend, AttentionMetadata, Atten
 from hybridkv.worker.mla import MLAParams, mla_forward
 
 
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, 1, D] cos and sin of positions [T] (half-split layout: the angles twice)."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).unsqueeze(1) * scaling
+    sin = torch.cat([freqs.sin(), freqs.sin()], dim=-1).unsqueeze(1) * scaling
+    return cos, sin
+
+
+@dataclass
+class RopeTables:
+    """cos/sin of positions 0..n-1 per distinct RoPE parameters, kept by the runner across
+    steps: a step looks its positions up (two row gathers) instead of computing them again
+    (about ten small ops per parameter set). A table grows by doubling to cover the highest
+    position asked for; its rows equal `rope_cos_sin` of the same positions exactly (the same
+    element-wise ops)."""
+
+    tables: dict[object, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def cos_sin(self, positions: torch.Tensor, max_position: int, key: object,
+                inv_freq: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self.tables.get(key)
+        if table is None or table[0].shape[0] <= max_position:
+            size = max(1024, 1 << max_position.bit_length())
+            table = self.tables[key] = rope_cos_sin(
+                torch.arange(size, device=inv_freq.device), inv_freq, scaling)
+        cos, sin = table
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+
 @dataclass
 class ForwardContext:
     """Everything attention layers need for one step, passed explicitly (no globals)."""
@@ -23,6 +53,9 @@ class ForwardContext:
     layer_group: Mapping[str, int]  # layer name -> group id
     # RoPE cos/sin of this step's positions, per distinct RoPE parameters.
     rope_cache: dict[object, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # The runner's tables across steps, and the step's highest position (None: no tables).
+    rope_tables: RopeTables | None = None
+    max_position: int = 0
     # KV-sharing fast prefill (set by the runner when enabled): the layers from a model's
     # `kv_shared_from` on write no KV, so only the tokens whose logits are sampled need them.
     # `kv_shared_tokens` indexes those tokens; `kv_shared_ctx` is the context of that batch.
@@ -41,15 +74,19 @@ class ForwardContext:
         return self.metadata[self.layer_group[layer_name]], self.kv_caches[layer_name]
 
     def rope_cos_sin(self, positions: torch.Tensor, key: object, inv_freq: torch.Tensor,
-                     scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     scaling: float, *, step_positions: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, D] cos and sin, computed once per step for layers whose RoPE parameters
-        (`key`, see `rope_key`) are equal."""
+        (`key`, see `rope_key`) are equal; looked up in the runner's tables when it keeps
+        them and `positions` are the step's (at most `max_position`)."""
         cached = self.rope_cache.get(key)
         if cached is None:
-            freqs = positions.float().unsqueeze(-1) * inv_freq
-            cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).unsqueeze(1) * scaling
-            sin = torch.cat([freqs.sin(), freqs.sin()], dim=-1).unsqueeze(1) * scaling
-            cached = self.rope_cache[key] = (cos, sin)
+            if self.rope_tables is not None and step_positions:
+                cached = self.rope_tables.cos_sin(positions, self.max_position, key,
+                                                  inv_freq, scaling)
+            else:
+                cached = rope_cos_sin(positions, inv_freq, scaling)
+            self.rope_cache[key] = cached
         return cached
 
     def attention(self, layer_name: str, q: torch.Tensor, k: torch.Tensor | None,

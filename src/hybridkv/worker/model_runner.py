@@ -21,7 +21,7 @@ from hybridkv.sched.scheduler import SchedulerOutput
 from hybridkv.worker.attention import AttentionMetadata, get_backend
 from hybridkv.worker.block_table import BlockTable
 from hybridkv.worker.config import RunnerConfig
-from hybridkv.worker.forward_context import ForwardContext
+from hybridkv.worker.forward_context import ForwardContext, RopeTables
 from hybridkv.worker.kv_cache import allocate_kv_caches
 from hybridkv.worker.sampler import Sampler
 from hybridkv.worker.state import StateMetadata
@@ -71,6 +71,7 @@ class ModelRunner:
         self.is_state_group = [g.spec.is_state for g in kv_config.groups]
         self.backend = get_backend(config.attention_backend, self.device)
         self.sampler = Sampler()
+        self.rope_tables = RopeTables()
         self.logits_hook: LogitsHook | None = None
         # A KV connector's worker half (offload tiers), registered on this arena.
         self.connector: ConnectorWorker | None = None
@@ -232,7 +233,8 @@ class ModelRunner:
         if not inputs.input_ids:
             return RunnerOutput({}, {})
         metadata = self._metadata(inputs, out)
-        ctx = ForwardContext(self.backend, self.kv_caches, metadata, self.layer_group)
+        ctx = ForwardContext(self.backend, self.kv_caches, metadata, self.layer_group,
+                             rope_tables=self.rope_tables, max_position=max(inputs.seq_lens) - 1)
         sample_t = torch.tensor(inputs.sample_indices, dtype=torch.int64, device=self.device)
         # Only when some tokens are not sampled (prefill): a pure decode step has none to cut.
         reduced = (self.config.kv_sharing_fast_prefill
@@ -243,7 +245,8 @@ class ModelRunner:
                 self.backend, self.kv_caches,
                 self._sampled_tokens_metadata(metadata, inputs.scheduled,
                                               set(inputs.sample_ids), sample_t),
-                self.layer_group)
+                self.layer_group, rope_tables=self.rope_tables,
+                max_position=ctx.max_position)
         ids_t = torch.tensor(inputs.input_ids, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(inputs.positions, dtype=torch.int64, device=self.device)
         hidden = self.model(ids_t, pos_t, ctx)

@@ -179,7 +179,7 @@ class Attention(nn.Module):
             # The context's positions are 0..L-1: one cos/sin per length and RoPE per step.
             r = self.rotary
             cos, sin = ctx.rope_cos_sin(positions, ("context", raw.shape[1], r.key),
-                                        r.inv_freq, r.scaling)
+                                        r.inv_freq, r.scaling, step_positions=False)
             k = r.rotate(k, cos, sin)
         return k, v
 
