@@ -5,7 +5,8 @@ At decode the torch backend's cost is mostly the copy of every context out of it
 `MAX_QUERY` queries this step (decode, short chunks) are attended by a C kernel
 (worker/native/paged_attention.c) that walks each request's blocks directly, one pass over
 its keys and values; longer prompt chunks go to the torch backend's batched SDPA, which is
-the faster of the two once a chunk has many queries. Writes are the torch backend's.
+the faster of the two once a chunk has many queries. K/V writes are one C call too
+(worker/cpu_ops.py), the torch backend's where the layout or dtype is not the kernels'.
 
 The kernel takes float32 K/V pages; other dtypes and K-only pages (Gemma 4) take the torch
 path for the whole layer. `choose_backend("auto")` picks this backend on CPU devices when

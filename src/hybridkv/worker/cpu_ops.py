@@ -48,6 +48,9 @@ def takes(x: torch.Tensor) -> bool:
 
 def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
     """(n0, stride0, n1, stride1) of x's rows: [T, D] or [T, H, D]."""
+    if x.dim() not in (2, 3):
+        raise ValueError(f"the CPU ops take [T, D] or [T, H, D] rows, not shape "
+                         f"{tuple(x.shape)}")
     if x.dim() == 2:
         return x.shape[0], x.stride(0), 1, 0
     return x.shape[0], x.stride(0), x.shape[1], x.stride(1)

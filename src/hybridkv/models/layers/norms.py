@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
         self.native_ops = False  # float32 CPU rows in one C call (worker/cpu_ops.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native_ops and x.dim() <= 3 and cpu_ops.takes(x) and \
+        if self.native_ops and x.dim() in (2, 3) and cpu_ops.takes(x) and \
                 self.weight.dtype == torch.float32:
             return cpu_ops.rms_norm(x, self.weight, self.eps, self.offset)
         # Normalise in float32 (as the reference implementations do), one fused op.
