@@ -62,3 +62,20 @@ def test_write_kv_lands_where_the_torch_write_does(per_page):
     expect[blocks // per_page, blocks % per_page, 0, offsets] = k
     expect[blocks // per_page, blocks % per_page, 1, offsets] = v
     assert torch.equal(pages, expect)
+
+
+def test_an_unwritable_cache_is_a_build_error_that_auto_falls_back_from(tmp_path, monkeypatch):
+    """Where the kernels cannot be built, "auto" runs the torch backend and an explicit
+    "cpu" is refused in one line."""
+    from hybridkv.worker import native
+    from hybridkv.worker.attention import TorchReferenceBackend, get_backend
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("HYBRIDKV_CACHE_DIR", str(blocker))
+    monkeypatch.setattr(native, "_loaded", {})
+    with pytest.raises(native.NativeBuildError, match="cannot build paged_attention.c"):
+        native.load("paged_attention")
+    assert type(get_backend("auto", "cpu")) is TorchReferenceBackend
+    with pytest.raises(ValueError, match="attention backend 'cpu' needs its C kernel"):
+        get_backend("cpu", "cpu")

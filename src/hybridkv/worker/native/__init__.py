@@ -74,19 +74,30 @@ def load(name: str) -> ctypes.CDLL:
                                     _cpu_identity()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
         try:
-            done = subprocess.run([cc, *FLAGS, "-o", tmp, str(source), "-lm"],
-                                  capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                raise NativeBuildError(f"compiling {source.name} failed: "
-                                       f"{done.stderr.strip().splitlines()[-1:]}")
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    library = ctypes.CDLL(str(target))
+            _build(cc, source, target)
+        except (OSError, subprocess.SubprocessError) as exc:  # unwritable cache, timeout
+            raise NativeBuildError(f"cannot build {source.name} into {target.parent}: "
+                                   f"{exc}") from None
+    try:
+        library = ctypes.CDLL(str(target))
+    except OSError as exc:
+        raise NativeBuildError(f"cannot load {target}: {exc}") from None
     _loaded[name] = library
     return library
+
+
+def _build(cc: str, source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(source), "-lm"],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise NativeBuildError(f"compiling {source.name} failed: "
+                                   f"{done.stderr.strip().splitlines()[-1:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
