@@ -122,24 +122,13 @@ def check_paged_attention(kv, per_page, kernel_block, params, lens, new, tables,
     blocks from `tables`: the backend's output equals dense attention, token by token."""
     keys_all = [torch.randn(n, H_KV, D) for n in lens]
     values_all = [torch.randn(n, H_KV, D) for n in lens]
-    k_per = BS // kernel_block
     for r, (table, n) in enumerate(zip(tables, lens, strict=True)):  # past tokens, by hand
         for pos in range(n - new[r]):
             b = table[pos // BS]
             kv[b // per_page, b % per_page, 0, pos % BS] = keys_all[r][pos]
             kv[b // per_page, b % per_page, 1, pos % BS] = values_all[r][pos]
-    width = max(len(t) for t in tables) * k_per + 2
-    kernel_table = torch.tensor([[b * k_per + j for b in t for j in range(k_per)]
-                                 + [0] * (width - len(t) * k_per) for t in tables])
-    slots = [table[p // BS] * BS + p % BS for table, n, m in zip(tables, lens, new, strict=True)
-             for p in range(n - m, n)]
-    loc = [0]
-    for m in new:
-        loc.append(loc[-1] + m)
-    meta = AttentionMetadata(query_start_loc=loc, seq_lens=lens,
-                             block_table=kernel_table,
-                             slot_mapping=torch.tensor(slots), block_size=BS,
-                             kernel_block_size=kernel_block, blocks_per_page=per_page)
+    meta = paged_metadata(tables, lens, new, per_page, kernel_block)
+    loc = meta.query_start_loc
     q = torch.randn(loc[-1], H_Q, D)
     k_new = torch.cat([k[-m:] for k, m in zip(keys_all, new, strict=True)])
     v_new = torch.cat([v[-m:] for v, m in zip(values_all, new, strict=True)])
@@ -163,3 +152,20 @@ def test_unknown_backend_lists_the_known_ones():
     assert type(get_backend("auto", "meta")) is TorchReferenceBackend
     with pytest.raises(ValueError, match="attention backend 'cpu' runs on CPU devices"):
         get_backend("cpu", "meta")
+
+
+def paged_metadata(tables, lens, new, per_page, kernel_block):
+    """Metadata of requests with manager blocks `tables`, contexts `lens`, the last `new`
+    tokens of each scheduled this step."""
+    k_per = BS // kernel_block
+    width = max(len(t) for t in tables) * k_per + 2
+    kernel_table = torch.tensor([[b * k_per + j for b in t for j in range(k_per)]
+                                 + [0] * (width - len(t) * k_per) for t in tables])
+    slots = [table[p // BS] * BS + p % BS for table, n, m in zip(tables, lens, new, strict=True)
+             for p in range(n - m, n)]
+    loc = [0]
+    for m in new:
+        loc.append(loc[-1] + m)
+    return AttentionMetadata(query_start_loc=loc, seq_lens=lens, block_table=kernel_table,
+                             slot_mapping=torch.tensor(slots), block_size=BS,
+                             kernel_block_size=kernel_block, blocks_per_page=per_page)

@@ -10,8 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.worker.attention import AttentionMetadata, AttentionParams, get_backend  # noqa: E402
-from tests.worker.test_attention import BS, H_KV, H_Q, D, dense  # noqa: E402
+from hybridkv.worker.attention import AttentionParams, get_backend  # noqa: E402
+from tests.worker.test_attention import BS, H_KV, H_Q, D, dense, paged_metadata  # noqa: E402
 
 
 def derive(raw: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +46,7 @@ def test_k_only_pages_attend_as_dense_over_the_derived_keys_and_values(
         for pos in range(n - new[r]):
             b = table[pos // BS]
             kv[b // per_page, b % per_page, pos % BS] = raw_all[r][pos]
-    meta = _metadata(tables, lens, new, per_page, kernel_block)
+    meta = paged_metadata(tables, lens, new, per_page, kernel_block)
     loc = meta.query_start_loc
     q = torch.randn(loc[-1], H_Q, D)
     raw_new = torch.cat([raw[-m:] for raw, m in zip(raw_all, new, strict=True)])
@@ -68,7 +68,7 @@ def test_k_only_pages_attend_as_dense_over_the_derived_keys_and_values(
 def test_a_page_layout_and_a_layer_that_disagree_fail_clearly():
     kv_pages = torch.zeros(4, 1, 2, BS, H_KV, D)
     k_only_pages = torch.zeros(4, 1, BS, H_KV, D)
-    meta = _metadata([[1]], [1], [1], 1, BS)
+    meta = paged_metadata([[1]], [1], [1], 1, BS)
     q, k = torch.randn(1, H_Q, D), torch.randn(1, H_KV, D)
     plain = AttentionParams(scale=1.0)
     with pytest.raises(ValueError, match="K-only pages need a layer that derives K and V"):
@@ -77,17 +77,3 @@ def test_a_page_layout_and_a_layer_that_disagree_fail_clearly():
         get_backend("torch").forward(q, k, None, kv_pages, meta,
                                      AttentionParams(scale=1.0, derive_kv=derive))
 
-
-def _metadata(tables, lens, new, per_page, kernel_block):
-    k_per = BS // kernel_block
-    width = max(len(t) for t in tables) * k_per + 2
-    kernel_table = torch.tensor([[b * k_per + j for b in t for j in range(k_per)]
-                                 + [0] * (width - len(t) * k_per) for t in tables])
-    slots = [table[p // BS] * BS + p % BS for table, n, m in zip(tables, lens, new, strict=True)
-             for p in range(n - m, n)]
-    loc = [0]
-    for m in new:
-        loc.append(loc[-1] + m)
-    return AttentionMetadata(query_start_loc=loc, seq_lens=lens, block_table=kernel_table,
-                             slot_mapping=torch.tensor(slots), block_size=BS,
-                             kernel_block_size=kernel_block, blocks_per_page=per_page)
