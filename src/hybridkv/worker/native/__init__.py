@@ -3,8 +3,9 @@
 The sources sit beside this file. Each is compiled once per machine with the system C
 compiler (`cc`, or `$CC`) for this CPU (`-march=native`) into the cache directory
 (`$HYBRIDKV_CACHE_DIR`, else `$XDG_CACHE_HOME/hybridkv`, else `~/.cache/hybridkv`), under a
-name that hashes the source, the flags, the compiler's version and the CPU's model and flags,
-so a shared home on different machines never loads a library built for another CPU. A
+name that hashes the source (and the headers beside it), the flags, the compiler's version
+and the CPU's model and flags, so a shared home on different machines never loads a library
+built for another CPU. A
 compile takes about a second; a build goes to a temporary file renamed into place, so
 processes starting together never load a half-written library.
 
@@ -70,7 +71,9 @@ def load(name: str) -> ctypes.CDLL:
                                  timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeBuildError(f"C compiler {cc!r} does not run: {exc}") from None
-    key = hashlib.sha256("\0".join([source.read_text(), " ".join(FLAGS), version,
+    # The headers beside the sources are part of every source.
+    headers = [h.read_text() for h in sorted(SOURCES.glob("*.h"))]
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(FLAGS), version,
                                     _cpu_identity()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if not target.exists():
