@@ -553,10 +553,11 @@ def add_threads_argument(parser: argparse.ArgumentParser | Any) -> None:
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch intra-op threads (default: the cores this process may "
                              "run on, from its CPU affinity mask)")
-    parser.add_argument("--linear-kernel", choices=["auto", "onednn", "torch"],
+    parser.add_argument("--linear-kernel", choices=["auto", "cpu", "onednn", "torch"],
                         default="auto",
-                        help="linear layers: oneDNN with prepacked weights (CPU), torch's "
-                             "F.linear, or auto: oneDNN where it runs (default)")
+                        help="linear layers: hybridkv's C kernel (CPU, float32), oneDNN "
+                             "with prepacked weights (CPU), torch's F.linear, or auto: the "
+                             "first of these that runs (default)")
     parser.add_argument("--attention-backend", choices=["auto", "cpu", "torch"],
                         default="auto",
                         help="cpu: C kernels (paged attention read in place, norms, RoPE; "

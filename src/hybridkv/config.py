@@ -74,8 +74,9 @@ class EngineConfig:
     # torch intra-op threads (process-wide). None: the cores in this process's CPU affinity
     # mask (capped by OMP_NUM_THREADS when set), not the machine's count.
     threads: int | None = None
-    # Linear layers: "onednn" (weights prepacked once for oneDNN's GEMM; CPU, float32 or
-    # bfloat16), "torch" (F.linear), "auto": oneDNN where it runs, torch elsewhere (CUDA).
+    # Linear layers: "cpu" (hybridkv's C kernel on weights packed once; CPU, float32),
+    # "onednn" (weights prepacked once for oneDNN's GEMM; CPU, float32 or bfloat16), "torch"
+    # (F.linear), "auto": "cpu" where it runs, else oneDNN, else torch (CUDA).
     linear_kernel: str = "auto"
 
     # Serve a max_model_len above the model's max_position_embeddings (positions the model
@@ -126,7 +127,7 @@ class EngineConfig:
         _choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
         _choice("kv_eviction", self.kv_eviction, (None, "lru", "value"))
         _choice("block_hash_algo", self.block_hash_algo, ("xxh3", "sha256"))
-        _choice("linear_kernel", self.linear_kernel, ("auto", "onednn", "torch"))
+        _choice("linear_kernel", self.linear_kernel, ("auto", "cpu", "onednn", "torch"))
         if self.block_hash_seed is not None and (not isinstance(self.block_hash_seed, str)
                                                  or not self.block_hash_seed):
             raise ValueError("block_hash_seed must be a non-empty string or None (a random "

@@ -1,5 +1,6 @@
-"""The runner's linear kernels against torch's F.linear: fused projections, oneDNN's prepacked
-GEMM and the gated MLP's post-ops give the same numbers as the separate nn.Linear modules."""
+"""The runner's linear kernels against torch's F.linear: fused projections, the C kernel's
+panels, oneDNN's prepacked GEMM and the gated MLP's fused activations give the same numbers
+as the separate nn.Linear modules."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 from hybridkv.models.layers.activations import activation
+from hybridkv.worker import cpu_linear, native
 from hybridkv.worker.cpu_malloc import keep_buffers_in_heap
 from hybridkv.worker.linear import (
     ONEDNN_ACTIVATIONS,
@@ -17,8 +19,17 @@ from hybridkv.worker.linear import (
     onednn_supports,
 )
 
+
+def _cpu_kernel_builds() -> bool:
+    try:
+        cpu_linear.library()
+        return True
+    except native.NativeBuildError:
+        return False
+
+
 KERNELS = ["torch"] + (["onednn"] if onednn_supports(torch.device("cpu"), torch.float32)
-                       else [])
+                       else []) + (["cpu"] if _cpu_kernel_builds() else [])
 
 
 def linears(*outs: int, bias: bool, width: int = 48) -> list[nn.Linear]:
@@ -49,25 +60,81 @@ def test_fused_projections_equal_separate_linears(kernel: str, bias: bool,
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("act", [*ONEDNN_ACTIVATIONS, "relu2"])
-def test_gated_linear_equals_act_gate_times_up(kernel: str, act: str) -> None:
-    gate, up = linears(80, 80, bias=act == "gelu")
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_linear_equals_act_gate_times_up(kernel: str, act: str, bias: bool) -> None:
+    gate, up = linears(80, 80, bias=bias)
     fn = activation(act)
     gated = GatedLinear(gate, up, act, fn, kernel)
-    # relu2 has no oneDNN post-op: it takes the one-GEMM path whatever the kernel.
-    assert (gated.post_op is not None) == (kernel == "onednn" and act != "relu2")
-    x = torch.randn(33, 48)
-    torch.testing.assert_close(gated(x), fn(gate(x)) * up(x), rtol=1e-5, atol=1e-5)
+    # Activations a kernel lacks (relu2 everywhere, exact gelu in the C kernel) take the
+    # one-GEMM path.
+    fused = {"torch": set(), "onednn": set(ONEDNN_ACTIVATIONS),
+             "cpu": set(cpu_linear.GATED_ACTIVATIONS)}[kernel]
+    assert gated.fused_activation == (act in fused)
+    # 40 rows: six-row tiles and a partial one; rows scaled from 0.1 to 30 so both the
+    # activations' middle and their tails (large |x|, where a naive exp overflows) are hit.
+    x = torch.randn(40, 48) * torch.logspace(-1, 1.5, 40)[:, None]
+    torch.testing.assert_close(gated(x), fn(gate(x)) * up(x), rtol=1e-5, atol=1e-4)
+    # A 3-D input and no rows at all.
+    torch.testing.assert_close(gated(x.view(2, 20, 48)), (fn(gate(x)) * up(x)).view(2, 20, 80),
+                               rtol=1e-5, atol=1e-4)
+    assert gated(torch.randn(0, 48)).shape == (0, 80)
+
+
+@pytest.mark.skipif("cpu" not in KERNELS, reason="the C linear kernel does not build here")
+@pytest.mark.parametrize("tokens", [1, 5, 6, 16, 97, 200])
+@pytest.mark.parametrize("shape", [(130, 37), (64, 64), (1, 300), (200, 2048)])
+def test_cpu_kernel_covers_tiles_panels_and_row_blocks(tokens: int,
+                                                       shape: tuple[int, int]) -> None:
+    """Every way the C kernel cuts the work: rows per tile (1-6), partial last panels,
+    row blocks of 96 (97 and 200 rows cross them), odd input widths, long inputs, and
+    work large enough to split over the threads."""
+    n, k = shape
+    torch.manual_seed(1)
+    lin = nn.Linear(k, n, bias=True)
+    packed = Linear([lin], "cpu")
+    x = torch.randn(tokens, k)
+    torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+    # Rows of a wider tensor (row stride != k) are read in place.
+    wide = torch.randn(tokens, k + 3)[:, :k]
+    torch.testing.assert_close(packed(wide), lin(wide), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_kernel_refuses_other_dtypes() -> None:
+    if "cpu" not in KERNELS:
+        pytest.skip("the C linear kernel does not build here")
+    packed = Linear([nn.Linear(8, 8)], "cpu")
+    with pytest.raises(ValueError, match="takes float32 CPU inputs, not torch.float64"):
+        packed(torch.randn(2, 8, dtype=torch.float64))
 
 
 def test_choose_kernel() -> None:
     assert choose_kernel("torch", "cpu", torch.float32) == "torch"
     assert choose_kernel("auto", "cpu", torch.float16) == "torch"  # no fp16 packing here
-    if onednn_supports(torch.device("cpu"), torch.float32):
-        assert choose_kernel("auto", "cpu", torch.float32) == "onednn"
+    if "cpu" in KERNELS:
+        assert choose_kernel("auto", "cpu", torch.float32) == "cpu"
+    if onednn_supports(torch.device("cpu"), torch.bfloat16):
+        assert choose_kernel("auto", "cpu", torch.bfloat16) == "onednn"
+    assert choose_kernel("auto", "meta", torch.float32) == "torch"
     with pytest.raises(ValueError, match="linear_kernel 'onednn' needs a CPU device"):
         choose_kernel("onednn", "meta", torch.float32)
-    with pytest.raises(ValueError, match="linear_kernel 'mkl' is not one of auto, onednn"):
+    with pytest.raises(ValueError, match="linear_kernel 'cpu' needs a CPU device and "
+                                         "float32; got cpu, torch.bfloat16"):
+        choose_kernel("cpu", "cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match="linear_kernel 'mkl' is not one of auto, cpu, "
+                                         "onednn, torch"):
         choose_kernel("mkl", "cpu", torch.float32)
+
+
+def test_auto_falls_back_when_the_c_kernel_cannot_build(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    def no_compiler() -> None:
+        raise native.NativeBuildError("no C compiler found (set CC, or install gcc)")
+
+    monkeypatch.setattr(cpu_linear, "library", no_compiler)
+    expected = "onednn" if onednn_supports(torch.device("cpu"), torch.float32) else "torch"
+    assert choose_kernel("auto", "cpu", torch.float32) == expected
+    with pytest.raises(ValueError, match="linear_kernel 'cpu' cannot be built here"):
+        choose_kernel("cpu", "cpu", torch.float32)
 
 
 def test_cpu_buffers_stay_in_the_heap_on_glibc() -> None:

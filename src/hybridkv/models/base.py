@@ -108,19 +108,19 @@ class CausalLM(nn.Module):
                 h = layer(h, positions, ctx, per_layer[:, i])
         return getattr(self.model, self.norm_name)(self.leave_layers(h))  # type: ignore[no-any-return]
 
-    # A head tied to the embedding gets a prepacked copy of its own on oneDNN up to this
-    # size: oneDNN's GEMM is 1.2-2x faster than F.linear's on the plain weight (2x at a
+    # A head tied to the embedding gets a packed copy of its own on the CPU kernels up to
+    # this size: oneDNN's GEMM is 1.2-2x faster than F.linear's on the plain weight (2x at a
     # 32K x 2,048 head), worth the memory on CPU hosts; above it the head stays shared.
     TIED_HEAD_COPY_BYTES = 256 << 20
 
     def fuse_linears(self, kernel: str) -> None:
-        """The LM head on `kernel` (see worker/linear.py); a tied head only on oneDNN, as a
-        copy, up to TIED_HEAD_COPY_BYTES."""
+        """The LM head on `kernel` (see worker/linear.py); a tied head only on the CPU kernels
+        ("cpu", "onednn"), as a copy, up to TIED_HEAD_COPY_BYTES."""
         if not isinstance(self.lm_head, nn.Linear):
             return
         weight = self.lm_head.weight
         if weight is not self.embed_tokens.weight or (
-                kernel == "onednn"
+                kernel in ("cpu", "onednn")
                 and weight.numel() * weight.element_size() <= self.TIED_HEAD_COPY_BYTES):
             self.lm_head = Linear([self.lm_head], kernel)
 

@@ -3,22 +3,29 @@
 Two things change against a plain `nn.Linear` per projection:
 - projections of the same input are one GEMM (q/k/v; a gated MLP's gate and up): fewer,
   larger calls, which matters most when a step is a few dozen tokens;
-- on CPUs where torch has oneDNN, weights are reordered once into oneDNN's blocked layout
-  and run through its prepacked GEMM (about 1.2x faster than `F.linear` for these shapes on
-  the machines here), with a gated MLP's activation and product done as the GEMMs' post-ops
-  instead of two passes over the [tokens, intermediate] activations.
+- on CPUs, float32 weights are packed once for hybridkv's own kernel ("cpu",
+  worker/cpu_linear.py: a C call per projection, the gated MLP's activation and product in
+  its registers), which streams the weights at decode about 1.1x faster than oneDNN and
+  runs prefill at oneDNN's speed; or, for bfloat16, reordered once into oneDNN's blocked
+  layout for its prepacked GEMM ("onednn", about 1.2x faster than `F.linear` for these
+  shapes here, the gated MLP's activation and product as the GEMMs' post-ops).
 
-The kernel is "onednn" or "torch" (`choose_kernel`); "torch" is what runs on CUDA.
+The kernel is "cpu", "onednn" or "torch" (`choose_kernel`); "torch" is what runs on CUDA.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-KERNELS = ("auto", "onednn", "torch")
+from hybridkv.worker import cpu_linear, native
+
+logger = logging.getLogger(__name__)
+
+KERNELS = ("auto", "cpu", "onednn", "torch")
 # Hugging Face activation name -> oneDNN eltwise post-op (attr, algorithm).
 ONEDNN_ACTIVATIONS: dict[str, tuple[str, str]] = {
     "silu": ("swish", ""), "gelu": ("gelu", "none"), "gelu_pytorch_tanh": ("gelu", "tanh"),
@@ -37,10 +44,23 @@ def onednn_supports(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def choose_kernel(name: str, device: torch.device | str, dtype: torch.dtype) -> str:
-    """"auto": oneDNN where it runs this device and dtype, torch elsewhere."""
+    """"auto": the C kernel for float32 on CPUs where it compiles, else oneDNN where it runs
+    this device and dtype, else torch."""
     device = torch.device(device)
     if name not in KERNELS:
         raise ValueError(f"linear_kernel {name!r} is not one of {', '.join(KERNELS)}")
+    if name in ("cpu", "auto") and device.type == "cpu" and dtype == torch.float32:
+        try:
+            cpu_linear.library()
+            return "cpu"
+        except native.NativeBuildError as exc:
+            if name == "cpu":
+                raise ValueError(f"linear_kernel 'cpu' cannot be built here ({exc}); use "
+                                 f"'auto', 'onednn' or 'torch'") from None
+            logger.warning("linear kernel 'cpu' unavailable (%s); using oneDNN or torch", exc)
+    elif name == "cpu":
+        raise ValueError(f"linear_kernel 'cpu' needs a CPU device and float32; got "
+                         f"{device.type}, {dtype}; use 'auto', 'onednn' or 'torch'")
     if name == "onednn" and not onednn_supports(device, dtype):
         raise ValueError(f"linear_kernel 'onednn' needs a CPU device with oneDNN and float32 "
                          f"(or bfloat16 where the CPU has it); got {device.type}, {dtype}; "
@@ -71,16 +91,20 @@ class Linear(nn.Module):
         super().__init__()
         weight, bias = _cat(linears)
         self.sizes = [lin.out_features for lin in linears]
-        self.onednn = kernel == "onednn"
-        if self.onednn:
+        self.kernel = kernel
+        if kernel == "onednn":
             weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+        elif kernel == "cpu":
+            weight, bias = cpu_linear.pack(weight, bias)
         # Buffers, not parameters: they are a kernel's copy of loaded weights, not a
-        # checkpoint's tensors (and the oneDNN one is in a blocked layout).
+        # checkpoint's tensors (and the oneDNN and "cpu" ones are in blocked layouts).
         self.register_buffer("weight", weight, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.onednn:
+        if self.kernel == "cpu":
+            return cpu_linear.linear(x, self.weight, self.bias, sum(self.sizes))
+        if self.kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise(  # type: ignore[no-any-return]
                 x.contiguous(), self.weight, self.bias, "none", [], "")
         return nn.functional.linear(x, self.weight, self.bias)
@@ -92,21 +116,41 @@ class Linear(nn.Module):
 
 
 class GatedLinear(nn.Module):
-    """act(gate(x)) * up(x): with oneDNN two GEMMs, the first applying the activation and the
-    second multiplying by it as post-ops; with torch one GEMM for both, then act and product."""
+    """act(gate(x)) * up(x): with the "cpu" kernel one pass over interleaved gate/up panels,
+    the activation and product in registers; with oneDNN two GEMMs, the first applying the
+    activation and the second multiplying by it as post-ops; otherwise (torch, or an
+    activation the kernel lacks) one GEMM for both, then act and product."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, gate: nn.Linear, up: nn.Linear, activation: str,
                  act: Callable[[torch.Tensor], torch.Tensor], kernel: str) -> None:
         """`activation`: the Hugging Face name of `act`."""
         super().__init__()
+        self.gated_mode = cpu_linear.GATED_ACTIVATIONS.get(activation) \
+            if kernel == "cpu" else None
         self.post_op = ONEDNN_ACTIVATIONS.get(activation) if kernel == "onednn" else None
-        if self.post_op is not None:
+        if self.gated_mode is not None:
+            weight, bias = cpu_linear.pack_gated(gate.weight, up.weight, gate.bias, up.bias)
+            self.register_buffer("weight", weight, persistent=False)
+            self.register_buffer("bias", bias, persistent=False)
+            self.out_features = gate.out_features
+        elif self.post_op is not None:
             self.gate, self.up = Linear([gate], kernel), Linear([up], kernel)
         else:
             self.gate_up = Linear([gate, up], kernel)
             self.act = act
 
+    @property
+    def fused_activation(self) -> bool:
+        """Whether the activation and product run inside the GEMMs."""
+        return self.gated_mode is not None or self.post_op is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated_mode is not None:
+            return cpu_linear.linear(x, self.weight, self.bias, self.out_features,
+                                     self.gated_mode)
         if self.post_op is None:
             gate, up = self.gate_up.split(x)
             return self.act(gate) * up

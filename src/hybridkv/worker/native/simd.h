@@ -1,0 +1,38 @@
+/* What the C kernels share: 16-float SIMD values through GCC/Clang vector extensions
+   (AVX-512 here, two AVX2 or four NEON registers elsewhere) and a vectorisable exp. */
+
+#ifndef HYBRIDKV_SIMD_H
+#define HYBRIDKV_SIMD_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* exp(x) for x <= 0 (scores minus their running max), written so loops over it vectorise:
+   x = n ln2 + r with |r| <= ln2/2, exp(r) by its Taylor series to r^6 (relative error
+   below 2e-7, as expf's last bit), times 2^n built in the exponent bits. Below -87 the
+   result is flushed to 0 (exp(-87) is 1.6e-38; such keys weigh nothing next to the max). */
+static inline float exp_nonpositive(float x) {
+    const float clamped = x < -87.f ? -87.f : x;
+    const float n = nearbyintf(clamped * 1.44269504088896341f);
+    const float r = clamped - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    float p = 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
+    return x < -87.f ? 0.f : p * scale.f;
+}
+
+/* 16 floats as one SIMD value; unaligned loads and stores through memcpy. */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
+static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
+
+#endif
