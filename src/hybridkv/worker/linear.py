@@ -91,6 +91,7 @@ class Linear(nn.Module):
         super().__init__()
         weight, bias = _cat(linears)
         self.sizes = [lin.out_features for lin in linears]
+        self.out_features = sum(self.sizes)
         self.kernel = kernel
         if kernel == "onednn":
             weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
@@ -103,7 +104,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "cpu":
-            return cpu_linear.linear(x, self.weight, self.bias, sum(self.sizes))
+            return cpu_linear.linear(x, self.weight, self.bias, self.out_features)
         if self.kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise(  # type: ignore[no-any-return]
                 x.contiguous(), self.weight, self.bias, "none", [], "")
