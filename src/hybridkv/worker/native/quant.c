@@ -1,0 +1,745 @@
+/* GGML-quantized weights on the CPU: dequantization, row gathers (embeddings) and
+   y = x W^T with W kept in its GGUF blocks (worker/quant_linear.py calls these).
+
+   The block layouts (as gguf-py's quants.py reads them; all little-endian, f16 scales):
+     Q4_0  32 values, 18 bytes: d, qs[16]; value j = d (nibble - 8), low nibbles j < 16,
+           high nibbles j >= 16.
+     Q4_1  32 / 20: d, m, qs[16]; d q + m.
+     Q5_0  32 / 22: d, qh (u32: bit j is value j's fifth bit), qs[16]; d (q - 16).
+     Q5_1  32 / 24: d, m, qh, qs[16]; d q + m.
+     Q8_0  32 / 34: d, qs[32] int8; d q.
+     Q4_K  256 / 144: d, dmin, scales[12] (eight 6-bit scales and mins), qs[128]; sub-block s
+           (32 values) is nibble (s & 1) of bytes 32 (s / 2) ... + 31; d sc q - dmin m.
+     Q5_K  256 / 176: as Q4_K with qh[32] before qs: value i of sub-block s has bit s of qh[i]
+           as its fifth bit.
+     Q6_K  256 / 210: ql[128], qh[64], scales[16] int8 (one per 16 values), d; value
+           h 128 + s 32 + i: low nibble (s / 2) of ql[64 h + 32 (s & 1) + i], high two bits
+           (2 s) of qh[32 h + i], minus 32.
+     F32, F16, BF16: one value a block.
+
+   The product keeps x in float (no int8 activations: it matches a float matmul on the
+   dequantized weights to float rounding). One to four x rows (eight for Q8_0) take the fused
+   kernel: each block's integers become 8-float vectors in registers, dotted with every x
+   row, the block's scale applied once per block (a min, through the x block's sum); no
+   float copy of the weights is written, so decode streams the quantized rows once. More
+   rows take panels: a thread dequantizes a few weight rows (24 KiB) once and reuses them
+   for every x row through 4 x 3 register tiles of 8-float dot products. (From 32 rows
+   worker/quant_linear.py dequantizes chunks of rows and runs torch's GEMM instead.) Work
+   is split over torch's OpenMP threads. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+#if defined(__F16C__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+enum {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
+};
+
+/* (values, bytes) per block, or 0 values for a type not handled here. */
+static void block_shape(int type, int64_t *values, int64_t *bytes) {
+    *values = 0;
+    *bytes = 0;
+    switch (type) {
+    case T_F32: *values = 1; *bytes = 4; break;
+    case T_F16: *values = 1; *bytes = 2; break;
+    case T_BF16: *values = 1; *bytes = 2; break;
+    case T_Q4_0: *values = 32; *bytes = 18; break;
+    case T_Q4_1: *values = 32; *bytes = 20; break;
+    case T_Q5_0: *values = 32; *bytes = 22; break;
+    case T_Q5_1: *values = 32; *bytes = 24; break;
+    case T_Q8_0: *values = 32; *bytes = 34; break;
+    case T_Q4_K: *values = 256; *bytes = 144; break;
+    case T_Q5_K: *values = 256; *bytes = 176; break;
+    case T_Q6_K: *values = 256; *bytes = 210; break;
+    default: break;
+    }
+}
+
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+/* IEEE half -> float, subnormals, infinities and NaNs included. */
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: man 2^-24 */
+        float f = (float)man * 5.9604644775390625e-08f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+#endif
+}
+
+/* Q4_K / Q5_K: sub-block s's 6-bit scale and min from the 12 packed bytes. */
+static inline void scale_min_k4(const uint8_t *s, int j, float *sc, float *mn) {
+    if (j < 4) {
+        *sc = (float)(s[j] & 63);
+        *mn = (float)(s[j + 4] & 63);
+    } else {
+        *sc = (float)((s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4));
+        *mn = (float)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+/* The portable dequantization: nb blocks starting at p -> nb * values floats. */
+static void dequant_blocks_portable(int type, const uint8_t *p, int64_t nb, float *out) {
+    switch (type) {
+    case T_F32:
+        memcpy(out, p, (size_t)nb * 4);
+        break;
+    case T_F16: {
+        int64_t i = 0;
+#if defined(__F16C__)
+        for (; i + 8 <= nb; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * i))));
+#endif
+        for (; i < nb; i++) out[i] = half_to_float(rd16(p + 2 * i));
+        break;
+    }
+    case T_BF16:
+        for (int64_t i = 0; i < nb; i++) {
+            const uint32_t bits = (uint32_t)rd16(p + 2 * i) << 16;
+            memcpy(out + i, &bits, 4);
+        }
+        break;
+    case T_Q4_0:
+        for (int64_t b = 0; b < nb; b++, p += 18, out += 32) {
+            const float d = half_to_float(rd16(p));
+            const uint8_t *q = p + 2;
+            for (int j = 0; j < 16; j++) {
+                out[j] = d * (float)((int)(q[j] & 15) - 8);
+                out[j + 16] = d * (float)((int)(q[j] >> 4) - 8);
+            }
+        }
+        break;
+    case T_Q4_1:
+        for (int64_t b = 0; b < nb; b++, p += 20, out += 32) {
+            const float d = half_to_float(rd16(p)), m = half_to_float(rd16(p + 2));
+            const uint8_t *q = p + 4;
+            for (int j = 0; j < 16; j++) {
+                out[j] = d * (float)(q[j] & 15) + m;
+                out[j + 16] = d * (float)(q[j] >> 4) + m;
+            }
+        }
+        break;
+    case T_Q5_0:
+        for (int64_t b = 0; b < nb; b++, p += 22, out += 32) {
+            const float d = half_to_float(rd16(p));
+            const uint32_t qh = rd32(p + 2);
+            const uint8_t *q = p + 6;
+            for (int j = 0; j < 16; j++) {
+                const int lo = (q[j] & 15) | (int)(((qh >> j) & 1) << 4);
+                const int hi = (q[j] >> 4) | (int)(((qh >> (j + 16)) & 1) << 4);
+                out[j] = d * (float)(lo - 16);
+                out[j + 16] = d * (float)(hi - 16);
+            }
+        }
+        break;
+    case T_Q5_1:
+        for (int64_t b = 0; b < nb; b++, p += 24, out += 32) {
+            const float d = half_to_float(rd16(p)), m = half_to_float(rd16(p + 2));
+            const uint32_t qh = rd32(p + 4);
+            const uint8_t *q = p + 8;
+            for (int j = 0; j < 16; j++) {
+                const int lo = (q[j] & 15) | (int)(((qh >> j) & 1) << 4);
+                const int hi = (q[j] >> 4) | (int)(((qh >> (j + 16)) & 1) << 4);
+                out[j] = d * (float)lo + m;
+                out[j + 16] = d * (float)hi + m;
+            }
+        }
+        break;
+    case T_Q8_0:
+        for (int64_t b = 0; b < nb; b++, p += 34, out += 32) {
+            const float d = half_to_float(rd16(p));
+            const int8_t *q = (const int8_t *)(p + 2);
+            for (int j = 0; j < 32; j++) out[j] = d * (float)q[j];
+        }
+        break;
+    case T_Q4_K:
+        for (int64_t b = 0; b < nb; b++, p += 144, out += 256) {
+            const float d = half_to_float(rd16(p)), dmin = half_to_float(rd16(p + 2));
+            const uint8_t *sc = p + 4, *q = p + 16;
+            for (int s = 0; s < 8; s += 2) {
+                float s0, m0, s1, m1;
+                scale_min_k4(sc, s, &s0, &m0);
+                scale_min_k4(sc, s + 1, &s1, &m1);
+                const float d0 = d * s0, o0 = dmin * m0, d1 = d * s1, o1 = dmin * m1;
+                const uint8_t *qq = q + 16 * s;
+                float *o = out + 32 * s;
+                for (int i = 0; i < 32; i++) {
+                    o[i] = d0 * (float)(qq[i] & 15) - o0;
+                    o[i + 32] = d1 * (float)(qq[i] >> 4) - o1;
+                }
+            }
+        }
+        break;
+    case T_Q5_K:
+        for (int64_t b = 0; b < nb; b++, p += 176, out += 256) {
+            const float d = half_to_float(rd16(p)), dmin = half_to_float(rd16(p + 2));
+            const uint8_t *sc = p + 4, *qh = p + 16, *q = p + 48;
+            for (int s = 0; s < 8; s += 2) {
+                float s0, m0, s1, m1;
+                scale_min_k4(sc, s, &s0, &m0);
+                scale_min_k4(sc, s + 1, &s1, &m1);
+                const float d0 = d * s0, o0 = dmin * m0, d1 = d * s1, o1 = dmin * m1;
+                const uint8_t *qq = q + 16 * s;
+                float *o = out + 32 * s;
+                for (int i = 0; i < 32; i++) {
+                    const int lo = (qq[i] & 15) | (((qh[i] >> s) & 1) << 4);
+                    const int hi = (qq[i] >> 4) | (((qh[i] >> (s + 1)) & 1) << 4);
+                    o[i] = d0 * (float)lo - o0;
+                    o[i + 32] = d1 * (float)hi - o1;
+                }
+            }
+        }
+        break;
+    case T_Q6_K:
+        for (int64_t b = 0; b < nb; b++, p += 210, out += 256) {
+            const uint8_t *ql = p, *qh = p + 128;
+            const int8_t *sc = (const int8_t *)(p + 192);
+            const float d = half_to_float(rd16(p + 208));
+            for (int h = 0; h < 2; h++)
+                for (int s = 0; s < 4; s++) {
+                    const uint8_t *l = ql + 64 * h + 32 * (s & 1), *hb = qh + 32 * h;
+                    const int shift = 4 * (s >> 1);
+                    float *o = out + 128 * h + 32 * s;
+                    const float da = d * (float)sc[8 * h + 2 * s];
+                    const float db = d * (float)sc[8 * h + 2 * s + 1];
+                    for (int i = 0; i < 16; i++) {
+                        const int q = (((l[i] >> shift) & 15) | (((hb[i] >> (2 * s)) & 3) << 4)) - 32;
+                        o[i] = da * (float)q;
+                    }
+                    for (int i = 16; i < 32; i++) {
+                        const int q = (((l[i] >> shift) & 15) | (((hb[i] >> (2 * s)) & 3) << 4)) - 32;
+                        o[i] = db * (float)q;
+                    }
+                }
+        }
+        break;
+    default:
+        break;
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* 16 unsigned bytes -> 16 floats d q + off. */
+static inline void cvt16(float *o, __m128i q, __m256 d, __m256 off) {
+    _mm256_storeu_ps(o, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), off));
+    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(
+        d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))), off));
+}
+/* 32 unsigned bytes -> 32 floats, the first 16 with (d0, o0), the last 16 with (d1, o1). */
+static inline void cvt32(float *o, __m256i q, __m256 d0, __m256 o0, __m256 d1, __m256 o1) {
+    cvt16(o, _mm256_castsi256_si128(q), d0, o0);
+    cvt16(o + 16, _mm256_extracti128_si256(q, 1), d1, o1);
+}
+/* Bit j of `bits` -> byte j = 0x10 (j < 32). */
+static inline __m256i bits_to_0x10(uint32_t bits) {
+    const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i mask = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuf);
+    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, mask), mask);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+}
+static inline __m256i nibbles32(const uint8_t *q) { /* 16 bytes: low nibbles, high nibbles */
+    const __m128i v = _mm_loadu_si128((const __m128i *)q), m = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+#define HAVE_FAST_DEQUANT 1
+
+/* The block types through AVX2; returns 0 for a type left to the portable code. */
+static int dequant_blocks_avx2(int type, const uint8_t *p, int64_t nb, float *out) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    switch (type) {
+    case T_Q4_0:
+        for (int64_t b = 0; b < nb; b++, p += 18, out += 32) {
+            const float d = half_to_float(rd16(p));
+            const __m256 dv = _mm256_set1_ps(d), ov = _mm256_set1_ps(-8.f * d);
+            cvt32(out, nibbles32(p + 2), dv, ov, dv, ov);
+        }
+        return 1;
+    case T_Q4_1:
+        for (int64_t b = 0; b < nb; b++, p += 20, out += 32) {
+            const __m256 dv = _mm256_set1_ps(half_to_float(rd16(p)));
+            const __m256 ov = _mm256_set1_ps(half_to_float(rd16(p + 2)));
+            cvt32(out, nibbles32(p + 4), dv, ov, dv, ov);
+        }
+        return 1;
+    case T_Q5_0:
+        for (int64_t b = 0; b < nb; b++, p += 22, out += 32) {
+            const float d = half_to_float(rd16(p));
+            const __m256 dv = _mm256_set1_ps(d), ov = _mm256_set1_ps(-16.f * d);
+            const __m256i q = _mm256_or_si256(nibbles32(p + 6), bits_to_0x10(rd32(p + 2)));
+            cvt32(out, q, dv, ov, dv, ov);
+        }
+        return 1;
+    case T_Q5_1:
+        for (int64_t b = 0; b < nb; b++, p += 24, out += 32) {
+            const __m256 dv = _mm256_set1_ps(half_to_float(rd16(p)));
+            const __m256 ov = _mm256_set1_ps(half_to_float(rd16(p + 2)));
+            const __m256i q = _mm256_or_si256(nibbles32(p + 8), bits_to_0x10(rd32(p + 4)));
+            cvt32(out, q, dv, ov, dv, ov);
+        }
+        return 1;
+    case T_Q8_0:
+        for (int64_t b = 0; b < nb; b++, p += 34, out += 32) {
+            const __m256 dv = _mm256_set1_ps(half_to_float(rd16(p)));
+            for (int k = 0; k < 4; k++) {
+                const __m128i q = _mm_loadl_epi64((const __m128i *)(p + 2 + 8 * k));
+                _mm256_storeu_ps(out + 8 * k,
+                                 _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+            }
+        }
+        return 1;
+    case T_Q4_K:
+    case T_Q5_K: {
+        const int five = type == T_Q5_K;
+        const int64_t size = five ? 176 : 144;
+        for (int64_t b = 0; b < nb; b++, p += size, out += 256) {
+            const float d = half_to_float(rd16(p)), dmin = half_to_float(rd16(p + 2));
+            const uint8_t *sc = p + 4, *qh = p + 16, *q = p + (five ? 48 : 16);
+            const __m256i hv = five ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+            for (int s = 0; s < 8; s += 2) {
+                float s0, m0, s1, m1;
+                scale_min_k4(sc, s, &s0, &m0);
+                scale_min_k4(sc, s + 1, &s1, &m1);
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 * s));
+                __m256i lo = _mm256_and_si256(v, m4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                if (five) {
+                    const __m256i b0 = _mm256_set1_epi8((char)(1 << s));
+                    const __m256i b1 = _mm256_set1_epi8((char)(1 << (s + 1)));
+                    const __m256i x10 = _mm256_set1_epi8(0x10);
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(
+                        _mm256_cmpeq_epi8(_mm256_and_si256(hv, b0), b0), x10));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(
+                        _mm256_cmpeq_epi8(_mm256_and_si256(hv, b1), b1), x10));
+                }
+                const __m256 d0 = _mm256_set1_ps(d * s0), o0 = _mm256_set1_ps(-dmin * m0);
+                const __m256 d1 = _mm256_set1_ps(d * s1), o1 = _mm256_set1_ps(-dmin * m1);
+                cvt32(out + 32 * s, lo, d0, o0, d0, o0);
+                cvt32(out + 32 * s + 32, hi, d1, o1, d1, o1);
+            }
+        }
+        return 1;
+    }
+    case T_Q6_K:
+        for (int64_t b = 0; b < nb; b++, p += 210, out += 256) {
+            const uint8_t *ql = p, *qh = p + 128;
+            const int8_t *sc = (const int8_t *)(p + 192);
+            const float d = half_to_float(rd16(p + 208));
+            for (int h = 0; h < 2; h++) {
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+                for (int s = 0; s < 4; s++) {
+                    __m256i l = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32 * (s & 1)));
+                    if (s >> 1) l = _mm256_srli_epi16(l, 4);
+                    l = _mm256_and_si256(l, m4);
+                    __m256i hi = _mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * s));
+                    hi = _mm256_slli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(3)), 4);
+                    const float da = d * (float)sc[8 * h + 2 * s];
+                    const float db = d * (float)sc[8 * h + 2 * s + 1];
+                    cvt32(out + 128 * h + 32 * s, _mm256_or_si256(l, hi),
+                          _mm256_set1_ps(da), _mm256_set1_ps(-32.f * da),
+                          _mm256_set1_ps(db), _mm256_set1_ps(-32.f * db));
+                }
+            }
+        }
+        return 1;
+    default:
+        return 0;
+    }
+}
+#endif
+
+/* nb blocks starting at p (the first block's bytes) -> nb * values floats. */
+static int force_portable; /* tests: check the portable code on an AVX2 machine too */
+
+int hkv_quant_force_portable(int on) {
+    force_portable = on;
+#ifdef HAVE_FAST_DEQUANT
+    return 1; /* whether there is a fast path to switch off */
+#else
+    return 0;
+#endif
+}
+
+static void dequant_blocks(int type, const uint8_t *p, int64_t nb, float *out) {
+#ifdef HAVE_FAST_DEQUANT
+    if (!force_portable && dequant_blocks_avx2(type, p, nb, out)) return;
+#endif
+    dequant_blocks_portable(type, p, nb, out);
+}
+
+/* out [n, cols] (row stride ldo) = the dequantized rows ids[0..n) (or 0..n when ids is
+   NULL) of data (row stride ldw bytes). Returns -1 for a type not handled here. */
+int hkv_quant_dequantize(const uint8_t *data, int64_t ldw, int type, int64_t cols,
+                         const int64_t *ids, int64_t n, float *out, int64_t ldo) {
+    int64_t bv, bb;
+    block_shape(type, &bv, &bb);
+    if (bv == 0) return -1;
+    const int64_t nb = cols / bv;
+    const int parallel = n * cols >= (1 << 16);
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t src = ids == NULL ? r : ids[r];
+        dequant_blocks(type, data + src * ldw, nb, out + r * ldo);
+    }
+    return 0;
+}
+
+/* ---- y = x W^T ---- */
+
+#define XT 4          /* x rows per register tile */
+#define WT 3          /* weight rows per register tile: 12 accumulators + 4 x + ... */
+#define PANEL_FLOATS (6 * 1024) /* a thread's panel of weight rows: 24 KiB, L1-resident */
+#ifndef FUSED_MAX
+#define FUSED_MAX 4 /* x rows up to which the fused kernel runs (Q8_0: twice as many) */
+#endif
+#define X_BLOCK 64    /* x rows per work item */
+
+#if defined(__AVX2__) || defined(__AVX__)
+/* (sum a, sum b, sum c, sum d) of four 8-float vectors. */
+static inline void hsum4(v8 a, v8 b, v8 c, v8 d, float *out) {
+    const __m256 ab = _mm256_hadd_ps((__m256)a, (__m256)b);
+    const __m256 cd = _mm256_hadd_ps((__m256)c, (__m256)d);
+    const __m256 abcd = _mm256_hadd_ps(ab, cd);
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+    _mm_storeu_ps(out, s);
+}
+#else
+static inline void hsum4(v8 a, v8 b, v8 c, v8 d, float *out) {
+    float t[4] = {0, 0, 0, 0};
+    for (int l = 0; l < 8; l++) {
+        t[0] += a[l];
+        t[1] += b[l];
+        t[2] += c[l];
+        t[3] += d[l];
+    }
+    memcpy(out, t, sizeof t);
+}
+#endif
+
+static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+
+/* y[i, j] = dot(x row i, w row j) for i < NX, j < NW, over k floats (k8 of them by
+   vectors). x rows: stride ldx; w rows: stride ldp (the panel); y: stride ldy. */
+static inline __attribute__((always_inline)) void dot_tile(
+    const float *x, int64_t ldx, const float *w, int64_t ldp, int64_t k, float *y,
+    int64_t ldy, const int NX, const int NW) {
+    v8 acc[XT][WT];
+    for (int i = 0; i < NX; i++)
+        for (int j = 0; j < NW; j++) acc[i][j] = (v8){0};
+    const int64_t k8 = k & ~(int64_t)7;
+    for (int64_t kk = 0; kk < k8; kk += 8) {
+        v8 wv[WT];
+        for (int j = 0; j < NW; j++) wv[j] = load8(w + j * ldp + kk);
+        for (int i = 0; i < NX; i++) {
+            const v8 xv = load8(x + i * ldx + kk);
+            for (int j = 0; j < NW; j++) acc[i][j] += xv * wv[j];
+        }
+    }
+    for (int i = 0; i < NX; i++) {
+        float s[4];
+        hsum4(acc[i][0], NW > 1 ? acc[i][1] : (v8){0}, NW > 2 ? acc[i][2] : (v8){0},
+              (v8){0}, s);
+        for (int j = 0; j < NW; j++) {
+            float t = s[j];
+            for (int64_t kk = k8; kk < k; kk++) t += x[i * ldx + kk] * w[j * ldp + kk];
+            y[i * ldy + j] = t;
+        }
+    }
+}
+
+static void dot_tile_any(const float *x, int64_t ldx, const float *w, int64_t ldp,
+                         int64_t k, float *y, int64_t ldy, int nx, int nw) {
+#define T(A, B) case (A) * 4 + (B): dot_tile(x, ldx, w, ldp, k, y, ldy, A, B); break;
+    switch (nx * 4 + nw) {
+    T(4, 3) T(4, 2) T(4, 1) T(3, 3) T(3, 2) T(3, 1) T(2, 3) T(2, 2) T(2, 1)
+    T(1, 3) T(1, 2) T(1, 1)
+    default: break;
+    }
+#undef T
+}
+
+#if defined(HAVE_FAST_DEQUANT)
+/* ---- A few x rows: dequantize in registers, scales folded per block ----
+   For each block of 32 values, the integer values become four 8-float vectors (shared by
+   the x rows); each x row takes their dot product t with its 32 values and adds d t to its
+   accumulator (offsets of the types with a min, m, are added as m times the x block's sum,
+   computed once per call). No float copy of the weights is written. */
+
+#define FUSED_ROWS 4
+
+/* 32 signed bytes -> four 8-float vectors. */
+static inline void bytes_to_floats(__m256i q, __m256 f[4]) {
+    const __m128i a = _mm256_castsi256_si128(q), b = _mm256_extracti128_si256(q, 1);
+    f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
+    f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
+    f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+}
+
+/* acc[i] += d0 (f . x_i[0:16]) + d1 (f . x_i[16:32]) for the NX rows. */
+static inline __attribute__((always_inline)) void accum32(
+    const __m256 f[4], const float *x, int64_t ldx, __m256 d0, __m256 d1, __m256 *acc,
+    const int NX) {
+    for (int i = 0; i < NX; i++) {
+        const float *xi = x + i * ldx;
+        __m256 t0 = _mm256_mul_ps(f[0], _mm256_loadu_ps(xi));
+        __m256 t1 = _mm256_mul_ps(f[2], _mm256_loadu_ps(xi + 16));
+        t0 = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xi + 8), t0);
+        t1 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xi + 24), t1);
+        acc[i] = _mm256_fmadd_ps(d0, t0, acc[i]);
+        acc[i] = _mm256_fmadd_ps(d1, t1, acc[i]);
+    }
+}
+
+/* y_i = W row . x_i for NX rows; xs: the x rows' sums per 32 values (row stride nb32). */
+static inline __attribute__((always_inline)) void fused_row(
+    int type, const uint8_t *p, int64_t cols, const float *x, int64_t ldx, const float *xs,
+    int64_t ldxs, float *y, int64_t ldy, const int NX) {
+    __m256 acc[FUSED_ROWS];
+    float off[FUSED_ROWS];
+    for (int i = 0; i < NX; i++) {
+        acc[i] = _mm256_setzero_ps();
+        off[i] = 0.f;
+    }
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256 f[4];
+    switch (type) {
+    case T_Q4_0:
+    case T_Q5_0: {
+        const int five = type == T_Q5_0;
+        const int64_t size = five ? 22 : 18;
+        const __m256i bias = _mm256_set1_epi8(five ? 16 : 8);
+        for (int64_t k = 0; k < cols; k += 32, p += size) {
+            __m256i q = nibbles32(p + (five ? 6 : 2));
+            if (five) q = _mm256_or_si256(q, bits_to_0x10(rd32(p + 2)));
+            bytes_to_floats(_mm256_sub_epi8(q, bias), f);
+            const __m256 d = _mm256_set1_ps(half_to_float(rd16(p)));
+            accum32(f, x + k, ldx, d, d, acc, NX);
+        }
+        break;
+    }
+    case T_Q4_1:
+    case T_Q5_1: {
+        const int five = type == T_Q5_1;
+        const int64_t size = five ? 24 : 20;
+        for (int64_t k = 0, b = 0; k < cols; k += 32, b++, p += size) {
+            __m256i q = nibbles32(p + (five ? 8 : 4));
+            if (five) q = _mm256_or_si256(q, bits_to_0x10(rd32(p + 4)));
+            bytes_to_floats(q, f);
+            const __m256 d = _mm256_set1_ps(half_to_float(rd16(p)));
+            const float m = half_to_float(rd16(p + 2));
+            accum32(f, x + k, ldx, d, d, acc, NX);
+            for (int i = 0; i < NX; i++) off[i] += m * xs[i * ldxs + b];
+        }
+        break;
+    }
+    case T_Q8_0:
+        for (int64_t k = 0; k < cols; k += 32, p += 34) {
+            bytes_to_floats(_mm256_loadu_si256((const __m256i *)(p + 2)), f);
+            const __m256 d = _mm256_set1_ps(half_to_float(rd16(p)));
+            accum32(f, x + k, ldx, d, d, acc, NX);
+        }
+        break;
+    case T_Q4_K:
+    case T_Q5_K: {
+        const int five = type == T_Q5_K;
+        const int64_t size = five ? 176 : 144;
+        for (int64_t k = 0, b = 0; k < cols; k += 256, b += 8, p += size) {
+            const float d = half_to_float(rd16(p)), dmin = half_to_float(rd16(p + 2));
+            const uint8_t *sc = p + 4, *qh = p + 16, *q = p + (five ? 48 : 16);
+            const __m256i hv = five ? _mm256_loadu_si256((const __m256i *)qh)
+                                    : _mm256_setzero_si256();
+            float mins[8];
+            for (int s = 0; s < 8; s += 2) {
+                float s0, s1;
+                scale_min_k4(sc, s, &s0, &mins[s]);
+                scale_min_k4(sc, s + 1, &s1, &mins[s + 1]);
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 * s));
+                __m256i lo = _mm256_and_si256(v, m4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                if (five) {
+                    const __m256i b0 = _mm256_set1_epi8((char)(1 << s));
+                    const __m256i b1 = _mm256_set1_epi8((char)(1 << (s + 1)));
+                    const __m256i x10 = _mm256_set1_epi8(0x10);
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(
+                        _mm256_cmpeq_epi8(_mm256_and_si256(hv, b0), b0), x10));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(
+                        _mm256_cmpeq_epi8(_mm256_and_si256(hv, b1), b1), x10));
+                }
+                const __m256 d0 = _mm256_set1_ps(d * s0), d1 = _mm256_set1_ps(d * s1);
+                bytes_to_floats(lo, f);
+                accum32(f, x + k + 32 * s, ldx, d0, d0, acc, NX);
+                bytes_to_floats(hi, f);
+                accum32(f, x + k + 32 * s + 32, ldx, d1, d1, acc, NX);
+            }
+            for (int i = 0; i < NX; i++) {
+                float t = 0.f;
+                for (int s = 0; s < 8; s++) t += mins[s] * xs[i * ldxs + b + s];
+                off[i] -= dmin * t;
+            }
+        }
+        break;
+    }
+    case T_Q6_K: {
+        const __m256i x32 = _mm256_set1_epi8(32), three = _mm256_set1_epi8(3);
+        for (int64_t k = 0; k < cols; k += 256, p += 210) {
+            const uint8_t *ql = p, *qh = p + 128;
+            const int8_t *sc = (const int8_t *)(p + 192);
+            const float d = half_to_float(rd16(p + 208));
+            for (int h = 0; h < 2; h++) {
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+                const __m256i lows[4] = {
+                    _mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                    _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                    _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+                const __m256i highs[4] = {
+                    _mm256_slli_epi16(_mm256_and_si256(hb, three), 4),
+                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4),
+                    _mm256_and_si256(hb, _mm256_set1_epi8(0x30)),
+                    _mm256_and_si256(_mm256_srli_epi16(hb, 2), _mm256_set1_epi8(0x30))};
+                for (int s = 0; s < 4; s++) {
+                    bytes_to_floats(_mm256_sub_epi8(_mm256_or_si256(lows[s], highs[s]), x32), f);
+                    const __m256 da = _mm256_set1_ps(d * (float)sc[8 * h + 2 * s]);
+                    const __m256 db = _mm256_set1_ps(d * (float)sc[8 * h + 2 * s + 1]);
+                    accum32(f, x + k + 128 * h + 32 * s, ldx, da, db, acc, NX);
+                }
+            }
+        }
+        break;
+    }
+    default:
+        break;
+    }
+    for (int i = 0; i < NX; i++) {
+        float s[4];
+        hsum4(acc[i], _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), s);
+        y[i * ldy] = s[0] + off[i];
+    }
+}
+
+static int fused_type(int type) {
+    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 ||
+           type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
+}
+
+static void fused_matmul(const float *x, int64_t m, int64_t ldx, const uint8_t *w,
+                         int64_t ldw, int type, int64_t rows, int64_t cols, float *y,
+                         int64_t ldy, const float *xs, int64_t ldxs) {
+    const int parallel = m * rows * cols >= (1 << 17) && rows > 1;
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < m; i += FUSED_ROWS) {
+            const int nx = m - i < FUSED_ROWS ? (int)(m - i) : FUSED_ROWS;
+            const float *xi = x + i * ldx, *si = xs + i * ldxs;
+            float *yi = y + i * ldy + r;
+            const uint8_t *p = w + r * ldw;
+            switch (nx) {
+            case 4: fused_row(type, p, cols, xi, ldx, si, ldxs, yi, ldy, 4); break;
+            case 3: fused_row(type, p, cols, xi, ldx, si, ldxs, yi, ldy, 3); break;
+            case 2: fused_row(type, p, cols, xi, ldx, si, ldxs, yi, ldy, 2); break;
+            default: fused_row(type, p, cols, xi, ldx, si, ldxs, yi, ldy, 1); break;
+            }
+        }
+    }
+}
+#endif
+
+/* y [m, rows] (row stride ldy) = x [m, cols] (row stride ldx) times W^T, W [rows, cols]
+   in blocks of `type` (row stride ldw bytes). Returns -1 for a type not handled here, -2
+   when a buffer cannot be allocated. */
+int hkv_quant_matmul(const float *x, int64_t m, int64_t ldx, const uint8_t *w, int64_t ldw,
+                     int type, int64_t rows, int64_t cols, float *y, int64_t ldy) {
+    int64_t bv, bb;
+    block_shape(type, &bv, &bb);
+    if (bv == 0) return -1;
+    if (m <= 0 || rows <= 0) return 0;
+    const int64_t nb = cols / bv;
+#if defined(HAVE_FAST_DEQUANT)
+    /* (Measured: beyond that the panels' one dequantization beats decoding the blocks
+       again for every four x rows; Q8_0's blocks decode cheaply enough for eight.) */
+    if (m <= (type == T_Q8_0 ? 2 * FUSED_MAX : FUSED_MAX) && !force_portable &&
+        fused_type(type)) {
+        /* The x rows' sums per 32 values (for the types with a min). */
+        const int64_t nb32 = cols / 32;
+        float *xs = malloc((size_t)(m * nb32 + 1) * sizeof(float));
+        if (xs == NULL) return -2;
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t b = 0; b < nb32; b++) {
+                float t = 0.f;
+                for (int j = 0; j < 32; j++) t += x[i * ldx + 32 * b + j];
+                xs[i * nb32 + b] = t;
+            }
+        fused_matmul(x, m, ldx, w, ldw, type, rows, cols, y, ldy, xs, nb32);
+        free(xs);
+        return 0;
+    }
+#endif
+    /* The panel: as many weight rows (a multiple of WT) as fit the buffer. */
+    int64_t prows = PANEL_FLOATS / (cols > 0 ? cols : 1);
+    prows = prows < WT ? WT : prows - prows % WT;
+    if (prows > 96) prows = 96;
+    const int64_t panels = (rows + prows - 1) / prows;
+    const int64_t xblocks = (m + X_BLOCK - 1) / X_BLOCK;
+    const int64_t items = panels * xblocks;
+    const int parallel = m * rows * cols >= (1 << 17) && items > 1;
+    int failed = 0;
+#pragma omp parallel if (parallel)
+    {
+        float *panel = malloc((size_t)(prows * cols + 16) * sizeof(float));
+        if (panel == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        int64_t have = -1;  /* the panel now in the buffer */
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++) {
+            if (panel == NULL) continue;
+            /* Panels outer: each dequantized once per thread, every x block passing it. */
+            const int64_t b = it % xblocks, p = it / xblocks;
+            const int64_t r0 = p * prows;
+            const int64_t pr = rows - r0 < prows ? rows - r0 : prows;
+            if (have != p) {
+                for (int64_t r = 0; r < pr; r++)
+                    dequant_blocks(type, w + (r0 + r) * ldw, nb, panel + r * cols);
+                have = p;
+            }
+            const int64_t i0 = b * X_BLOCK, i1 = i0 + X_BLOCK < m ? i0 + X_BLOCK : m;
+            /* A tile of weight rows stays in L1 while the block's x rows pass. */
+            for (int64_t j = 0; j < pr; j += WT) {
+                const int nw = pr - j < WT ? (int)(pr - j) : WT;
+                for (int64_t i = i0; i < i1; i += XT) {
+                    const int nx = i1 - i < XT ? (int)(i1 - i) : XT;
+                    dot_tile_any(x + i * ldx, ldx, panel + j * cols, cols, cols,
+                                 y + i * ldy + r0 + j, ldy, nx, nw);
+                }
+            }
+        }
+        free(panel);
+    }
+    return failed ? -2 : 0;
+}

@@ -1,0 +1,262 @@
+"""GGML-quantized weights kept in their GGUF blocks: dequantization, embedding rows and
+y = x W^T through one C call each (worker/native/quant.c), float32 out.
+
+A weight is the GGUF tensor's raw bytes as uint8 [rows, row_bytes] (rows: output features;
+the quantization blocks run along cols, the input features), possibly a view of a
+memory-mapped file: nothing here writes to it. On CPUs the product reads the quantized rows
+once (decode streams them near memory bandwidth); where the C library does not build,
+everything falls back to gguf-py's numpy dequantization and a float matmul.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridkv.worker import native
+
+# GGML type id -> (name, values per block, bytes per block).
+_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+    30: ("BF16", 1, 2),
+}
+SUPPORTED: dict[int, str] = {t: name for t, (name, _, _) in _TYPES.items()}
+
+# x rows from which the product dequantizes chunks of _CHUNK_FLOATS weights into float and
+# runs torch's GEMM on them: measured faster than the C tiles from 32 rows (the tiles reach
+# 55-75% of torch's GEMM there; the dequantization costs ~0.15 ns a weight, once per call).
+LARGE_M = 32
+_CHUNK_FLOATS = 1 << 22  # 16 MiB: torch's GEMM loses speed on narrower chunks
+
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_SIGNATURES: dict[str, list[Any]] = {
+    "hkv_quant_dequantize": [_PTR, _I64, _INT, _I64, _PTR, _I64, _PTR, _I64],
+    "hkv_quant_matmul": [_PTR, _I64, _I64, _PTR, _I64, _INT, _I64, _I64, _PTR, _I64],
+    "hkv_quant_force_portable": [_INT],
+}
+_lib: ctypes.CDLL | None = None
+_unavailable: str | None = None
+
+
+def library() -> ctypes.CDLL:
+    """The compiled kernels (built on first use; NativeBuildError where no compiler runs)."""
+    global _lib
+    if _lib is None:
+        lib = native.load("quant")
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        _lib = lib
+    return _lib
+
+
+def available() -> bool:
+    """Whether the C kernels build and load here (the answer is remembered)."""
+    global _unavailable
+    if _lib is not None:
+        return True
+    if _unavailable is not None:
+        return False
+    try:
+        library()
+        return True
+    except native.NativeBuildError as exc:
+        _unavailable = str(exc)
+        return False
+
+
+def _type(qtype: int) -> tuple[str, int, int]:
+    try:
+        return _TYPES[int(qtype)]
+    except KeyError:
+        raise ValueError(f"unsupported GGML quantization type {qtype} (supported: "
+                         f"{', '.join(SUPPORTED.values())})") from None
+
+
+def block_shape(qtype: int) -> tuple[int, int]:
+    """(values per block, bytes per block) of a GGML type."""
+    _, values, nbytes = _type(qtype)
+    return values, nbytes
+
+
+def row_bytes(qtype: int, cols: int) -> int:
+    """Bytes of one row of `cols` values (a whole number of blocks)."""
+    name, values, nbytes = _type(qtype)
+    if cols < 0 or cols % values:
+        raise ValueError(f"{name} rows hold whole blocks of {values} values; {cols} columns "
+                         f"is not a multiple")
+    return cols // values * nbytes
+
+
+def _check(data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
+    """data as uint8 [rows, row_bytes] on the CPU with unit stride along its bytes."""
+    nbytes = row_bytes(qtype, cols)
+    if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != nbytes:
+        raise ValueError(f"{SUPPORTED[int(qtype)]} data for {cols} columns is uint8 "
+                         f"[rows, {nbytes}], not {data.dtype} {tuple(data.shape)}")
+    if data.device.type != "cpu":
+        raise ValueError(f"quantized data is read on the CPU, not on {data.device.type}")
+    if data.stride(1) != 1 and data.shape[0] and data.shape[1] > 1:
+        data = data.contiguous()
+    return data
+
+
+def _reference(data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
+    """gguf-py's numpy dequantization (the fallback, and the tests' reference)."""
+    import gguf
+
+    raw = np.ascontiguousarray(data.numpy())
+    if raw.shape[0] == 0:
+        return torch.empty((0, cols), dtype=torch.float32)
+    values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(qtype)))
+    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(-1, cols))
+
+
+def dequantize(data: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
+    """uint8 [rows, row_bytes] -> float32 [rows, cols]."""
+    data = _check(data, qtype, cols)
+    if not available():
+        return _reference(data, qtype, cols)
+    out = torch.empty((data.shape[0], cols), dtype=torch.float32)
+    if data.shape[0] and cols:
+        library().hkv_quant_dequantize(data.data_ptr(), data.stride(0), int(qtype), cols,
+                                       None, data.shape[0], out.data_ptr(), cols)
+    return out
+
+
+def dequantize_rows(data: torch.Tensor, qtype: int, cols: int,
+                    ids: torch.Tensor) -> torch.Tensor:
+    """float32 [len(ids), cols]: rows `ids` (int64) of the table, only those dequantized."""
+    data = _check(data, qtype, cols)
+    flat = ids.reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= data.shape[0]):
+        raise IndexError(f"row ids out of range for a table of {data.shape[0]} rows")
+    if not available():
+        return _reference(data[flat], qtype, cols)
+    out = torch.empty((flat.numel(), cols), dtype=torch.float32)
+    if flat.numel() and cols:
+        library().hkv_quant_dequantize(data.data_ptr(), data.stride(0), int(qtype), cols,
+                                       flat.data_ptr(), flat.numel(), out.data_ptr(), cols)
+    return out
+
+
+def matmul(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x float32 [M, cols] times W^T, W the dequantized [rows, cols] -> float32 [M, rows]
+    (written into `out` when given: float32 [M, rows], unit stride along rows)."""
+    data = _check(data, qtype, cols)
+    if x.dim() != 2 or x.shape[1] != cols:
+        raise ValueError(f"x is [M, {cols}], not {tuple(x.shape)}")
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"the quantized matmul takes float32 CPU inputs, not {x.dtype} on "
+                         f"{x.device.type}")
+    return _product(x, data, int(qtype), cols, out)
+
+
+def _product(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
+             out: torch.Tensor | None) -> torch.Tensor:
+    """matmul() once data and x are known good (QuantizedWeight calls this directly)."""
+    m, rows = x.shape[0], data.shape[0]
+    if out is None:
+        out = torch.empty((m, rows), dtype=torch.float32)
+    elif (out.shape != (m, rows) or out.dtype != torch.float32 or out.device.type != "cpu"
+          or (out.stride(1) != 1 and rows > 1)):
+        raise ValueError(f"out must be float32 [{m}, {rows}] on the CPU with unit stride "
+                         f"along rows, not {out.dtype} {tuple(out.shape)}")
+    if m == 0 or rows == 0:
+        return out
+    if cols == 0:
+        return out.zero_()
+    lib = _lib
+    if lib is None:
+        if not available():
+            torch.matmul(x, _reference(data, qtype, cols).T, out=out)
+            return out
+        lib = library()
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if m >= LARGE_M:
+        # Prefill: dequantize a chunk of rows at a time (16 MiB of floats, L3-resident) and
+        # run torch's float GEMM on it; the dequantization is ~1% of the GEMM's time.
+        chunk = max(1, _CHUNK_FLOATS // max(cols, 1))
+        buf = torch.empty((min(chunk, rows), cols), dtype=torch.float32)
+        fn = lib.hkv_quant_dequantize
+        for r0 in range(0, rows, chunk):
+            n = min(chunk, rows - r0)
+            fn(data[r0].data_ptr(), data.stride(0), qtype, cols, None, n, buf.data_ptr(), cols)
+            if n == rows and out.is_contiguous():
+                torch.mm(x, buf.T, out=out)
+            else:
+                out[:, r0:r0 + n] = torch.mm(x, buf[:n].T)
+        return out
+    rc = lib.hkv_quant_matmul(x.data_ptr(), m, x.stride(0), data.data_ptr(), data.stride(0),
+                               qtype, rows, cols, out.data_ptr(), out.stride(0))
+    if rc != 0:
+        raise MemoryError("the quantized matmul could not allocate its panel buffers")
+    return out
+
+
+@dataclass
+class QuantizedWeight:
+    """A GGUF weight kept quantized: data uint8 [rows, row_bytes] of `qtype` blocks."""
+
+    data: torch.Tensor
+    qtype: int
+    rows: int
+    cols: int
+
+    def __post_init__(self) -> None:
+        self.data = _check(self.data, self.qtype, self.cols)
+        if self.data.shape[0] != self.rows:
+            raise ValueError(f"data holds {self.data.shape[0]} rows, not {self.rows}")
+
+    @classmethod
+    def from_numpy(cls, raw: np.ndarray, qtype: int, rows: int, cols: int
+                   ) -> QuantizedWeight:
+        """From a GGUF tensor's raw bytes (any shape; a memmap view is kept, not copied)."""
+        flat = raw.view(np.uint8).reshape(rows, row_bytes(qtype, cols))
+        with warnings.catch_warnings():  # a read-only memmap: nothing here writes to it
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            data = torch.from_numpy(flat)
+        return cls(data, int(qtype), rows, cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * row_bytes(self.qtype, self.cols)
+
+    @property
+    def type_name(self) -> str:
+        return SUPPORTED[self.qtype]
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self.data, self.qtype, self.cols)
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., cols] -> [..., rows]."""
+        if x.shape[-1] != self.cols:
+            raise ValueError(f"x is [..., {self.cols}], not {tuple(x.shape)}")
+        rows2d = x.reshape(-1, self.cols)
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"the quantized matmul takes float32 CPU inputs, not {x.dtype} "
+                             f"on {x.device.type}")
+        y = _product(rows2d, self.data, self.qtype, self.cols, out)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.rows)
+
+    def rows_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding lookup: ids [...] -> float32 [..., cols]."""
+        return dequantize_rows(self.data, self.qtype, self.cols, ids).view(*ids.shape,
+                                                                             self.cols)
