@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,39 @@ def check(llm, outs, tokens, logits, *, atol=2e-4):
         ours = torch.stack(llm.logits.pop(out.request_id))
         assert ours.shape == ref_logits.shape
         torch.testing.assert_close(ours, ref_logits, atol=atol, rtol=1e-4)
+
+
+# Families whose config places the windows by a rule (`max_window_layers`, SmolLM3's
+# `no_rope_layers`) when it has no `layer_types`: older checkpoints, and Qwen3-MoE always
+# (its config has no such field; its attention slides on every layer).
+DERIVED_WINDOWS: dict[str, dict[str, object]] = {
+    "qwen2": {}, "qwen3_swa": {}, "qwen2_moe_swa": {}, "qwen3_moe_swa": {}, "smollm3": {},
+    "dots1": dict(layer_types=None, max_window_layers=1)}
+
+
+@pytest.mark.parametrize("name", sorted(DERIVED_WINDOWS))
+def test_windows_placed_without_layer_types_as_transformers_places_them(name, tmp_path):
+    model_dir = build_tiny_model(name, tmp_path, **DERIVED_WINDOWS[name])
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("layer_types", None)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(1234)
+    prompts = [torch.randint(4, 256, (n,), generator=gen).tolist() for n in PROMPT_LENS[:2]]
+    tokens, logits = hf_reference(model_dir, prompts)
+    llm, outs = run(model_dir, prompts)
+    check(llm, outs, tokens, logits)
+    assert "sliding_window" in {g.spec.kind for g in llm.engine.plan.config.groups}
+
+
+def test_mamba2_config_without_intermediate_size(tmp_path):
+    # As transformers writes it: Mamba2's config has no intermediate_size (expand x hidden).
+    model_dir = build_tiny_model("mamba2", tmp_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    del config["intermediate_size"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    prompts = [torch.randint(4, 256, (23,), generator=torch.Generator().manual_seed(1)).tolist()]
+    llm, outs = run(model_dir, prompts)
+    check(llm, outs, *hf_reference(model_dir, prompts))
 
 
 def test_batch_matches_transformers(reference):

@@ -54,6 +54,9 @@ def test_sliding_window_pattern_in_letters():
     ("GraniteMoeSWAConfig", {}), ("MiMoV2FlashConfig", {}),
     ("Dots1Config", {"max_window_layers": 5}), ("SmolLM3Config", {"use_sliding_window": True}),
     ("SmolLM3Config", {"use_sliding_window": False}), ("MinistralConfig", {}),
+    *[(name, {"use_sliding_window": True, "max_window_layers": 5})
+      for name in ("Qwen2Config", "Qwen3Config", "Qwen2MoeConfig")],
+    ("Qwen3Config", {"use_sliding_window": True}),  # max_window_layers 28: all full
 ])
 def test_configs_without_layer_types_get_the_family_default(config_cls, extra):
     """A config saved without `layer_types` (older checkpoints) gets the mix transformers

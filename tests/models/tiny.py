@@ -160,6 +160,14 @@ ARCHS["qwen3_moe"] = ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
     num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
     norm_topk_prob=True, use_sliding_window=True, sliding_window=16))
 
+# Windows placed by max_window_layers < num_hidden_layers, as each family places them: Qwen3-MoE
+# ignores it (every layer slides); Qwen2-MoE slides the even layers below it (0 and 2 here).
+ARCHS["qwen3_moe_swa"] = ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+    ARCHS["qwen3_moe"][2], num_hidden_layers=4, max_window_layers=2))
+ARCHS["qwen2_moe_swa"] = ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+    ARCHS["qwen2_moe"][2], num_hidden_layers=4, use_sliding_window=True, sliding_window=16,
+    max_window_layers=3))
+
 # Phi-3: fused qkv_proj and gate_up_proj, RoPE on half of each head, every layer sliding.
 ARCHS["phi3"] = ("Phi3Config", "Phi3ForCausalLM", dict(
     num_hidden_layers=2, sliding_window=16, partial_rotary_factor=0.5))

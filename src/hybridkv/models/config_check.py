@@ -20,6 +20,44 @@ OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings",
                  "sliding_window", "attention_chunk_size")
 
 
+def _times_hidden(factor_field: str, default: int) -> Any:
+    return lambda cfg: int(cfg.get(factor_field) or default) * int(cfg["hidden_size"])
+
+
+# (model_type, field) -> the value transformers' config class (or model) derives when a config
+# leaves the field out or null, from fields it does give; None where the family never reads it.
+DERIVED_FIELDS: dict[tuple[str, str], Any] = {
+    # Mamba's width is expand x hidden (Mamba2's config has no intermediate_size at all).
+    **{(t, "intermediate_size"): _times_hidden("expand", 2)
+       for t in ("mamba", "falcon_mamba", "mamba2")},
+    ("rwkv", "intermediate_size"): lambda cfg: 4 * int(cfg["hidden_size"]),
+    ("rwkv", "attention_hidden_size"): lambda cfg: cfg["hidden_size"],
+    ("zamba2", "intermediate_size"): lambda cfg: 4 * int(cfg["hidden_size"]),
+    ("lfm2", "intermediate_size"): lambda cfg: cfg.get("block_ff_dim"),  # the older spelling
+    # xLSTM's own names (transformers 5 reads them only for null fields; 4.x configs).
+    ("xlstm", "hidden_size"): lambda cfg: cfg.get("embedding_dim"),
+    ("xlstm", "num_hidden_layers"): lambda cfg: cfg.get("num_blocks"),
+    ("xlstm", "intermediate_size"): None,  # sized by ffn_proj_factor
+    ("qwen3_5_moe_text", "intermediate_size"): None,  # every layer is MoE
+}
+
+
+def with_derived_fields(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The text config with the fields of DERIVED_FIELDS it leaves out filled in (where their
+    sources are given), as transformers fills them in."""
+    model_type = cfg.get("model_type")
+    out: dict[str, Any] | None = None
+    for (family, name), derive in DERIVED_FIELDS.items():
+        if family != model_type or derive is None or cfg.get(name) is not None:
+            continue
+        source = out if out is not None else cfg
+        if source.get("hidden_size") is None and name != "hidden_size":
+            continue  # reported as missing by check_config
+        out = dict(cfg) if out is None else out
+        out[name] = derive(out)
+    return cfg if out is None else out
+
+
 def check_config(config: object, source: str, *, for_model: bool) -> None:
     """Raise ValueError naming `source` (e.g. '/models/x/config.json') and the field."""
     if not isinstance(config, Mapping):
@@ -28,17 +66,18 @@ def check_config(config: object, source: str, *, for_model: bool) -> None:
     if text is not None and not isinstance(text, Mapping):
         raise ValueError(f"{source}: text_config must be an object, got "
                          f"{type(text).__name__}")
-    cfg: Mapping[str, Any] = text if text is not None else config
+    cfg: Mapping[str, Any] = with_derived_fields(text if text is not None else config)
     where = f"{source}: " + ("text_config." if text is not None else "")
     for name in MODEL_FIELDS if for_model else PLAN_FIELDS:
+        if (cfg.get("model_type"), name) in DERIVED_FIELDS and \
+                DERIVED_FIELDS[cfg.get("model_type"), name] is None:
+            continue  # a field the family does not have
         if name == "num_hidden_layers" and cfg.get(name) is None and any(
                 cfg.get(f) is not None for f in ("layers_block_type",
                                                  "hybrid_override_pattern")):
             continue  # NemotronH: its per-layer pattern alone says how many layers
         if name == "num_attention_heads" and cfg.get("model_type") in ATTENTION_FREE:
             continue
-        if name == "intermediate_size" and cfg.get("model_type") == "xlstm":
-            continue  # xLSTM sizes its feed-forward by ffn_proj_factor
         if cfg.get(name) is None:
             raise ValueError(f"{where}{name} is missing")
         if name == "intermediate_size" and isinstance(cfg[name], list):

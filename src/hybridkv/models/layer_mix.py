@@ -25,7 +25,7 @@ from hybridkv.kv.spec import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
-from hybridkv.models.config_check import ATTENTION_FREE, check_config
+from hybridkv.models.config_check import ATTENTION_FREE, check_config, with_derived_fields
 
 # Layer kinds after reading the config.
 FULL, SLIDING, CHUNKED, MAMBA, MAMBA1, LINEAR, NONE = (
@@ -89,8 +89,18 @@ def shipped_config_names() -> list[str]:
 
 
 def load_hf_config(source: str) -> dict[str, Any]:
-    """A model directory, a `config.json` path, or the short name of a shipped config."""
+    """A model directory, a `config.json` path, a GGUF file (or a directory holding one), the
+    short name of a real model installed from PyPI, or the short name of a shipped config."""
+    from hybridkv.models.gguf_config import config_from_gguf
+    from hybridkv.models.gguf_file import read_header
+    from hybridkv.models.sources import REAL_MODELS, resolve_model
+
     path = Path(source)
+    shipped = source.lower() in shipped_config_names()
+    if path.exists() or (source.lower() in REAL_MODELS and not shipped):
+        model = resolve_model(source)
+        if model.is_gguf:
+            return config_from_gguf(read_header(model.path))
     if path.is_dir():
         path = path / "config.json"
         if not path.is_file():
@@ -121,11 +131,9 @@ def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def with_family_defaults(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     """The text config with the defaults transformers derives for fields a config may leave
-    out, where the layer mix or the state shapes depend on them (OLMo Hybrid, RWKV)."""
-    if cfg.get("model_type") == "rwkv":
-        hidden = cfg.get("hidden_size")
-        return {**cfg, "attention_hidden_size": cfg.get("attention_hidden_size") or hidden,
-                "intermediate_size": cfg.get("intermediate_size") or 4 * int(hidden or 0)}
+    out: those the config checker derives too (config_check.DERIVED_FIELDS: Mamba's and
+    RWKV's widths, ...), and OLMo Hybrid's layer mix and Gated DeltaNet shapes."""
+    cfg = with_derived_fields(cfg)
     if cfg.get("model_type") != "olmo_hybrid":
         return cfg
     out = dict(cfg)
@@ -292,12 +300,25 @@ def _attention_kinds(cfg: Mapping[str, Any], model_type: str, n: int) -> list[st
         return [FULL if (i + 1) % int(pattern) == 0 else SLIDING for i in range(n)]
     if model_type == "gemma2":
         return [SLIDING if i % 2 == 0 else FULL for i in range(n)]
-    if model_type.startswith("qwen"):
+    if model_type in _QWEN_WINDOWS:
         if not cfg.get("use_sliding_window"):
             return [FULL] * n
-        first_sliding = int(cfg.get("max_window_layers", 0))
-        return [SLIDING if i >= first_sliding else FULL for i in range(n)]
+        slides = _QWEN_WINDOWS[model_type]
+        # transformers' default when the config leaves max_window_layers out.
+        bound = int(_first(cfg, "max_window_layers", default=28))
+        return [SLIDING if slides(i, bound) else FULL for i in range(n)]
     return [SLIDING] * n
+
+
+# Qwen families with `use_sliding_window` on: (layer, max_window_layers) -> whether the layer
+# slides, as their transformers configs build `layer_types`. Qwen2/Qwen3 keep the bottom layers
+# full; Qwen2-MoE slides the even layers *below* the bound; Qwen3-MoE's attention slides on
+# every layer and never reads max_window_layers.
+_QWEN_WINDOWS: dict[str, Any] = {
+    "qwen2": lambda i, bound: i >= bound, "qwen3": lambda i, bound: i >= bound,
+    "qwen2_moe": lambda i, bound: i % 2 == 0 and i < bound,
+    "qwen3_moe": lambda i, bound: True,
+}
 
 
 # model_type -> (text config, layer) -> whether the layer is full attention, for configs with a
@@ -309,7 +330,7 @@ _FULL_LAYER_DEFAULTS: dict[str, Any] = {
     "afmoe": lambda cfg, i: (i + 1) % int(cfg.get("global_attn_every_n_layers") or 4) == 0,
     "granite_swa": lambda cfg, i: i % 4 == 0, "granitemoe_swa": lambda cfg, i: i % 4 == 0,
     "mimo_v2_flash": lambda cfg, i: i == 0 or (i + 1) % 6 == 0,
-    "dots1": lambda cfg, i: i < int(cfg.get("max_window_layers") or 0),
+    "dots1": lambda cfg, i: i < int(_first(cfg, "max_window_layers", default=62)),
     "smollm3": lambda cfg, i: _smollm3_full(cfg, i),
 }
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from hybridkv.models.base import CausalLM
-from hybridkv.models.layer_mix import FULL
+from hybridkv.models.layer_mix import FULL, with_family_defaults
 from hybridkv.models.layers.mamba1_heads import MultiHeadMamba1Mixer
 from hybridkv.models.layers.mamba2 import Mamba2Mixer
 from hybridkv.models.layers.mlp import GatedMLP
@@ -144,7 +144,8 @@ class _ZambaLM(CausalLM):
 
 class Zamba2ForCausalLM(_ZambaLM):
     def __init__(self, config: Mapping[str, Any]) -> None:
-        cfg = TextConfig.from_hf(config, eps=1e-5, act="gelu", tied=True)
+        # A config without intermediate_size gets transformers' 4 x hidden.
+        cfg = TextConfig.from_hf(with_family_defaults(config), eps=1e-5, act="gelu", tied=True)
         fields = mamba2_fields(cfg.raw)
         num_uses = sum(FULL in parts for parts in cfg.layer_kinds)
         super().__init__(cfg, hybrid_layers(

@@ -139,8 +139,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
         if body.messages is not None:
-            text = state.render_chat(body.messages, body.add_generation_prompt)
-            ids = state.encode(text, "messages")
+            ids = state.encode_chat(body.messages, body.add_generation_prompt)
         else:
             ids = state.encode(body.prompt or "")
         return p.TokenizeResponse(count=len(ids), max_model_len=state.max_model_len,

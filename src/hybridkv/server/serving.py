@@ -51,10 +51,19 @@ class ServerState:
             raise APIError(404, f"the model '{model}' does not exist; this server serves "
                                 f"'{self.model_name}'", param="model")
 
-    def encode(self, text: str, param: str = "prompt") -> list[int]:
+    def encode(self, text: str, param: str = "prompt", *,
+               add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer: send token ids", param)
-        return list(self.tokenizer.encode(text).ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_chat(self, messages: list[p.ChatMessage], add_generation_prompt: bool
+                    ) -> list[int]:
+        """The rendered chat's tokens as transformers' `apply_chat_template(tokenize=True)`
+        gives them: templates print their own special tokens (`{{ bos_token }}`), so the
+        tokenizer adds none (its post-processor would add a second BOS)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt), "messages",
+                           add_special_tokens=False)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids))) if self.tokenizer else ""
@@ -425,8 +434,7 @@ async def create_chat_completion(state: ServerState, body: p.ChatCompletionReque
     state.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    text = state.render_chat(body.messages, body.add_generation_prompt)
-    prompt = state.encode(text, "messages")
+    prompt = state.encode_chat(body.messages, body.add_generation_prompt)
     state.check_prompt(prompt, "messages")
     requested = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
