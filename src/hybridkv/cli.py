@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import sys
 import textwrap
@@ -59,6 +60,13 @@ class Command(NamedTuple):
 
 class _Parser(argparse.ArgumentParser):
     """Reports a bad command line in one line instead of usage + message + exit."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # A value that starts with a minus and a digit ("-5GiB", "-1.5e3") is a value, not an
+        # option: its flag's type then says what is wrong with it (argparse itself only lets
+        # plain negative numbers through and answers "expected one argument").
+        self._negative_number_matcher = re.compile(r"^-\.?\d[\w.+-]*$")
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
@@ -113,13 +121,23 @@ probability = _bounded(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
 positive_float = _bounded(float, lambda v: 0 < v < math.inf, "a finite number > 0")
 
 
+MEMORY_SIZE_EXAMPLES = "like 40GiB, 512MiB or 1073741824"
+
+
 def memory(text: str) -> int:
+    """A memory size flag's value: bytes, or a number with a unit; more than 0."""
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(
+            f"memory size must be positive, {MEMORY_SIZE_EXAMPLES}; got {text!r}")
     try:
         value = parse_bytes(text)
     except (ValueError, OverflowError):  # "nan", "inf"
         raise argparse.ArgumentTypeError(
             f"cannot read {text!r} as a memory size; use bytes or a number with a unit such "
             f"as 40GiB, 512MiB, 8GB") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"memory size must be positive, {MEMORY_SIZE_EXAMPLES}; got {text!r}")
     return value
 
 
@@ -164,7 +182,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model directory, config.json, or the name of a shipped config: "
                              f"{', '.join(shipped_config_names())}")
     parser.add_argument("--memory", type=memory, default="40GiB",
-                        help="KV cache bytes, plain or with a unit")
+                        help="KV cache bytes, plain or with a unit (default: sized from the "
+                             "memory available once the model is loaded)")
     parser.add_argument("--max-model-len", type=positive_int, default=131072,
                         help="longest request (prompt + output) in tokens")
     parser.add_argument("--block-size", type=positive_int, default=16,
@@ -340,7 +359,9 @@ def _plan_table(model: str, model_type: str, main: KVCachePlan, hybrid: KVCacheP
 # generate
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", help="a Hugging Face-format model directory")
+    parser.add_argument("model_dir", help="a Hugging Face-format model directory, a .gguf "
+                                          "file, or a real model's short name "
+                                          "(gemma-3-270m, smollm2-135m-instruct)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     source.add_argument("--prompts-file", type=Path,
@@ -357,10 +378,14 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sampling seed in [0, 2**64) (default: unseeded)")
     parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="longest request in tokens (default: the model's, at most 8192)")
-    parser.add_argument("--kv-cache-memory", type=memory, default="256MiB",
-                        help="KV cache bytes, plain or with a unit")
+    parser.add_argument("--kv-cache-memory", type=memory, default=None,
+                        help="KV cache bytes, plain or with a unit (default: sized from the "
+                             "memory available once the model is loaded)")
     parser.add_argument("--dtype", default="auto",
                         help="weights and activations dtype (auto: the model's)")
+    parser.add_argument("--dequantize", action="store_true",
+                        help="GGUF models: dequantize the weights to --dtype at load instead "
+                             "of computing on their quantized blocks")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn prefix caching off")
     parser.add_argument("--no-hybrid", action="store_true",
@@ -422,7 +447,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from hybridkv import LLM, SamplingParams
 
     options: dict[str, object] = dict(
-        kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory, dtype=args.dtype, dequantize=args.dequantize,
         enable_prefix_caching=not args.no_prefix_caching,
         disable_hybrid_kv_cache=args.no_hybrid,
         kv_sharing_fast_prefill=args.kv_sharing_fast_prefill,
@@ -539,10 +564,14 @@ def add_server_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
                         help="requests in the running batch at most")
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
                         help="tokens per engine step")
-    parser.add_argument("--kv-cache-memory", type=memory, default="256MiB",
-                        help="KV cache bytes, plain or with a unit")
+    parser.add_argument("--kv-cache-memory", type=memory, default=None,
+                        help="KV cache bytes, plain or with a unit (default: sized from the "
+                             "memory available once the model is loaded)")
     parser.add_argument("--dtype", default="auto",
                         help="weights and activations dtype (auto: the model's)")
+    parser.add_argument("--dequantize", action="store_true",
+                        help="GGUF models: dequantize the weights to --dtype at load instead "
+                             "of computing on their quantized blocks")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True, help="reuse the KV cache of shared prompt prefixes")
     add_threads_argument(parser)
@@ -569,7 +598,7 @@ def server_engine_options(args: argparse.Namespace) -> dict[str, object]:
     """The engine options of `add_server_engine_arguments`' flags."""
     options: dict[str, object] = dict(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory, dtype=args.dtype, dequantize=args.dequantize,
         enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
         linear_kernel=args.linear_kernel, attention_backend=args.attention_backend)
     if args.max_model_len:

@@ -55,7 +55,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     kernel_block_size: int | None = None  # must divide block_size
-    kv_cache_memory: int | str = "256MiB"
+    # KV cache bytes; None: sized from the memory the device has available once the model
+    # is loaded (engine/build.py: auto_kv_cache_memory).
+    kv_cache_memory: int | str | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     disable_hybrid_kv_cache: bool = False
@@ -78,6 +80,9 @@ class EngineConfig:
     # "onednn" (weights prepacked once for oneDNN's GEMM; CPU, float32 or bfloat16), "torch"
     # (F.linear), "auto": "cpu" where it runs, else oneDNN, else torch (CUDA).
     linear_kernel: str = "auto"
+    # GGUF models: weights are kept in their quantized blocks on the CPU; True dequantizes
+    # them to `dtype` at load (4-8x the memory; what CUDA devices do anyway).
+    dequantize: bool = False
 
     # Serve a max_model_len above the model's max_position_embeddings (positions the model
     # was never trained on); refused unless set, as vLLM does.
@@ -135,7 +140,8 @@ class EngineConfig:
         if not isinstance(self.attention_backend, str):
             raise ValueError(f"attention_backend must be a name such as 'torch', got "
                              f"{self.attention_backend!r}")
-        object.__setattr__(self, "kv_cache_memory", _memory(self.kv_cache_memory))
+        if self.kv_cache_memory is not None:
+            object.__setattr__(self, "kv_cache_memory", _memory(self.kv_cache_memory))
         if self.kv_offload_cpu is not None:
             object.__setattr__(self, "kv_offload_cpu",
                                _memory(self.kv_offload_cpu, "kv_offload_cpu"))

@@ -4,8 +4,8 @@ load the model and tokenizer, plan the KV cache, create the manager, scheduler a
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -22,8 +22,11 @@ from hybridkv.engine.offload import (
 )
 from hybridkv.kv.manager import KVCacheManager
 from hybridkv.kv.plan import KVCachePlan, format_bytes, plan_kv_cache
+from hybridkv.models.gguf_config import config_from_gguf
+from hybridkv.models.gguf_file import read_header
 from hybridkv.models.layer_mix import kv_layout_from_config
-from hybridkv.models.loader import load_model, read_config
+from hybridkv.models.loader import LoadedModel, load_gguf_model, load_model, read_config
+from hybridkv.models.sources import resolve_model
 from hybridkv.sched.scheduler import Scheduler, SchedulerOutput
 from hybridkv.worker.cpu_attention import choose_backend
 from hybridkv.worker.cpu_malloc import keep_buffers_in_heap
@@ -31,6 +34,8 @@ from hybridkv.worker.cpu_ops import use_cpu_ops
 from hybridkv.worker.kv_cache import torch_dtype
 from hybridkv.worker.model_runner import ModelRunner, RunnerOutput
 from hybridkv.worker.threads import set_intra_op_threads
+
+logger = logging.getLogger(__name__)
 
 
 class Runner(Protocol):
@@ -48,6 +53,10 @@ class EngineParts:
     vocab_size: int
     tokenizer: Any | None = None  # tokenizers.Tokenizer
     eos_token_ids: tuple[int, ...] = ()
+    # What a chat endpoint needs when the model is one file (GGUF): its template and the
+    # special tokens templates print. A directory's are read from its files by the server.
+    chat_template: str | None = None
+    special_tokens: dict[str, str] | None = None
 
 
 def resolve_device(name: str) -> str:
@@ -89,21 +98,82 @@ def check_memory_budget(kv_cache_memory: int, device: str) -> None:
                          f"kv_cache_memory")
 
 
-def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
-    device = resolve_device(config.device)
-    check_memory_budget(int(config.kv_cache_memory), device)
-    # Before any torch work: the thread pool is sized once, on purpose (worker/threads.py).
-    set_intra_op_threads(config.threads)
-    if device == "cpu":
-        keep_buffers_in_heap()  # activations reuse heap buffers, not fresh pages (see module)
-    hf_config = read_config(Path(model_dir))
+# Without a kv_cache_memory, the KV cache takes this share of the memory the device has
+# available once the model is loaded (vLLM's CPU backend sizes its KV space the same way), at
+# most AUTO_KV_CAP on the CPU: the arena's pages are only backed by memory once written, but
+# a host runs more than one engine.
+AUTO_KV_FRACTION = {"cpu": 0.5, "cuda": 0.9}
+AUTO_KV_CAP = 16 << 30
+
+
+def auto_kv_cache_memory(device: str) -> int:
+    available = available_memory(device)
+    if available is None:
+        return 1 << 30
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    budget = int(available * AUTO_KV_FRACTION[kind])
+    return min(budget, AUTO_KV_CAP) if kind == "cpu" else budget
+
+
+def _load(model: str, config: EngineConfig, device: str
+          ) -> tuple[LoadedModel, dict[str, Any], str, str | None, dict[str, str] | None]:
+    """(the loaded model, its HF config, its dtype name, chat template, special tokens)."""
+    source = resolve_model(model)
+    if source.is_gguf:
+        header = read_header(source.path)
+        hf_config = config_from_gguf(header)
+        dtype_name = config.dtype if config.dtype != "auto" else "float32"
+        loaded = load_gguf_model(header, hf_config, device=device,
+                                 dtype=torch_dtype(dtype_name),
+                                 linear_kernel=config.linear_kernel,
+                                 dequantize=config.dequantize)
+        return (loaded, hf_config, dtype_name, loaded.chat_template, loaded.special_tokens)
+    if config.dequantize:
+        raise ValueError(f"dequantize applies to GGUF models; {model} is a Hugging Face "
+                         f"directory")
+    hf_config = read_config(source.path)
     text_cfg = hf_config.get("text_config") or hf_config
     dtype_name = config.dtype if config.dtype != "auto" else str(
         text_cfg.get("torch_dtype") or hf_config.get("torch_dtype")
         or hf_config.get("dtype") or "float32")
-    dtype = torch_dtype(dtype_name)
-    loaded = load_model(model_dir, dtype=dtype, device=device, config=hf_config,
-                        linear_kernel=config.linear_kernel)
+    loaded = load_model(source.path, dtype=torch_dtype(dtype_name), device=device,
+                        config=hf_config, linear_kernel=config.linear_kernel)
+    return loaded, hf_config, dtype_name, None, None
+
+
+def _fitting_len(layout: Any, budget: int, wanted: int, config: EngineConfig) -> int:
+    """The longest max_model_len up to `wanted` whose one request fits `budget` (0: none)."""
+    def fits(n: int) -> bool:
+        try:
+            plan_kv_cache(layout.layer_specs, budget, max_model_len=n,
+                          max_num_batched_tokens=config.max_num_batched_tokens,
+                          hybrid=not config.disable_hybrid_kv_cache,
+                          kv_sharing=layout.kv_sharing,
+                          enable_caching=config.enable_prefix_caching,
+                          checkpoint_interval=config.mamba_checkpoint_interval)
+            return True
+        except ValueError:
+            return False
+
+    if fits(wanted):
+        return wanted
+    low, high = 0, wanted
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
+    device = resolve_device(config.device)
+    if config.kv_cache_memory is not None:
+        check_memory_budget(int(config.kv_cache_memory), device)
+    # Before any torch work: the thread pool is sized once, on purpose (worker/threads.py).
+    set_intra_op_threads(config.threads)
+    if device == "cpu":
+        keep_buffers_in_heap()  # activations reuse heap buffers, not fresh pages (see module)
+    loaded, hf_config, dtype_name, chat_template, special = _load(model_dir, config, device)
+    text_cfg = hf_config.get("text_config") or hf_config
     if choose_backend(config.attention_backend, device) == "cpu":
         use_cpu_ops(loaded.model)  # the C norms and RoPE that go with the C attention
     max_pos = int(text_cfg.get("max_position_embeddings") or 8192)
@@ -113,13 +183,22 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
                          f"max_position_embeddings ({max_pos}); lower it, or set "
                          f"allow_long_max_model_len=True to run positions the model was "
                          f"not trained on")
+    layout = kv_layout_from_config(hf_config, block_size=config.block_size,
+                                   kv_dtype=dtype_name)
+    kv_cache_memory = int(config.kv_cache_memory) if config.kv_cache_memory is not None \
+        else auto_kv_cache_memory(device)
+    if config.kv_cache_memory is None and config.max_model_len is None:
+        fitting = _fitting_len(layout, kv_cache_memory, max_model_len, config)
+        if 0 < fitting < max_model_len:
+            logger.warning("max_model_len lowered from %d to %d: what one request can hold "
+                           "in the KV cache's %s (set kv_cache_memory or max_model_len to "
+                           "choose)", max_model_len, fitting, format_bytes(kv_cache_memory))
+            max_model_len = fitting
     if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
         raise ValueError(f"without chunked prefill, max_num_batched_tokens "
                          f"({config.max_num_batched_tokens}) must be >= max_model_len "
                          f"({max_model_len})")
-    layout = kv_layout_from_config(hf_config, block_size=config.block_size,
-                                   kv_dtype=dtype_name)
-    plan = plan_kv_cache(layout.layer_specs, int(config.kv_cache_memory),
+    plan = plan_kv_cache(layout.layer_specs, kv_cache_memory,
                          max_model_len=max_model_len,
                          max_num_batched_tokens=config.max_num_batched_tokens,
                          hybrid=not config.disable_hybrid_kv_cache,
@@ -138,7 +217,8 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
     kv_manager = KVCacheManager(plan.config, max_model_len=max_model_len, **cache_options)
     connector = None
     if config.kv_offload:
-        fingerprint = layout_fingerprint(model_identity(model_dir), plan.config,
+        fingerprint = layout_fingerprint(model_identity(str(resolve_model(model_dir).path)),
+                                         plan.config,
                                          kv_manager.hash_fingerprint)
         chain = build_tier_chain(config, plan.config, fingerprint, remote_seed=remote_seed)
         connector = OffloadConnectorScheduler(
@@ -153,4 +233,5 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
             connector.completions)
     return EngineParts(scheduler=scheduler, runner=runner, plan=plan,
                        max_model_len=max_model_len, vocab_size=int(text_cfg["vocab_size"]),
-                       tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids)
+                       tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
+                       chat_template=chat_template, special_tokens=special)

@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from hybridkv.models.config_check import check_config
+from hybridkv.models.gguf_file import GGUFHeader
 from hybridkv.models.layer_mix import SUPPORTED_MODEL_TYPES
 from hybridkv.models.registry import build_model
 from hybridkv.worker.linear import choose_kernel, fuse_linears
@@ -24,6 +25,9 @@ class LoadedModel:
     config: dict[str, Any]
     tokenizer: Any | None  # tokenizers.Tokenizer
     eos_token_ids: tuple[int, ...]
+    # GGUF: what the file says for chat (a directory's are read from its files).
+    chat_template: str | None = None
+    special_tokens: dict[str, str] | None = None
 
 
 def read_json(path: Path) -> Any:
@@ -144,3 +148,41 @@ def _first_line(error: BaseException) -> str:
     """Libraries' messages can span lines; an error here is one line."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def load_gguf_model(header: GGUFHeader, config: dict[str, Any], *,
+                    device: torch.device | str, dtype: torch.dtype,
+                    linear_kernel: str | None = "auto", dequantize: bool = False,
+                    ) -> LoadedModel:
+    """A GGUF model: its tokenizer from the file's metadata, its weights kept in their
+    blocks on the CPU (models/gguf_weights.py). Elsewhere (CUDA), or with `dequantize`, the
+    weights are dequantized at load and the model runs in `dtype` as any checkpoint does."""
+    from hybridkv.models.gguf_tokenizer import tokenizer_from_gguf
+    from hybridkv.models.gguf_weights import build_gguf_model
+
+    on_cpu = torch.device(device).type == "cpu"
+    quantized = on_cpu and not dequantize
+    if quantized and dtype != torch.float32:
+        raise ValueError(f"{header.path}: weights kept quantized compute with float32 "
+                         f"activations; dtype {str(dtype).removeprefix('torch.')} needs "
+                         f"dequantize=True (--dequantize)")
+    # A file without a vocabulary (tests' tiny models) runs on token ids, as a directory
+    # without tokenizer.json does.
+    info = tokenizer_from_gguf(header.metadata, source=str(header.path)) \
+        if "tokenizer.ggml.model" in header.metadata else None
+    check_config(config, str(header.path), for_model=True)
+    model = build_gguf_model(header, config, dequantize=not quantized)
+    if not quantized:
+        model.to(dtype=dtype)
+    model.to(device)
+    if linear_kernel is not None:
+        fuse_linears(model, choose_kernel(linear_kernel, device, dtype))
+    if info is None:
+        eos = config.get("eos_token_id")
+        return LoadedModel(model, config, None, (eos,) if isinstance(eos, int) else ())
+    eos_ids = info.eos_token_ids or (
+        (info.eos_token_id,) if info.eos_token_id is not None else ())
+    special = {name: value for name, value in (("bos_token", info.bos_token),
+                                               ("eos_token", info.eos_token)) if value}
+    return LoadedModel(model, config, info.tokenizer, tuple(eos_ids), info.chat_template,
+                       special)

@@ -78,8 +78,12 @@ class APIKeyMiddleware:
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     template = find_chat_template(config.model_dir, config.chat_template)
-    chat_template = ChatTemplate(template, special_tokens(config.model_dir)) \
-        if template is not None else None
+    variables = special_tokens(config.model_dir)
+    if engine.parts.special_tokens:  # a single-file model (GGUF) carries its own
+        variables = {**engine.parts.special_tokens, **variables}
+    if template is None:
+        template = engine.parts.chat_template
+    chat_template = ChatTemplate(template, variables) if template is not None else None
     holder: dict[str, AsyncEngine] = {}
     metrics = ServerMetrics(config.model_name, lambda: holder["engine"].snapshot,
                             group_names(engine))

@@ -16,8 +16,9 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 NO_TEMPLATE = ("the model has no chat template (chat_template in tokenizer_config.json or "
-               "chat_template.jinja) and the server was started without --chat-template: "
-               "use /v1/completions")
+               "chat_template.jinja; tokenizer.chat_template in a GGUF file) and the server "
+               "was started without --chat-template: restart it with --chat-template FILE, "
+               "or use /v1/completions")
 
 
 class ChatTemplateError(ValueError):

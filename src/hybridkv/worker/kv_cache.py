@@ -14,6 +14,7 @@ page has padding). Nothing is allocated per step.
 from __future__ import annotations
 
 import math
+import mmap
 from typing import Any
 
 import torch
@@ -37,13 +38,24 @@ def torch_dtype(name: str) -> torch.dtype:
                          f"{', '.join(sorted(TORCH_DTYPES))}") from None
 
 
+def zeroed_arena(pages: int, page_bytes: int, device: torch.device | str) -> torch.Tensor:
+    """int8 [pages, page_bytes] of zeros. On the CPU an anonymous mapping, which the kernel
+    hands out zero-filled and backs with memory only where a page is first written: a large
+    budget costs resident memory as blocks are used, not at start (torch.zeros writes every
+    byte)."""
+    if torch.device(device).type != "cpu" or pages * page_bytes == 0:
+        return torch.zeros(pages, page_bytes, dtype=torch.int8, device=device)
+    region = mmap.mmap(-1, pages * page_bytes)
+    # The tensor holds a reference to the mapping: it is unmapped with the last view.
+    return torch.frombuffer(region, dtype=torch.int8).view(pages, page_bytes)
+
+
 def allocate_kv_caches(config: KVCacheConfig, device: torch.device | str
                        ) -> tuple[torch.Tensor, dict[str, Any]]:
     """The arena and a view per layer: a KV tensor for attention layers, a tuple of state
     tensors `[pages, blocks_per_page, *shape]` (e.g. conv and SSM state) for state layers.
     A layer that reuses another layer's KV gets that layer's view."""
-    arena = torch.zeros(config.num_large_pages, config.large_page_bytes, dtype=torch.int8,
-                        device=device)
+    arena = zeroed_arena(config.num_large_pages, config.large_page_bytes, device)
     views: dict[str, Any] = {}
     for group in config.groups:
         blocks = group_blocks(arena, group)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hybridkv.worker import cpu_linear, native
+from hybridkv.worker.quantized import QuantizedLinear, QuantizedParts
 
 logger = logging.getLogger(__name__)
 
@@ -87,12 +88,22 @@ class Linear(nn.Module):
     weight: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, linears: Sequence[nn.Linear], kernel: str) -> None:
+    def __init__(self, linears: Sequence[nn.Linear | QuantizedLinear], kernel: str) -> None:
         super().__init__()
-        weight, bias = _cat(linears)
         self.sizes = [lin.out_features for lin in linears]
         self.out_features = sum(self.sizes)
         self.kernel = kernel
+        self.quantized: QuantizedParts | None = None
+        if any(isinstance(lin, QuantizedLinear) for lin in linears):
+            # Weights kept in GGUF blocks: the quantized kernels, whatever `kernel` says.
+            if not all(isinstance(lin, QuantizedLinear) for lin in linears):
+                raise ValueError("a fused projection mixes quantized and float weights")
+            self.kernel = "quantized"
+            self.quantized = QuantizedParts(linears)  # type: ignore[arg-type]
+            self.register_buffer("weight", None, persistent=False)
+            self.register_buffer("bias", None, persistent=False)
+            return
+        weight, bias = _cat(linears)  # type: ignore[arg-type]
         if kernel == "onednn":
             weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
         elif kernel == "cpu":
@@ -103,6 +114,8 @@ class Linear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized(x)  # type: ignore[no-any-return]
         if self.kernel == "cpu":
             return cpu_linear.linear(x, self.weight, self.bias, self.out_features)
         if self.kernel == "onednn":
@@ -125,14 +138,19 @@ class GatedLinear(nn.Module):
     weight: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, gate: nn.Linear, up: nn.Linear, activation: str,
-                 act: Callable[[torch.Tensor], torch.Tensor], kernel: str) -> None:
-        """`activation`: the Hugging Face name of `act`."""
+    def __init__(self, gate: nn.Linear | QuantizedLinear, up: nn.Linear | QuantizedLinear,
+                 activation: str, act: Callable[[torch.Tensor], torch.Tensor],
+                 kernel: str) -> None:
+        """`activation`: the Hugging Face name of `act`. Quantized gate and up run as one
+        quantized call, then the activation and product."""
         super().__init__()
+        quantized = isinstance(gate, QuantizedLinear)
         self.gated_mode = cpu_linear.GATED_ACTIVATIONS.get(activation) \
-            if kernel == "cpu" else None
-        self.post_op = ONEDNN_ACTIVATIONS.get(activation) if kernel == "onednn" else None
+            if kernel == "cpu" and not quantized else None
+        self.post_op = ONEDNN_ACTIVATIONS.get(activation) \
+            if kernel == "onednn" and not quantized else None
         if self.gated_mode is not None:
+            assert isinstance(gate, nn.Linear) and isinstance(up, nn.Linear)
             weight, bias = cpu_linear.pack_gated(gate.weight, up.weight, gate.bias, up.bias)
             self.register_buffer("weight", weight, persistent=False)
             self.register_buffer("bias", bias, persistent=False)

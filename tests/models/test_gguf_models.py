@@ -1,0 +1,115 @@
+"""GGUF files of tiny random models, written by the tests (gguf_writer.py), under hybridkv with
+their weights kept quantized, against transformers reading the same file (it dequantizes to
+float32) and against hybridkv on that dequantized model saved as safetensors: greedy tokens
+equal, logits close."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as T
+from safetensors.torch import save_file
+
+from hybridkv import LLM, SamplingParams
+from tests.hooks import record_logits
+from tests.models.gguf_writer import write_gguf
+from tests.models.test_against_transformers import NUM_NEW, PROMPT_LENS, hf_reference
+from tests.models.tiny import build_tiny_model
+
+pytest.importorskip("accelerate")  # transformers' GGUF reader needs it
+
+# Wide enough for K-quants (rows of 256 values).
+WIDE = dict(hidden_size=256, intermediate_size=512, head_dim=64, num_attention_heads=4,
+            num_key_value_heads=2)
+# Every type the kernels compute on appears in some model below.
+MIXED = {"token_embd": T.Q8_0, "attn_q": T.Q4_K, "attn_k": T.Q5_0, "attn_v": T.Q6_K,
+         "attn_output": T.Q5_K, "ffn_gate": T.Q4_0, "ffn_up": T.Q4_1, "ffn_down": T.Q5_1,
+         "output": T.F16}
+OTHER = {"token_embd": T.BF16, "attn_q": T.F16, "attn_k": T.F32, "attn_v": T.Q8_0,
+         "ffn": T.Q6_K, "output": T.Q4_K}
+# A GGUF file does not store Gemma's query scale: llama.cpp takes the key length, transformers
+# its default 256; heads of 256 make both agree.
+GEMMA_HEADS = dict(head_dim=256, num_attention_heads=2, num_key_value_heads=1,
+                   query_pre_attn_scalar=256)
+CASES = {
+    # name: (tiny arch, config overrides, types)
+    "llama": ("llama", {}, MIXED),
+    "llama_f": ("llama", dict(tie_word_embeddings=True), OTHER),
+    "qwen2": ("qwen2", {}, MIXED),
+    # transformers' Qwen3 GGUF reader keeps its default head size (128), not the file's.
+    "qwen3": ("qwen3", dict(head_dim=128, num_attention_heads=2, num_key_value_heads=1),
+              OTHER),
+    "gemma2": ("gemma2", dict(GEMMA_HEADS, tie_word_embeddings=True), MIXED),
+    "gemma3": ("gemma3", dict(GEMMA_HEADS, num_hidden_layers=6, tie_word_embeddings=True,
+                              sliding_window_pattern=6), MIXED),
+}
+ARCH_OF = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_hidden_layers=2))}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def gguf_case(request, tmp_path_factory):
+    """(GGUF path, prompts, transformers' tokens and logits on it)."""
+    from tests.models import tiny
+
+    name = request.param
+    arch, overrides, qtypes = CASES[name]
+    if arch not in tiny.ARCHS:
+        tiny.ARCHS[arch] = ARCH_OF[arch]
+    root = tmp_path_factory.mktemp(f"gguf_{name}")
+    model_dir = build_tiny_model(arch, root / "hf", **{**WIDE, **overrides})
+    path = write_gguf(model_dir, root / "model.gguf", qtypes)
+    gen = torch.Generator().manual_seed(99)
+    prompts = [torch.randint(4, 256, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(root), gguf_file="model.gguf", dtype=torch.float32).eval()
+    dequantized = root / "dequantized"
+    # transformers refuses save_pretrained on a GGUF-loaded model: config and tensors apart.
+    hf.config.save_pretrained(dequantized)
+    state = {k: v.contiguous().clone() for k, v in hf.state_dict().items()
+             if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
+    save_file(state, str(dequantized / "model.safetensors"))
+    return name, path, dequantized, prompts, *hf_reference(dequantized, prompts)
+
+
+def _run(model: Path, prompts, **options):
+    llm = LLM(str(model), max_model_len=128, kv_cache_memory="8MiB", **options)
+    llm.logits = record_logits(llm)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NUM_NEW))
+    return llm, outs
+
+
+def _check(llm, outs, tokens, logits, atol):
+    for out, ref_tokens, ref_logits in zip(outs, tokens, logits, strict=True):
+        assert out.token_ids == ref_tokens
+        ours = torch.stack(llm.logits.pop(out.request_id))
+        torch.testing.assert_close(ours, ref_logits, atol=atol, rtol=1e-3)
+
+
+def test_quantized_gguf_matches_transformers(gguf_case):
+    name, path, _, prompts, tokens, logits = gguf_case
+    llm, outs = _run(path, prompts)
+    _check(llm, outs, tokens, logits, atol=2e-3)
+
+
+def test_quantized_gguf_matches_the_dequantized_checkpoint(gguf_case):
+    """The same weights as float32 safetensors under hybridkv: only the kernels differ."""
+    name, path, dequantized, prompts, _, _ = gguf_case
+    ref, ref_outs = _run(dequantized, prompts, dtype="float32")
+    llm, outs = _run(path, prompts)
+    for a, b in zip(outs, ref_outs, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.stack(llm.logits.pop(a.request_id)),
+                                   torch.stack(ref.logits.pop(b.request_id)),
+                                   atol=2e-3, rtol=1e-3)
+
+
+def test_dequantize_option_runs_float_weights(gguf_case):
+    name, path, _, prompts, tokens, logits = gguf_case
+    llm, outs = _run(path, prompts, dequantize=True)
+    from hybridkv.worker.quantized import QuantizedLinear
+    model = llm.engine.runner.model
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+    _check(llm, outs, tokens, logits, atol=1e-3)
