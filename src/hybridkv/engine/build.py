@@ -29,7 +29,7 @@ from hybridkv.models.loader import LoadedModel, load_gguf_model, load_model, rea
 from hybridkv.models.sources import resolve_model
 from hybridkv.sched.scheduler import Scheduler, SchedulerOutput
 from hybridkv.worker.cpu_attention import choose_backend
-from hybridkv.worker.cpu_malloc import keep_buffers_in_heap
+from hybridkv.worker.cpu_malloc import keep_buffers_in_heap, release_free_memory
 from hybridkv.worker.cpu_ops import use_cpu_ops
 from hybridkv.worker.kv_cache import torch_dtype
 from hybridkv.worker.model_runner import ModelRunner, RunnerOutput
@@ -173,6 +173,8 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
     if device == "cpu":
         keep_buffers_in_heap()  # activations reuse heap buffers, not fresh pages (see module)
     loaded, hf_config, dtype_name, chat_template, special = _load(model_dir, config, device)
+    if device == "cpu":
+        release_free_memory()  # what loading freed (a tokenizer's build, read buffers)
     text_cfg = hf_config.get("text_config") or hf_config
     if choose_backend(config.attention_backend, device) == "cpu":
         use_cpu_ops(loaded.model)  # the C norms and RoPE that go with the C attention

@@ -16,6 +16,7 @@ from hybridkv.models.config_check import check_config
 from hybridkv.models.gguf_file import GGUFHeader
 from hybridkv.models.layer_mix import SUPPORTED_MODEL_TYPES
 from hybridkv.models.registry import build_model
+from hybridkv.worker.cpu_malloc import release_free_memory
 from hybridkv.worker.linear import choose_kernel, fuse_linears
 
 
@@ -170,6 +171,8 @@ def load_gguf_model(header: GGUFHeader, config: dict[str, Any], *,
     # without tokenizer.json does.
     info = tokenizer_from_gguf(header.metadata, source=str(header.path)) \
         if "tokenizer.ggml.model" in header.metadata else None
+    if on_cpu:
+        release_free_memory()  # the tokenizer's build temporaries, before the weights come
     check_config(config, str(header.path), for_model=True)
     model = build_gguf_model(header, config, dequantize=not quantized)
     if not quantized:

@@ -45,3 +45,16 @@ def keep_buffers_in_heap() -> bool:
         mallopt(M_TRIM_THRESHOLD, THRESHOLD))
     _done = ok
     return ok
+
+
+def release_free_memory() -> bool:
+    """Hand the heap's free pages back to the kernel (glibc's malloc_trim), once loading is
+    done: building a tokenizer or reading weights frees far more than a forward pass ever
+    reuses, and with the trim threshold raised (above) nothing else would return it."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    return bool(trim(0))

@@ -1,0 +1,221 @@
+"""`hybridkv bench gguf MODEL`: a GGUF model under hybridkv, and beside llama.cpp on the same
+file when its binaries are there (`../shared/bench/peer-llamacpp/setup.sh` builds them).
+
+Each figure comes from a fresh process pinned to one core (`--pin`), one thread, the engines
+alternating round by round; ratios are medians of the rounds' pairs:
+- batch 1 (llama-bench's figures): pp512 = tokens/s of one 512-token prompt, tg128 = tokens/s
+  of 128 decode steps after an 8-token prompt; token-id prompts, greedy, EOS ignored;
+- batched: N prompts of L tokens, K greedy tokens each, all in one batch (output tokens/s;
+  the peers' workload, `gen_llamacpp` on llama.cpp's side);
+- resident memory: the peak RSS of the batch-1 process (the kernel's ru_maxrss, read for both
+  engines the same way through wait4);
+- load: seconds from starting the hybridkv process (interpreter and imports included) to its
+  first generated token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hybridkv.cli import Command, positive_int
+
+DEFAULT_LLAMA_BIN = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / \
+    "hybridkv-peers" / "llama.cpp" / "src" / "build" / "bin"
+
+
+def _prompt(n: int, shift: int = 0) -> list[int]:
+    return [3 + (j * 11 + shift) % 1000 for j in range(n)]
+
+
+def _batched_prompts(n: int, length: int, r: int) -> list[list[int]]:
+    # The same token ids gen_llamacpp and the vLLM peer script use.
+    return [[3 + (i * 37 + j * 11 + r * 101) % 1000 for j in range(length)] for i in range(n)]
+
+
+def child_single(model: str, repeats: int, spawned: float) -> dict[str, Any]:
+    from hybridkv import LLM, SamplingParams
+
+    llm = LLM(model, max_model_len=1024, enable_prefix_caching=False, max_num_seqs=4,
+              kv_cache_memory="256MiB", threads=1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate([_prompt(16)], greedy, use_tqdm=False)
+    load_s = time.time() - spawned
+    pp, tg = [], []
+    for r in range(repeats):
+        prompt = _prompt(512, 7 * r)
+        t = time.perf_counter()
+        llm.generate([prompt], greedy, use_tqdm=False)
+        pp.append(512 / (time.perf_counter() - t))
+        t = time.perf_counter()
+        llm.generate([[x + 1 for x in prompt[:8]]], SamplingParams(
+            temperature=0.0, max_tokens=129, ignore_eos=True), use_tqdm=False)
+        tg.append(128 / (time.perf_counter() - t))
+    return {"pp512": statistics.median(pp), "tg128": statistics.median(tg), "load_s": load_s}
+
+
+def child_batched(model: str, n: int, length: int, k: int, repeats: int) -> dict[str, Any]:
+    from hybridkv import LLM, SamplingParams
+
+    llm = LLM(model, max_model_len=length + k + 32, enable_prefix_caching=False,
+              max_num_seqs=max(n, 2), kv_cache_memory="1GiB", threads=1)
+    params = SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True)
+    llm.generate(_batched_prompts(2, length, 99), params, use_tqdm=False)
+    rates = []
+    for r in range(repeats):
+        t = time.perf_counter()
+        outs = llm.generate(_batched_prompts(n, length, r), params, use_tqdm=False)
+        rates.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t))
+    return {"tok_s": statistics.median(rates)}
+
+
+def _run_rss(cmd: list[str], pin: str, env: dict[str, str]) -> tuple[str, int]:
+    """(stdout, peak RSS in KiB) of a child pinned to `pin`, its rusage read through wait4."""
+    read, write = os.pipe()
+    err_read, err_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: pin, redirect, exec
+        try:
+            os.sched_setaffinity(0, {int(c) for c in pin.split(",")})
+            os.dup2(write, 1)
+            os.dup2(err_write, 2)
+            os.close(read)
+            os.close(err_read)
+            os.execvpe(cmd[0], cmd, env)
+        finally:
+            os._exit(127)
+    os.close(write)
+    os.close(err_write)
+    with os.fdopen(read) as out_f, os.fdopen(err_read) as err_f:
+        import threading
+
+        err_text: list[str] = []
+        drain = threading.Thread(target=lambda: err_text.append(err_f.read()))
+        drain.start()
+        out = out_f.read()
+        drain.join()
+    _, status, usage = os.wait4(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        lines = "".join(err_text).strip().splitlines()
+        raise RuntimeError(f"{Path(cmd[0]).name} failed ({code}): {lines[-1] if lines else ''}")
+    return out, int(usage.ru_maxrss)
+
+
+def _last_json(text: str) -> dict[str, Any]:
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            return dict(json.loads(line))
+    raise RuntimeError(f"no JSON line in {text[-200:]!r}")
+
+
+def bench_gguf(model: str, *, rounds: int = 3, pin: str = "0", llama_bin: Path | None = None,
+               batched: tuple[int, int, int] = (32, 64, 128), skip_batched: bool = False,
+               as_json: bool = False) -> str:
+    from hybridkv.models.sources import resolve_model
+
+    source = resolve_model(model)
+    if not source.is_gguf:
+        raise ValueError(f"{model}: not a GGUF file (bench gguf compares GGUF models)")
+    path = str(source.path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    bin_dir = llama_bin or DEFAULT_LLAMA_BIN
+    have_llama = (bin_dir / "llama-bench").is_file()
+    me = [sys.executable, "-m", "hybridkv.bench.gguf"]
+    rows: list[dict[str, Any]] = []
+    for _ in range(rounds):
+        row: dict[str, Any] = {}
+        spawned = time.time()
+        out, rss = _run_rss([*me, "single", path, "--spawned", repr(spawned)], pin, env)
+        row["hybridkv"] = {**_last_json(out), "rss_mib": rss / 1024}
+        if not skip_batched:
+            out, _ = _run_rss([*me, "batched", path, *map(str, batched)], pin, env)
+            row["hybridkv"]["batched_tok_s"] = _last_json(out)["tok_s"]
+        if have_llama:
+            out, rss = _run_rss([str(bin_dir / "llama-bench"), "-m", path, "-t", "1", "-p",
+                                 "512", "-n", "128", "-r", "2", "-o", "json"], pin, env)
+            figures = {("pp512" if r["n_prompt"] else "tg128"): r["avg_ts"]
+                       for r in json.loads(out)}
+            row["llama.cpp"] = {**figures, "rss_mib": rss / 1024}
+            if not skip_batched and (bin_dir / "gen_llamacpp").is_file():
+                out, _ = _run_rss([str(bin_dir / "gen_llamacpp"), path,
+                                   *map(str, batched), "2", "0", "f32"], pin, env)
+                row["llama.cpp"]["batched_tok_s"] = _last_json(out)["median_tok_s"]
+        rows.append(row)
+    keys = ["pp512", "tg128", "batched_tok_s", "rss_mib"]
+    summary: dict[str, Any] = {"model": path, "rounds": rows, "pin": pin, "threads": 1,
+                               "batched": list(batched)}
+    hyb = {k: statistics.median(r["hybridkv"][k] for r in rows) for k in keys + ["load_s"]
+           if all(k in r["hybridkv"] for r in rows)}
+    summary["hybridkv"] = hyb
+    if have_llama:
+        ratios = {k: [r["hybridkv"][k] / r["llama.cpp"][k] for r in rows
+                      if k in r["hybridkv"] and k in r.get("llama.cpp", {})] for k in keys}
+        summary["llama.cpp"] = {k: statistics.median(r["llama.cpp"][k] for r in rows)
+                                for k in keys if all(k in r["llama.cpp"] for r in rows)}
+        summary["ratio"] = {k: statistics.median(v) for k, v in ratios.items() if v}
+        summary["pairs"] = {k: [round(x, 3) for x in v] for k, v in ratios.items() if v}
+    if as_json:
+        return json.dumps(summary)
+    lines = [f"{path}: one core ({pin}), one thread, {rounds} rounds, engines alternating"]
+    names = {"pp512": "prompt 512 (tok/s)", "tg128": "decode, batch 1 (tok/s)",
+             "batched_tok_s": f"batched {batched[0]} x {batched[1]} in, {batched[2]} out "
+                              f"(output tok/s)", "rss_mib": "peak RSS, batch 1 (MiB)"}
+    for k in keys:
+        if k not in hyb:
+            continue
+        line = f"  {names[k]:<44} hybridkv {hyb[k]:9.1f}"
+        if have_llama and k in summary["ratio"]:
+            line += (f"   llama.cpp {summary['llama.cpp'][k]:9.1f}   ratio "
+                     f"{summary['ratio'][k]:.2f} (pairs "
+                     f"{', '.join(f'{x:.2f}' for x in summary['pairs'][k])})")
+        lines.append(line)
+    lines.append(f"  {'load to first token (s)':<44} hybridkv {hyb['load_s']:9.2f}")
+    if not have_llama:
+        lines.append(f"  (llama.cpp not found in {bin_dir}: run "
+                     f"shared/bench/peer-llamacpp/setup.sh, or pass --llama-bin)")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="a .gguf file or a real model's short name "
+                                      "(gemma-3-270m, smollm2-135m-instruct)")
+    parser.add_argument("--rounds", type=positive_int, default=3,
+                        help="rounds of both engines, alternating; medians reported")
+    parser.add_argument("--pin", default="0", help="the core(s) both engines run on")
+    parser.add_argument("--llama-bin", type=Path, default=None,
+                        help=f"llama.cpp's build/bin (default {DEFAULT_LLAMA_BIN})")
+    parser.add_argument("--batched", type=positive_int, nargs=3, default=[32, 64, 128],
+                        metavar=("N", "L", "K"), help="the batched workload")
+    parser.add_argument("--no-batched", action="store_true", help="batch 1 only")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    print(bench_gguf(args.model, rounds=args.rounds, pin=args.pin, llama_bin=args.llama_bin,
+                     batched=tuple(args.batched), skip_batched=args.no_batched,
+                     as_json=args.json))
+    return 0
+
+
+COMMAND = Command("gguf", "a GGUF model at batch 1 and batched, its memory and load time, "
+                          "beside llama.cpp on the same file", add_arguments, run)
+
+
+def _child_main(argv: list[str]) -> None:
+    if argv[0] == "single":
+        result = child_single(argv[1], 3, float(argv[argv.index("--spawned") + 1]))
+    else:
+        n, length, k = (int(x) for x in argv[2:5])
+        result = child_batched(argv[1], n, length, k, 2)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1:])
