@@ -366,6 +366,12 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     source.add_argument("--prompts-file", type=Path,
                         help="a UTF-8 text file, one prompt per non-empty line")
+    source.add_argument("--chat", action="append", metavar="MESSAGE",
+                        help="a user message, sent through the model's chat template "
+                             "(repeatable: one conversation each)")
+    parser.add_argument("--chat-template", default=None,
+                        help="with --chat: a Jinja chat template (a file or the text) for a "
+                             "model that has none")
     parser.add_argument("--max-tokens", type=positive_int, default=32,
                         help="output tokens per prompt at most")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0,
@@ -443,7 +449,7 @@ def run_generate(args: argparse.Namespace) -> int:
         if not prompts:
             raise CLIError(f"{args.prompts_file}: no prompts in the file")
     else:
-        prompts = args.prompt
+        prompts = args.prompt or args.chat
     from hybridkv import LLM, SamplingParams
 
     options: dict[str, object] = dict(
@@ -468,8 +474,12 @@ def run_generate(args: argparse.Namespace) -> int:
         raise CLIError(f"{args.model_dir}: config.json lacks the field {e}") from None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    inputs: list[str] | list[list[int]] = prompts
+    if args.chat:
+        inputs = [chat_prompt(llm, args.model_dir, message, args.chat_template)
+                  for message in args.chat]
     try:
-        outputs = llm.generate(prompts, params)
+        outputs = llm.generate(inputs, params)
     finally:
         llm.close()  # queued tier writes land before the process exits
     if args.json:
@@ -481,6 +491,33 @@ def run_generate(args: argparse.Namespace) -> int:
                                                           else "")
                         for p, o in zip(prompts, outputs, strict=True)))
     return 0
+
+
+def chat_prompt(llm: Any, model: str, message: str, template: str | None) -> list[int]:
+    """One user message as the model's chat template renders it, tokenized as transformers'
+    apply_chat_template does (the template prints its own special tokens)."""
+    from hybridkv.server.chat import (
+        ChatTemplate,
+        ChatTemplateError,
+        find_chat_template,
+        special_tokens,
+    )
+
+    engine = llm.engine
+    source = find_chat_template(model, template) or engine.parts.chat_template
+    if source is None:
+        raise CLIError(f"{model}: the model has no chat template (chat_template in "
+                       f"tokenizer_config.json or chat_template.jinja; tokenizer.chat_template "
+                       f"in a GGUF file): pass --chat-template FILE, or use --prompt")
+    if engine.tokenizer is None:
+        raise CLIError(f"{model}: the model has no tokenizer: --chat needs one")
+    variables = {**(engine.parts.special_tokens or {}), **special_tokens(model)}
+    try:
+        text = ChatTemplate(source, variables).render(
+            [{"role": "user", "content": message}], add_generation_prompt=True)
+    except ChatTemplateError as e:
+        raise CLIError(str(e)) from None
+    return list(engine.tokenizer.encode(text, add_special_tokens=False).ids)
 
 
 # demo-model
@@ -666,11 +703,11 @@ def run_serve(args: argparse.Namespace) -> int:
 # bench
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from hybridkv.bench import engine, fast_prefill, kv_trace, offload, prefix, serve
+    from hybridkv.bench import engine, fast_prefill, gguf, kv_trace, offload, prefix, serve
 
     suites = parser.add_subparsers(dest="suite", required=True, metavar="SUITE")
     for suite in (kv_trace.COMMAND, engine.THROUGHPUT, engine.CAPACITY, prefix.COMMAND,
-                  fast_prefill.COMMAND, offload.COMMAND, serve.COMMAND):
+                  fast_prefill.COMMAND, offload.COMMAND, serve.COMMAND, gguf.COMMAND):
         add_command(suites, suite)
 
 
