@@ -77,6 +77,12 @@ SAMPLING = [
     ({"max_tokens": True}, "max_tokens"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"temprature": 0.5}, "unknown sampling field"),
+    # A penalty a float32 logit overflows with: refused here, not "probability tensor
+    # contains inf" inside the step.
+    ({"repetition_penalty": 1e-45, "temperature": 1.0}, "repetition_penalty must be in [0.0001"),
+    ({"repetition_penalty": 5e-324, "temperature": 1.0}, "repetition_penalty must be in"),
+    ({"repetition_penalty": 1e38, "temperature": 1.0}, "repetition_penalty must be in"),
+    ({"repetition_penalty": 1e38}, "10000]"),
 ]
 
 
@@ -85,6 +91,27 @@ def test_bad_sampling_params(llm, expected, fields, named):
     with pytest.raises(ValueError) as e:
         llm.generate([[5, 6], [7, 8]], [SamplingParams(), fields])
     assert named in one_line(e.value)
+    served(llm, expected)
+
+
+# Extremes that are accepted must sample: a token, never an error inside the step.
+EXTREMES = [
+    {"top_p": 5e-324}, {"top_p": 1e-45}, {"min_p": 5e-324}, {"min_p": 1.0},
+    {"temperature": 1e38}, {"temperature": 1.7e308}, {"temperature": 1e-45},
+    {"temperature": 1e-5}, {"temperature": 2e-5, "top_k": 1},
+    {"repetition_penalty": 1e-4}, {"repetition_penalty": 1e4},
+    {"presence_penalty": 5e-324}, {"presence_penalty": -2.0}, {"frequency_penalty": 2.0},
+    {"frequency_penalty": -1e-45}, {"logit_bias": {5: 1e-45, 6: 100.0, 7: -100.0}},
+    {"logit_bias": {t: -100.0 for t in range(256)}},
+    {"logit_bias": {t: 100.0 for t in range(256)}, "repetition_penalty": 1e4},
+]
+
+
+@pytest.mark.parametrize("fields", EXTREMES, ids=[str(f)[:40] for f in EXTREMES])
+def test_accepted_extremes_sample(llm, expected, fields):
+    params = SamplingParams(**{"temperature": 1.0, "seed": 0, "max_tokens": 4, **fields})
+    [out] = llm.generate([[5, 6, 7, 5, 6]], params)
+    assert out.finish_reason in ("length", "stop"), out.error
     served(llm, expected)
 
 
@@ -158,6 +185,7 @@ ENGINE = [
     ({"linear_kernel": "onednn", "dtype": "fp16"}, "linear_kernel 'onednn' needs"),
     ({"max_batch": 3}, "unknown engine option"),
     ({"kv_sharing_fast_prefill": True}, "kv_sharing_fast_prefill needs"),
+    ({"kv_offload_cpu": "1TiB"}, "kv_offload_cpu 1.00 TiB is more than the host has available"),
 ]
 
 
@@ -297,6 +325,21 @@ CLI = [
     (["plan", "no-such-model-name"], "no-such-model-name"),
     (["demo-model", "{out}", "--heads", "3", "--kv-heads", "2"], "heads"),
     (["bench", "kv", "--num-requests", "0"], "num-requests"),
+    # A negative size is a value to refuse, not an option argparse does not know.
+    (["plan", "--memory", "-5GiB"], "memory size must be positive, like 40GiB"),
+    (["plan", "--memory=-5GiB"], "memory size must be positive, like 40GiB"),
+    (["plan", "--memory", "0"], "memory size must be positive"),
+    (["plan", "--kv-offload-cpu", "-1GiB"], "memory size must be positive"),
+    (["generate", "{model}", "--prompt", "hi", "--kv-cache-memory", "-5MiB"],
+     "memory size must be positive"),
+    (["generate", "{model}", "--prompt", "hi", "--kv-offload-cpu", "-8GiB"],
+     "memory size must be positive"),
+    (["generate", "{model}", "--prompt", "hi", "--kv-offload-cpu", "1TiB"],
+     "kv_offload_cpu 1.00 TiB is more than the host has available"),
+    (["bench", "kv", "--memory", "-1.5GiB"], "memory size must be positive"),
+    (["bench", "capacity", "--kv-cache-memory", "-1"], "memory size must be positive"),
+    (["generate", "{model}", "--prompt", "hi", "--kv-offload-disk", "{seed_dir}:64MiB"],
+     "hybridkv-hash-seed is not UTF-8 text; it should hold one line"),
 ]
 
 
@@ -311,9 +354,30 @@ def test_bad_command_lines(model_dir, llm, expected, tmp_path, capsys, argv, nam
              "missing": str(tmp_path / "nothing.txt"),
              "missing_dir": str(tmp_path / "no-such-model"),
              "list_config": str(tmp_path / "list.json"),
-             "short_layers": str(tmp_path / "short.json"), "out": str(tmp_path / "demo")}
+             "short_layers": str(tmp_path / "short.json"), "out": str(tmp_path / "demo"),
+             "seed_dir": str(_garbage_seed(tmp_path / "kv"))}
     capsys.readouterr()
     assert main([a.format(**paths) for a in argv]) == 2
     err = capsys.readouterr().err
     assert named in one_line(err) and "error" in err
+    served(llm, expected)
+
+
+# ---------------------------------------------------------------- a disk tier's directory
+def _garbage_seed(directory: Path, content: bytes = b"\xff\xfe\x00garbage") -> Path:
+    directory.mkdir(exist_ok=True)
+    (directory / "hybridkv-hash-seed").write_bytes(content)
+    return directory
+
+
+@pytest.mark.parametrize("content, named", [
+    (b"\xff\xfe\x00garbage", "is not UTF-8 text"), (b"", "is empty"), (b" \n", "is empty")],
+    ids=["garbage", "empty", "blank"])
+def test_a_bad_hash_seed_file_names_itself(model_dir, llm, expected, tmp_path, content, named):
+    directory = _garbage_seed(tmp_path / "kv", content)
+    with pytest.raises(ValueError) as e:
+        LLM(str(model_dir), **OPTIONS, kv_offload_disk=f"{directory}:64MiB")
+    message = one_line(e.value)
+    assert f"hash seed file {directory / 'hybridkv-hash-seed'} {named}" in message
+    assert "it should hold one line of text, the block hash seed" in message
     served(llm, expected)

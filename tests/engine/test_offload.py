@@ -14,11 +14,13 @@ checkpoint.
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import logging
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -332,6 +334,122 @@ def test_a_second_process_on_the_same_directory_hits_the_first_ones_blocks(
     assert result["errors"] == []
     assert result["tokens"] == expected
     assert sum(result["disk"]) > 0, "the second process found none of the first's blocks"
+
+
+# ---------------------------------------------------------------- durability of the disk tier
+# With the default store policy ("evict") nothing leaves a device cache that has room; the
+# disk tier still gets every block as it fills (written through in the background), so a
+# process that dies without close() leaves its work for the next one.
+
+KILLED_PROCESS = """
+import json, sys, time
+from hybridkv import LLM, SamplingParams
+model_dir, disk, prompts = sys.argv[1:4]
+llm = LLM(model_dir, dtype="float32", device="cpu", max_model_len=256, kv_cache_memory="4MiB",
+          kv_offload_disk=disk)
+# One token: the prompt's last blocks are filled by the request's last step.
+llm.generate(json.loads(prompts), SamplingParams(max_tokens=1))
+print(json.dumps(llm.offload_stats()), flush=True)
+time.sleep(600)  # SIGKILLed here: never closed
+"""
+
+
+def device_hits(model_dir: Path, prompts: list[list[int]]) -> list[int]:
+    """Per prompt, the hit a second request gets from one process's device cache: what a
+    later process should find on disk."""
+    llm = offload_llm(model_dir)
+    llm.generate(prompts, GREEDY)
+    return [out.num_cached_tokens for out in llm.generate(prompts, GREEDY)]
+
+
+def disk_files(directory: Path, count: int, timeout_s: float = 30.0) -> int:
+    """How many block files `directory` holds once it holds `count` (or after `timeout_s`:
+    the background writer gets a bounded wait)."""
+    deadline = time.monotonic() + timeout_s
+    while (found := len(list(directory.glob("*.kv")))) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
+
+
+def test_a_process_killed_without_closing_leaves_its_blocks_on_disk(model, reference,
+                                                                     tmp_path):
+    arch = "llama"
+    prompts = make_prompts(11)
+    directory = tmp_path / "kv"
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_PROCESS)
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(model(arch)), f"{directory}:64MiB",
+         json.dumps(prompts)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        line = child.stdout.readline()
+        assert line, child.stderr.read()[-2000:]
+        stats = json.loads(line)
+        disk_files(directory, stats["blocks_stored"])
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+    llm = offload_llm(model(arch), kv_offload_disk=f"{directory}:64MiB")
+    outputs = llm.generate(prompts, GREEDY)
+    assert tokens_of(outputs) == reference(arch, prompts)
+    assert [out.cached_tokens_by_tier["disk"] for out in outputs] == \
+        device_hits(model(arch), prompts), "the killed process's blocks are not on disk"
+
+
+@pytest.mark.parametrize("budget", ["written_through", "no_write_through"])
+def test_a_dropped_llm_leaves_its_blocks_on_disk(budget, model, reference, tmp_path):
+    """`del llm` without close(): the blocks written through are on disk, and the rest (none
+    here is written through with a budget of 0) are written when the LLM is collected."""
+    arch = "llama"
+    prompts = make_prompts(12)
+    disk = f"{tmp_path / 'kv'}:64MiB"
+    llm = offload_llm(model(arch), kv_offload_disk=disk)
+    if budget == "no_write_through":
+        llm.engine.connector.write_through_bytes = 0
+    llm.generate(prompts, GREEDY)
+    skipped = llm.offload_stats().get("write_through_skipped", 0)
+    del llm
+    gc.collect()
+    again = offload_llm(model(arch), kv_offload_disk=disk)
+    outputs = again.generate(prompts, GREEDY)
+    assert tokens_of(outputs) == reference(arch, prompts)
+    assert [out.cached_tokens_by_tier["disk"] for out in outputs] == \
+        device_hits(model(arch), prompts)
+    assert (skipped > 0) == (budget == "no_write_through")
+
+
+def test_an_llm_as_a_context_manager_closes_on_exit(model, tmp_path):
+    arch = "llama"
+    prompts = make_prompts(13)
+    disk = f"{tmp_path / 'kv'}:64MiB"
+    with offload_llm(model(arch), kv_offload_disk=disk) as llm:
+        llm.engine.connector.write_through_bytes = 0  # only close() writes the disk
+        llm.generate(prompts, GREEDY)
+        assert not list((tmp_path / "kv").glob("*.kv"))
+    assert llm.engine._closed
+    assert len(list((tmp_path / "kv").glob("*.kv"))) == llm.offload_stats()["blocks_stored"]
+    assert llm.generate(prompts, GREEDY)[0].finish_reason == "length"  # still usable
+
+
+def test_write_through_keeps_the_evict_policy_for_the_cpu_tier(model, reference, tmp_path):
+    """CPU over disk, policy evict: every filled block goes to the disk at once and to the
+    CPU tier only when the device evicts it."""
+    arch = "llama"
+    prompts = make_prompts(14)
+    llm = offload_llm(model(arch), kv_offload_cpu="64MiB",
+                      kv_offload_disk=f"{tmp_path / 'kv'}:64MiB")
+    first = llm.generate(prompts, GREEDY)
+    flush(llm)
+    cpu, disk = llm.engine.connector.chain.tiers
+    stats = llm.offload_stats()
+    assert len(cpu) == 0 and len(disk) == stats["blocks_written_through"] > 0
+    assert llm.reset_prefix_cache()
+    second = llm.generate(prompts, GREEDY)
+    check_cpu_round(first, second, reference(arch, prompts))
+    assert tier_tokens(second, "disk") == 0
+    books_clean(llm)
 
 
 # ---------------------------------------------------------------- faults

@@ -26,7 +26,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("redis")
 
 from hybridkv import LLM, SamplingParams  # noqa: E402
-from hybridkv.cli import build_parser, offload_options  # noqa: E402
+from hybridkv.cli import build_parser, main, offload_options  # noqa: E402
 from tests.engine.test_offload import (  # noqa: E402
     make_prompts,
     model_builder,
@@ -360,6 +360,27 @@ def test_bad_remote_configuration_is_one_line(options, says, model):
         LLM(str(model("llama")), **{**COMMON, **options})
     assert says in str(e.value) and "\n" not in str(e.value)
     assert "hunter2" not in str(e.value)
+
+
+@pytest.mark.parametrize("seed", [None, "fleet-secret"], ids=["seed_exchange", "own_seed"])
+def test_a_database_the_server_lacks_is_one_line(seed, model, redis_server, capsys):
+    """A live Redis with the default 16 databases: /99 is refused at start with the URL and
+    what is accepted, not a ResponseError traceback (from the seed exchange, or from the
+    tier's first PING when the seed is configured)."""
+    url = redis_server.url.removesuffix("/0") + "/99"
+    with pytest.raises(ValueError) as e:
+        remote_llm(model("llama"), url, block_hash_seed=seed)
+    message = str(e.value)
+    assert "\n" not in message
+    assert f"kv_remote {url}: the server has no database 99" in message
+    assert "accepted: a database number from 0 to 15 on this server" in message
+    capsys.readouterr()
+    argv = ["generate", str(model("llama")), "--prompt", "hi", "--dtype", "float32",
+            "--kv-cache-memory", "4MiB", "--kv-remote", url]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"error: kv_remote {url}: the server has no database 99" in err
 
 
 def test_the_cli_flags_reach_the_engine_options():

@@ -28,6 +28,7 @@ class BlockCopy:
     group_id: int
     block_id: int
     key: bytes  # the tiers' key (`make_key`)
+    tiers: tuple[int, ...] | None = None  # the only tiers to write it to; None: every tier
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,12 @@ Store policy:
            that overwrites them
     fill   a block is copied out after the forward that filled it (vLLM's offloading
            connector): every computed block moves once, even those never evicted
+
+Whatever the policy, a tier that outlives the process (disk) gets every block after the
+forward that filled it (write-through, in the background): a process that is killed, or an
+engine that is dropped without `close()`, leaves its computed blocks on disk for the next
+one. At most WRITE_THROUGH_BYTES of such copies wait for the disk at a time; a block past
+that reaches the disk on eviction or at `close()`, as before.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ from hybridkv.kv.request import KVRequest
 logger = logging.getLogger(__name__)
 
 STORE_POLICIES = ("evict", "fill")
+DURABLE_TIERS = ("disk",)  # tiers that outlive the process: written through as blocks fill
+WRITE_THROUGH_BYTES = 128 << 20  # write-through copies waiting for the disk, at most
 MAX_LOAD_ROUNDS = 2  # per admission: a request whose loaded blocks got evicted again retries once
 DEVICE = -2  # `source` of a block already in the device prefix cache
 
@@ -78,6 +86,8 @@ class ConnectorStats:
     blocks_failed: int = 0  # missing, corrupt or timed out: recomputed instead
     load_timeouts: int = 0
     blocks_stored: int = 0  # copies queued for the tiers
+    blocks_written_through: int = 0  # of those, copies for the durable tiers only
+    write_through_skipped: int = 0  # filled blocks past the write-through budget
     no_room_for_load: int = 0  # tier hits given up because the device had no free blocks
     bytes_loaded: int = 0  # into the device, from any tier
     load_job_seconds: float = 0.0  # the worker's time on load jobs (tier reads + copies)
@@ -86,7 +96,8 @@ class ConnectorStats:
 
 class OffloadConnectorScheduler:
     def __init__(self, manager: KVCacheManager, chain: TierChain, layout_fingerprint: bytes,
-                 *, store_policy: str = "evict", load_timeout_s: float = 30.0) -> None:
+                 *, store_policy: str = "evict", load_timeout_s: float = 30.0,
+                 write_through_bytes: int = WRITE_THROUGH_BYTES) -> None:
         if store_policy not in STORE_POLICIES:
             raise ValueError(f"kv_offload_store must be one of {', '.join(STORE_POLICIES)}, "
                              f"got {store_policy!r}")
@@ -113,12 +124,20 @@ class OffloadConnectorScheduler:
         # slowest tier read), to say where its hit came from.
         self._served: dict[str, tuple[int, int]] = {}
         self._pending_store: dict[bytes, int] = {}  # keys queued for the tiers, not yet done
+        # Store policy "evict": the durable tiers, written through as blocks fill, and the
+        # bytes of those copies not written yet (by key).
+        self.write_through = (tuple(i for i, name in enumerate(chain.names)
+                                    if name in DURABLE_TIERS)
+                              if store_policy == "evict" else ())
+        self.write_through_bytes = write_through_bytes
+        self._writing_through: dict[bytes, int] = {}
+        self._write_through_queued = 0
         self._store_before: list[BlockCopy] = []
         self.stats = ConnectorStats(tokens_by_tier={"device": 0, **{n: 0 for n in chain.names}})
         self._warned_timeout = False
         if store_policy == "evict":
             self.pool.eviction_log = []
-        else:
+        if store_policy == "fill" or self.write_through:
             self.pool.enable_events = True
 
     def key(self, group_id: int, block_hash: BlockHash) -> bytes:
@@ -226,6 +245,7 @@ class OffloadConnectorScheduler:
         for message in self._inbox:
             if isinstance(message, StoreDone):
                 for key in message.keys:
+                    self._write_through_queued -= self._writing_through.pop(key, 0)
                     left = self._pending_store.get(key, 0) - 1
                     if left > 0:
                         self._pending_store[key] = left
@@ -385,10 +405,12 @@ class OffloadConnectorScheduler:
         log.clear()
 
     def _queue_stores(self, into: list[BlockCopy],
-                      blocks: list[tuple[int, int, BlockHash]]) -> None:
+                      blocks: list[tuple[int, int, BlockHash]],
+                      only: tuple[int, ...] | None = None) -> None:
         """Queue (group id, block id, hash) copies, but for blocks on their way or in every
         local tier already. A remote tier is not asked here (the engine's thread does not
-        wait on the network): the connector's thread asks it before sending."""
+        wait on the network): the connector's thread asks it before sending. `only`: the
+        write-through to these tiers, within its byte budget."""
         todo: dict[bytes, tuple[int, int]] = {}
         for group_id, block_id, block_hash in blocks:
             key = self.key(group_id, block_hash)
@@ -398,10 +420,21 @@ class OffloadConnectorScheduler:
             return
         missing = self.chain.missing_many(list(todo), ask_remote=False)
         for (key, (group_id, block_id)), lacking in zip(todo.items(), missing, strict=True):
-            if lacking:
-                self._pending_store[key] = 1
-                into.append(BlockCopy(group_id, block_id, key))
-                self.stats.blocks_stored += 1
+            if only is not None:
+                lacking = [t for t in lacking if t in only]
+            if not lacking:
+                continue
+            if only is not None:
+                nbytes = self.kv.config.groups[group_id].block_bytes
+                if self._write_through_queued + nbytes > self.write_through_bytes:
+                    self.stats.write_through_skipped += 1  # the disk is behind: on eviction
+                    continue
+                self._writing_through[key] = nbytes
+                self._write_through_queued += nbytes
+                self.stats.blocks_written_through += 1
+            self._pending_store[key] = 1
+            into.append(BlockCopy(group_id, block_id, key, only))
+            self.stats.blocks_stored += 1
 
     def build_meta(self) -> ConnectorMeta:
         """The loads and stores of the step just scheduled."""
@@ -409,25 +442,32 @@ class OffloadConnectorScheduler:
         meta = ConnectorMeta(loads=self._new_jobs, store_before=self._store_before)
         self._new_jobs, self._store_before = [], []
         if self.store_policy == "fill":
-            filled = []
-            for event in self.pool.take_events():
-                if not isinstance(event, BlockStored):
-                    continue
-                cached = self.pool.groups[event.group_id].cached
-                for block_hash, block_id in zip(event.block_hashes, event.block_ids,
-                                                strict=True):
-                    block = cached.get(block_hash)
-                    # Dropped again this step (its step was undone): nothing to store.
-                    if block is not None and block.block_id == block_id:
-                        filled.append((event.group_id, block_id, block_hash))
-            self._queue_stores(meta.store_after, filled)
+            self._queue_stores(meta.store_after, self._filled())
+        elif self.write_through:
+            self._queue_stores(meta.store_after, self._filled(), only=self.write_through)
         return meta
+
+    def _filled(self) -> list[tuple[int, int, BlockHash]]:
+        """(group id, block id, hash) of the blocks cached since the last step."""
+        filled = []
+        for event in self.pool.take_events():
+            if not isinstance(event, BlockStored):
+                continue
+            cached = self.pool.groups[event.group_id].cached
+            for block_hash, block_id in zip(event.block_hashes, event.block_ids, strict=True):
+                block = cached.get(block_hash)
+                # Dropped again this step (its step was undone): nothing to store.
+                if block is not None and block.block_id == block_id:
+                    filled.append((event.group_id, block_id, block_hash))
+        return filled
 
     def stats_summary(self) -> dict[str, object]:
         s = self.stats
         return {"store_policy": self.store_policy, "loads_started": s.loads_started,
                 "blocks_loaded": s.blocks_loaded, "blocks_failed": s.blocks_failed,
                 "load_timeouts": s.load_timeouts, "blocks_stored": s.blocks_stored,
+                "blocks_written_through": s.blocks_written_through,
+                "write_through_skipped": s.write_through_skipped,
                 "no_room_for_load": s.no_room_for_load, "bytes_loaded": s.bytes_loaded,
                 "load_job_seconds": round(s.load_job_seconds, 6),
                 "tokens_by_tier": dict(s.tokens_by_tier),

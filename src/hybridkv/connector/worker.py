@@ -110,7 +110,7 @@ class OffloadConnectorWorker:
             buf = self.chain.buffer(group.block_bytes)
             torch.frombuffer(buf, dtype=torch.int8).copy_(group.blocks[page, slot])
             self._pending[copy.key] = buf
-            items.append((copy.key, buf))
+            items.append((copy.key, buf, copy.tiers))
         self._jobs.put((_STORE, next(self._seq), items))
 
     # ------------------------------------------------------------ the thread's jobs
@@ -165,16 +165,18 @@ class OffloadConnectorWorker:
             group.blocks[page, slot].copy_(source)
         return tier
 
-    def _store(self, items: list[tuple[bytes, bytearray]]) -> None:
+    def _store(self, items: list[tuple[bytes, bytearray, tuple[int, ...] | None]]) -> None:
         try:
-            missing = self.chain.missing_many([key for key, _ in items])
-            self.chain.store_many(items, missing)
+            missing = self.chain.missing_many([key for key, _, _ in items])
+            into = [lacking if only is None else [t for t in lacking if t in only]
+                    for lacking, (_, _, only) in zip(missing, items, strict=True)]
+            self.chain.store_many([(key, buf) for key, buf, _ in items], into)
         except Exception as e:
             self._warn_once("store", e)
         finally:
-            for key, _ in items:
+            for key, _, _ in items:
                 self._pending.pop(key, None)
-            self.completions.put(StoreDone(tuple(key for key, _ in items)))
+            self.completions.put(StoreDone(tuple(key for key, _, _ in items)))
 
     def _warn_once(self, what: str, e: BaseException) -> None:
         if what not in self._warned:

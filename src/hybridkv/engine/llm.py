@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,12 +17,25 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
+    """`with LLM(model_dir, **options) as llm:` closes the engine on leaving the block (its
+    queued KV writes reach the tiers); an LLM that is dropped (`del llm`) or still open at
+    exit is closed the same way."""
+
     def __init__(self, model_dir: str, **engine_options: Any) -> None:
         if not isinstance(model_dir, (str, os.PathLike)):
             raise ValueError(f"model_dir must be a path, got {type(model_dir).__name__}")
         model_dir = os.fspath(model_dir)
         self.engine = LLMEngine.from_model_dir(model_dir, EngineConfig.from_kwargs(engine_options))
         self._counter = 0
+        # Holds the engine, not the LLM: runs when the LLM is collected, or at exit (before
+        # the interpreter tears modules down), whichever comes first; once.
+        self._finalizer = weakref.finalize(self, LLMEngine.close, self.engine)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -80,7 +94,10 @@ class LLM:
         return self.engine.offload_stats()
 
     def close(self) -> None:
-        self.engine.close()
+        """Write the device prefix cache and the queued KV writes to the tiers and stop the
+        offload thread (nothing to do without offloading). Generating afterwards still
+        works, without the tiers."""
+        self._finalizer()
 
 
 def _progress(total: int) -> Any:

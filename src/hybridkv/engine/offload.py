@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
 from pathlib import Path
 
 import xxhash
@@ -23,11 +24,14 @@ from hybridkv.connector.offload.cpu_tier import CPUTier
 from hybridkv.connector.offload.disk_tier import DiskTier
 from hybridkv.connector.offload.redis_tier import RedisTier, parse_remote_url, shared_hash_seed
 from hybridkv.connector.offload.store import KVStore, parse_tier_spec
-from hybridkv.kv.plan import KVCacheConfig
+from hybridkv.kv.plan import KVCacheConfig, format_bytes
 
 logger = logging.getLogger(__name__)
 
 SEED_FILE = "hybridkv-hash-seed"
+SEED_CONTENT = ("one line of text, the block hash seed this directory's blocks were hashed "
+                "with (64 hex digits when hybridkv made it; remove the file to start afresh: "
+                "the blocks stored so far stop hitting)")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
 
@@ -55,12 +59,31 @@ def layout_fingerprint(model_id: bytes, config: KVCacheConfig, hash_fingerprint:
     return b"hkv1" + h.digest()
 
 
+def _read_seed(path: Path, *, wait_s: float = 0.0) -> str:
+    """The seed in an existing seed file. `wait_s`: another process created it just now and
+    may not have written it yet, so an empty file is read again until then."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            seed = path.read_bytes().decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise ValueError(f"kv_offload_disk: hash seed file {path} is not UTF-8 text; it "
+                             f"should hold {SEED_CONTENT}") from None
+        if seed or time.monotonic() >= deadline:
+            break
+        time.sleep(0.01)
+    if not seed:
+        raise ValueError(f"kv_offload_disk: hash seed file {path} is empty; it should hold "
+                         f"{SEED_CONTENT}")
+    return seed
+
+
 def disk_hash_seed(directory: str) -> str:
     """The block hash seed kept in a disk tier's directory (created on first use, readable
     by its owner only): processes sharing the directory hash alike, so its blocks hit."""
     path = Path(directory) / SEED_FILE
     try:
-        return path.read_text().strip()
+        return _read_seed(path)
     except FileNotFoundError:
         pass
     except OSError as e:
@@ -70,7 +93,7 @@ def disk_hash_seed(directory: str) -> str:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        return path.read_text().strip()  # another process made it just now
+        return _read_seed(path, wait_s=2.0)  # another process made it just now
     except OSError as e:
         raise ValueError(f"kv_offload_disk: directory {str(path.parent)!r} is not writable: "
                          f"{e.strerror or e}") from None
@@ -108,6 +131,29 @@ def block_hash_seed(config: EngineConfig) -> tuple[str | None, str | None]:
     return shared, shared
 
 
+def host_available_memory() -> int | None:
+    """What the kernel reports as available (free + reclaimable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_cpu_tier_budget(capacity_bytes: int) -> None:
+    """Refuse a CPU tier the host cannot hold, as kv_cache_memory is refused: the tier fills
+    as blocks leave the device, so an oversized one fails long after start-up (the OOM
+    killer). Checked once the model and the KV cache are allocated."""
+    available = host_available_memory()
+    if available is not None and capacity_bytes > available:
+        raise ValueError(f"kv_offload_cpu {format_bytes(capacity_bytes)} is more than the "
+                         f"host has available ({format_bytes(available)} after the model and "
+                         f"the KV cache); lower kv_offload_cpu")
+
+
 def build_tier_chain(config: EngineConfig, kv_config: KVCacheConfig,
                      fingerprint: bytes, *, remote_seed: str | None = None) -> TierChain:
     """The configured tiers, fastest first; a budget below one block or an unusable
@@ -116,6 +162,7 @@ def build_tier_chain(config: EngineConfig, kv_config: KVCacheConfig,
     names: list[str] = []
     tiers: list[KVStore] = []
     if config.kv_offload_cpu is not None:
+        check_cpu_tier_budget(int(config.kv_offload_cpu))
         names.append("cpu")
         tiers.append(CPUTier(int(config.kv_offload_cpu), min_entry_bytes=block_bytes))
     if config.kv_offload_disk is not None:

@@ -12,6 +12,11 @@ from hybridkv.sched.checks import check_bool, check_int, check_number
 # (vLLM treats it as greedy too).
 _MIN_TEMPERATURE = 1e-5
 MAX_N = 128  # samples per prompt
+# Past these a float32 logit divided (or multiplied) by the penalty overflows to inf, or a
+# zero logit times it is NaN, and the step cannot sample; a penalty of 1e4 already bans a
+# token seen before.
+MIN_REPETITION_PENALTY = 1e-4
+MAX_REPETITION_PENALTY = 1e4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,8 +76,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
             object.__setattr__(self, name, value)
         repetition = check_number("repetition_penalty", self.repetition_penalty, low=0.0)
-        if repetition == 0.0:
-            raise ValueError("repetition_penalty must be > 0 (1 = off), got 0")
+        if not MIN_REPETITION_PENALTY <= repetition <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                             f"{MAX_REPETITION_PENALTY:g}] (1 = off, > 1 penalizes repeats), "
+                             f"got {self.repetition_penalty!r}")
         object.__setattr__(self, "repetition_penalty", repetition)
         object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
         stop_ids = self.stop_token_ids

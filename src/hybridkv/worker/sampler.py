@@ -117,6 +117,7 @@ class Sampler:
             sorted_probs, order = torch.sort(probs, descending=True)
             # Keep the smallest set whose mass reaches top_p (the top token always stays).
             drop = torch.cumsum(sorted_probs, 0) - sorted_probs >= p.top_p
+            drop[0] = False  # a top_p below float32's smallest (1e-45) would drop it too
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
         generator = None

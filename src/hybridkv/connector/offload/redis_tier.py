@@ -141,15 +141,48 @@ def shared_hash_seed(spec: RemoteSpec, proposed: str, *, timeout_s: float) -> st
     """The block hash seed every process on this Redis uses: the one stored there, or
     `proposed` stored now if there is none (SET NX: two processes starting together agree).
     None if Redis does not answer."""
+    import redis
+
     client = make_client(spec, timeout_s)
     try:
         client.set(SEED_KEY, proposed.encode(), nx=True)
         value = client.get(SEED_KEY)
     except _faults():
         return None
+    except redis.ResponseError as e:
+        refused = _refused_database(spec, e, timeout_s)
+        if refused is None:
+            raise
+        raise refused from None
     finally:
         client.close()
     return value.decode() if value else None
+
+
+def _refused_database(spec: RemoteSpec, e: Exception, timeout_s: float) -> ValueError | None:
+    """The one-line error for a database number the server does not have (its SELECT, on
+    every new connection, answers "DB index is out of range"); None for any other error."""
+    if "DB index" not in str(e):
+        return None
+    count = _database_count(spec, timeout_s)
+    accepted = (f"0 to {count - 1} on this server" if count is not None
+                else "0 to the server's `databases` setting minus 1 (0-15 by default)")
+    host = f"[{spec.host}]" if ":" in spec.host else spec.host
+    return ValueError(f"kv_remote {spec.where}: the server has no database {spec.db} "
+                      f"({e}); accepted: a database number from {accepted}, e.g. "
+                      f"{spec.scheme}://{host}:{spec.port}/0")
+
+
+def _database_count(spec: RemoteSpec, timeout_s: float) -> int | None:
+    """The server's `databases` setting, asked on database 0; None if it will not say."""
+    client = make_client(RemoteSpec(spec.scheme, spec.host, spec.port, 0, spec.username,
+                                    spec.password), timeout_s)
+    try:
+        return int(client.config_get("databases")["databases"])
+    except Exception:  # CONFIG renamed or refused (a managed Redis): the default is said
+        return None
+    finally:
+        client.close()
 
 
 # ---------------------------------------------------------------- the tier
@@ -371,9 +404,16 @@ class _Link:
     def probe(self, *, first: bool = False) -> bool:
         """PING; on an answer the tier is up (and the shared hash seed is put back if a
         restarted Redis lost it)."""
+        import redis
+
         try:
             self.client.ping()
             self._publish_seed()
+        except redis.ResponseError as e:
+            refused = _refused_database(self.spec, e, self.timeout_s) if first else None
+            if refused is None:
+                raise
+            raise refused from None
         except _faults() as e:  # (before any other RedisError: they subclass it)
             with self.cond:
                 self.stats.connection_errors += 1
