@@ -370,8 +370,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a user message, sent through the model's chat template "
                              "(repeatable: one conversation each)")
     parser.add_argument("--chat-template", default=None,
-                        help="with --chat: a Jinja chat template (a file or the text) for a "
-                             "model that has none")
+                        help="with --chat: a Jinja chat template (a file or the text) "
+                             "(default: the model's own)")
     parser.add_argument("--max-tokens", type=positive_int, default=32,
                         help="output tokens per prompt at most")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0,

@@ -187,12 +187,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a .gguf file or a real model's short name "
                                       "(gemma-3-270m, smollm2-135m-instruct)")
     parser.add_argument("--rounds", type=positive_int, default=3,
-                        help="rounds of both engines, alternating; medians reported")
-    parser.add_argument("--pin", default="0", help="the core(s) both engines run on")
+                        help="rounds of both engines, alternating; medians reported "
+                             "(default: 3)")
+    parser.add_argument("--pin", default="0",
+                        help="the core(s) both engines run on (default: 0)")
     parser.add_argument("--llama-bin", type=Path, default=None,
                         help=f"llama.cpp's build/bin (default {DEFAULT_LLAMA_BIN})")
     parser.add_argument("--batched", type=positive_int, nargs=3, default=[32, 64, 128],
-                        metavar=("N", "L", "K"), help="the batched workload")
+                        metavar=("N", "L", "K"),
+                        help="the batched workload (default: 32 64 128)")
     parser.add_argument("--no-batched", action="store_true", help="batch 1 only")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
