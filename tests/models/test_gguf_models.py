@@ -32,6 +32,9 @@ OTHER = {"token_embd": T.BF16, "attn_q": T.F16, "attn_k": T.F32, "attn_v": T.Q8_
          "ffn": T.Q6_K, "output": T.Q4_K}
 # A GGUF file does not store Gemma's query scale: llama.cpp takes the key length, transformers
 # its default 256; heads of 256 make both agree.
+MOE = dict(moe_intermediate_size=256)  # rows of 256 for K-quants on ffn_down_exps
+SSM = {"token_embd": T.Q5_0, "ssm_in": T.Q4_K, "ssm_x": T.Q8_0, "ssm_out": T.Q6_K,
+       "output": T.Q4_0}
 GEMMA_HEADS = dict(head_dim=256, num_attention_heads=2, num_key_value_heads=1,
                    query_pre_attn_scalar=256)
 CASES = {
@@ -45,7 +48,24 @@ CASES = {
     "gemma2": ("gemma2", dict(GEMMA_HEADS, tie_word_embeddings=True), MIXED),
     "gemma3": ("gemma3", dict(GEMMA_HEADS, num_hidden_layers=6, tie_word_embeddings=True,
                               sliding_window_pattern=6), MIXED),
+    # Experts as 3-D tensors split per expert; a shared expert with its sigmoid gate.
+    "qwen2_moe": ("qwen2_moe", dict(MOE, num_hidden_layers=2, mlp_only_layers=[],
+                                    shared_expert_intermediate_size=512), MIXED),
+    "qwen3_moe": ("qwen3_moe", dict(MOE, use_sliding_window=False), OTHER),
+    "mamba": ("mamba", {}, SSM),
+    # transformers cannot read Mamba-2 GGUF files: the reference is the checkpoint with each
+    # weight rounded as the file stores it.
+    "mamba2": ("mamba2", dict(hidden_size=64, intermediate_size=128, head_dim=16),
+               {"ssm_in": T.Q4_0, "output": T.F16}),
 }
+# Config fields transformers' GGUF reader leaves at its defaults (it reads no
+# expert_feed_forward_length, nor expert_shared_feed_forward_length): given to it
+# by hand, as the file says them to hybridkv.
+HF_KWARGS = {
+    "qwen2_moe": dict(moe_intermediate_size=256, shared_expert_intermediate_size=512),
+    "qwen3_moe": dict(moe_intermediate_size=256),
+}
+ROUNDED = {"mamba2"}
 ARCH_OF = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_hidden_layers=2))}
 
 
@@ -60,18 +80,41 @@ def gguf_case(request, tmp_path_factory):
         tiny.ARCHS[arch] = ARCH_OF[arch]
     root = tmp_path_factory.mktemp(f"gguf_{name}")
     model_dir = build_tiny_model(arch, root / "hf", **{**WIDE, **overrides})
-    path = write_gguf(model_dir, root / "model.gguf", qtypes)
+    rounded = root / "rounded" if name in ROUNDED else None
+    path = write_gguf(model_dir, root / "model.gguf", qtypes, rounded=rounded)
     gen = torch.Generator().manual_seed(99)
     prompts = [torch.randint(4, 256, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    if rounded is not None:
+        return name, path, rounded, prompts, *hf_reference(rounded, prompts)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(root), gguf_file="model.gguf", dtype=torch.float32).eval()
+        str(root), gguf_file="model.gguf", dtype=torch.float32,
+        **HF_KWARGS.get(name, {})).eval()
     dequantized = root / "dequantized"
     # transformers refuses save_pretrained on a GGUF-loaded model: config and tensors apart.
     hf.config.save_pretrained(dequantized)
-    state = {k: v.contiguous().clone() for k, v in hf.state_dict().items()
+    state = {k: v.contiguous().clone() for k, v in _per_expert(hf.state_dict()).items()
              if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
     save_file(state, str(dequantized / "model.safetensors"))
     return name, path, dequantized, prompts, *hf_reference(dequantized, prompts)
+
+
+def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers keeps experts fused in memory ([experts, 2 * ff, hidden] gate_up,
+    [experts, hidden, ff] down); checkpoints hold them per expert."""
+    out = {}
+    for key, value in state.items():
+        prefix, _, part = key.rpartition(".experts.")
+        if part == "gate_up_proj":
+            gate, up = value.chunk(2, dim=1)
+            for e in range(value.shape[0]):
+                out[f"{prefix}.experts.{e}.gate_proj.weight"] = gate[e]
+                out[f"{prefix}.experts.{e}.up_proj.weight"] = up[e]
+        elif part == "down_proj":
+            for e in range(value.shape[0]):
+                out[f"{prefix}.experts.{e}.down_proj.weight"] = value[e]
+        else:
+            out[key] = value
+    return out
 
 
 def _run(model: Path, prompts, **options):

@@ -6,11 +6,18 @@ supported architecture maps to a `model_type` and to the fields its config class
 so the layer mix, the KV planner and the model families run unchanged. What a file cannot say
 (Gemma 3's local RoPE base, its layer pattern) is what the family's config class defaults
 to. Pure Python: `hybridkv plan model.gguf` needs no torch.
+
+Covered (ARCHS): llama, mistral3, qwen2, qwen3, gemma2, gemma3, smollm3, the MoE families
+qwen2moe (dense layers read off the tensors: a layer without a router) and qwen3moe, and the
+attention-free state-space models mamba (falcon-mamba when `ssm.dt_b_c_rms`) and mamba2 (the
+`ssm.*` keys: conv_kernel, inner_size, state_size, time_step_rank, group_count). Hybrids
+whose `attention.head_count_kv` is a per-layer list (0 = recurrent layer) can say so with
+`per_layer_kv`. Any other architecture is refused in one line naming it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +39,13 @@ class Arch:
     # Gemma's converter stores norm weights as (1 + w); the loader subtracts the 1.
     norm_shift: float = 0.0
     tie_default: bool = False
+    # Config fields read off the file's tensor names (which layers carry experts, biases).
+    tensors: Callable[[Collection[str], dict[str, Any]], dict[str, Any]] = \
+        field(default=lambda names, cfg: {})
+    # `attention.head_count_kv` may be a per-layer list, 0 marking recurrent layers.
+    per_layer_kv: bool = False
+    # No attention at all (head_count 0): the config carries no head fields.
+    attention_free: bool = False
 
 
 def _gemma2(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
@@ -77,13 +91,50 @@ def _moe(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _qwen2moe(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp's qwen2moe does not renormalise the top-k weights (as Qwen2-MoE's default).
+    return {**_moe(get, cfg), "norm_topk_prob": False, "decoder_sparse_step": 1}
+
+
+def _dense_layers(names: Collection[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Layers without a router are dense MLPs (Qwen2-MoE's `mlp_only_layers`)."""
+    return {"mlp_only_layers": [i for i in range(cfg["num_hidden_layers"])
+                                if f"blk.{i}.ffn_gate_inp.weight" not in names]}
+
+
+def _mamba(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    inner = get("ssm.inner_size")
+    return {"model_type": "falcon_mamba" if get("ssm.dt_b_c_rms") else "mamba",
+            "state_size": get("ssm.state_size"), "conv_kernel": get("ssm.conv_kernel"),
+            "intermediate_size": inner, "time_step_rank": get("ssm.time_step_rank"),
+            "expand": inner // cfg["hidden_size"], "layer_norm_epsilon": cfg["rms_norm_eps"]}
+
+
+def _mamba2(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    inner, heads = get("ssm.inner_size"), get("ssm.time_step_rank")
+    if inner % cfg["hidden_size"]:
+        raise ValueError(f"mamba2.ssm.inner_size {inner} is not a multiple of the embedding "
+                         f"length {cfg['hidden_size']}; not supported")
+    return {"state_size": get("ssm.state_size"), "conv_kernel": get("ssm.conv_kernel"),
+            "num_heads": heads, "head_dim": inner // heads, "n_groups": get("ssm.group_count"),
+            "expand": inner // cfg["hidden_size"], "intermediate_size": inner,
+            "layer_norm_epsilon": cfg["rms_norm_eps"]}
+
+
+def _ssm_biases(names: Collection[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    return {"use_bias": "blk.0.ssm_in.bias" in names,
+            "use_conv_bias": "blk.0.ssm_conv1d.bias" in names}
+
+
 ARCHS: dict[str, Arch] = {
     "llama": Arch("llama", permuted_qk=True),
     "mistral3": Arch("ministral3", permuted_qk=True),
     "qwen2": Arch("qwen2", _qwen_window),
     "qwen3": Arch("qwen3", _qwen_window),
-    "qwen2moe": Arch("qwen2_moe", _moe),
+    "qwen2moe": Arch("qwen2_moe", _qwen2moe, tensors=_dense_layers),
     "qwen3moe": Arch("qwen3_moe", _moe),
+    "mamba": Arch("mamba", _mamba, tensors=_ssm_biases, attention_free=True),
+    "mamba2": Arch("mamba2", _mamba2, tensors=_ssm_biases, attention_free=True),
     "gemma2": Arch("gemma2", _gemma2, norm_shift=1.0, tie_default=True),
     "gemma3": Arch("gemma3_text", _gemma3, norm_shift=1.0, tie_default=True),
     "smollm3": Arch("smollm3", tie_default=True),
@@ -131,12 +182,15 @@ def config_from_gguf(header: GGUFHeader) -> dict[str, Any]:
     layers = _int(header, f"{arch_name}.block_count", need("block_count"))
     hidden = _int(header, f"{arch_name}.embedding_length", need("embedding_length"))
     heads = _int(header, f"{arch_name}.attention.head_count", need("attention.head_count"))
-    kv_heads = _int(header, f"{arch_name}.attention.head_count_kv",
-                    get("attention.head_count_kv") or heads)
-    if heads == 0:
+    kv_value = get("attention.head_count_kv") or heads
+    if arch.per_layer_kv and isinstance(kv_value, list):
+        # Hybrids: 0 marks a recurrent layer; the attention layers share one count.
+        kv_value = [v for v in kv_value if v] or [heads]
+    kv_heads = _int(header, f"{arch_name}.attention.head_count_kv", kv_value)
+    if heads == 0 and not arch.attention_free:
         raise ValueError(f"{header.path}: metadata {arch_name}.attention.head_count is 0")
     head_dim = _int(header, f"{arch_name}.attention.key_length",
-                    get("attention.key_length") or hidden // heads)
+                    get("attention.key_length") or hidden // max(heads, 1))
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = get("vocab_size") or (len(tokens) if isinstance(tokens, list) else None)
     if vocab is None:
@@ -183,5 +237,9 @@ def config_from_gguf(header: GGUFHeader) -> dict[str, Any]:
         cfg["sliding_window"] = _int(header, f"{arch_name}.attention.sliding_window", window)
     if any(name.endswith("attn_q.bias") for name in header.tensors):
         cfg["attention_bias"] = True
+    if arch.attention_free:
+        for key in ("num_attention_heads", "num_key_value_heads", "head_dim"):
+            del cfg[key]
     cfg.update({k: v for k, v in arch.extra(get, cfg).items() if v is not None})
+    cfg.update(arch.tensors(header.tensors.keys(), cfg))
     return cfg

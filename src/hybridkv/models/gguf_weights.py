@@ -14,13 +14,23 @@ choice on CUDA, where the model then runs as any float32 checkpoint does).
 The converter's two rewrites are undone: llama-architecture q/k rows are permuted back (its
 RoPE pairs neighbours, Hugging Face's pairs halves; quantization blocks run along rows, so
 whole rows move), and Gemma's norm weights lose the 1 the converter added.
+
+Per-architecture fixups (`_FIXUPS`): parameter renames onto the names llama.cpp's table knows
+(Mamba's `backbone.`, Mamba-2's dt_bias), fused tensors split along their first dimension
+(qwen2moe/qwen3moe's 3-D `ffn_{gate,up,down}_exps` [experts, rows, cols] into one quantized
+matrix per expert; router `ffn_gate_inp` and shared experts `ffn_*_shexp` map by name), and
+float transforms by tensor-name suffix (Mamba's `ssm_a` = -exp(A_log) back to A_log, Mamba-2's
+per-group `ssm_norm`); shapes that differ only by dimensions of 1 (squeezed conv1d weights,
+Mamba-2's [heads, 1] A and D, Qwen's vector `ffn_gate_inp_shexp`) are reshaped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -52,19 +62,67 @@ def _no_init() -> Iterator[None]:
         nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved  # type: ignore[method-assign]
 
 
-def gguf_names(model: nn.Module, arch: str, num_layers: int) -> dict[str, str]:
-    """GGUF tensor name -> the model's parameter name, for every parameter the table maps."""
+Transform = Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]
+
+
+def _a_log(value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The file keeps Mamba's A = -exp(A_log); the models keep A_log."""
+    return torch.log(-value).reshape(shape)
+
+
+def _reshape(value: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    return value.reshape(shape)
+
+
+@dataclass(frozen=True)
+class _Fixups:
+    """What one architecture's converter did beyond renaming, undone here."""
+
+    # (regex, replacement) turning a parameter's name into the Hugging Face name llama.cpp's
+    # table knows. Parameters that land on one file tensor are its slices along the first
+    # dimension, in module order: per-expert matrices of a 3-D `ffn_*_exps` tensor
+    # [experts, rows, cols] (each expert's rows are contiguous bytes, so each becomes its own
+    # quantized matrix), or q/k/v of a fused `attn_qkv`.
+    renames: tuple[tuple[str, str], ...] = ()
+    # File tensor-name suffix -> transform of its float32 value into the parameter's shape
+    # (shapes that differ only by dimensions of 1 need none).
+    transforms: tuple[tuple[str, Transform], ...] = ()
+
+
+_EXPERTS = (r"\.experts\.\d+\.", ".experts.")
+_MAMBA = (r"^model\.", "backbone.")
+_FIXUPS: dict[str, _Fixups] = {
+    "qwen2moe": _Fixups(renames=(_EXPERTS,)),
+    "qwen3moe": _Fixups(renames=(_EXPERTS,)),
+    # A transform also keeps a linear weight float32: the Mamba-1 mixer reads dt_proj's
+    # matrix directly.
+    "mamba": _Fixups(renames=(_MAMBA,), transforms=(("ssm_a", _a_log),
+                                                    ("ssm_dt.weight", _reshape))),
+    # Mamba-2: A and D per head as [heads, 1], the gated norm per group [groups, width / groups],
+    # dt_bias stored as the dt projection's bias.
+    "mamba2": _Fixups(renames=(_MAMBA, (r"\.mixer\.dt_bias$", ".mixer.dt_proj.bias")),
+                      transforms=(("ssm_a", _a_log), ("ssm_norm.weight", _reshape))),
+}
+
+
+def gguf_names(model: nn.Module, arch: str, num_layers: int) -> dict[str, list[str]]:
+    """GGUF tensor name -> the model's parameter names it holds (one, or the slices of a
+    fused tensor in order), for every parameter the table maps."""
     import gguf
 
     arch_id = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch), None)
     if arch_id is None:
         raise ValueError(f"GGUF architecture {arch!r} is unknown to the gguf package")
     table = gguf.get_tensor_name_map(arch_id, num_layers)
-    names: dict[str, str] = {}
+    renames = [(re.compile(p), r) for p, r in _FIXUPS.get(arch, _Fixups()).renames]
+    names: dict[str, list[str]] = {}
     for param in dict(model.named_parameters(remove_duplicate=False)):
-        gguf_name = table.get_name(param, try_suffixes=(".weight", ".bias"))
+        hf_name = param
+        for pattern, repl in renames:
+            hf_name = pattern.sub(repl, hf_name)
+        gguf_name = table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is not None:
-            names.setdefault(gguf_name, param)
+            names.setdefault(gguf_name, []).append(param)
     return names
 
 
@@ -104,9 +162,39 @@ def _quantized(raw: np.ndarray, info: TensorInfo) -> QuantizedWeight:
     return QuantizedWeight(data, info.qtype, data.shape[0], info.shape[-1])
 
 
-def _float(raw: np.ndarray, info: TensorInfo) -> torch.Tensor:
+def _float(raw: np.ndarray, info: TensorInfo, shape: tuple[int, ...]) -> torch.Tensor:
     data = torch.from_numpy(np.ascontiguousarray(raw))
-    return quant_linear.dequantize(data, info.qtype, info.shape[-1]).reshape(info.shape)
+    return quant_linear.dequantize(data, info.qtype, info.shape[-1]).reshape(shape)
+
+
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
+
+
+def _slices(header: GGUFHeader, info: TensorInfo, raw: np.ndarray,
+            pnames: list[str], params: dict[str, nn.Parameter], transformed: bool
+            ) -> Iterator[tuple[str, np.ndarray, tuple[int, ...]]]:
+    """(parameter, its rows of the tensor's bytes, their shape as stored) for each parameter
+    a file tensor holds: the whole tensor, or consecutive row slices of a fused one."""
+    if len(pnames) == 1:
+        pshape = tuple(params[pnames[0]].shape)
+        fits = pshape == info.shape or _squeezed(pshape) == _squeezed(info.shape) or (
+            transformed and int(np.prod(pshape)) == int(np.prod(info.shape)))
+        if not fits:
+            raise ValueError(f"{header.path}: tensor {info.name!r} has shape "
+                             f"{list(info.shape)}, the model expects {list(pshape)}")
+        yield pnames[0], raw, info.shape
+        return
+    shapes = [tuple(params[p].shape) for p in pnames]
+    if any(len(s) != 2 or s[1] != info.shape[-1] for s in shapes) \
+            or sum(s[0] for s in shapes) != raw.shape[0]:
+        raise ValueError(f"{header.path}: tensor {info.name!r} of shape {list(info.shape)} "
+                         f"does not split into {', '.join(pnames[:3])}... of shapes "
+                         f"{[list(s) for s in shapes[:3]]}...")
+    start = 0
+    for pname, shape in zip(pnames, shapes, strict=True):
+        yield pname, raw[start:start + shape[0]], shape
+        start += shape[0]
 
 
 def _module(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -118,62 +206,35 @@ def load_gguf_weights(model: CausalLM, header: GGUFHeader, config: dict[str, Any
                       dequantize: bool) -> None:
     arch = ARCHS[header.architecture]
     names = gguf_names(model, header.architecture, int(config["num_hidden_layers"]))
-    heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+    # Attention-free models (Mamba) carry no head counts; only q/k permutation reads them.
+    heads = int(config.get("num_attention_heads") or 0)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
     files = _FileTensors(header)
     params = dict(model.named_parameters())
+    fixups = _FIXUPS.get(header.architecture, _Fixups())
     loaded: set[str] = set()
     try:
         for info in header.tensors.values():
             if info.name in _DERIVED:
                 continue
-            pname = names.get(info.name)
-            if pname is None:
+            if info.name not in names:
                 raise ValueError(f"{header.path}: tensor {info.name!r} has no place in "
                                  f"{config['model_type']}")
-            if pname not in params:  # a tied parameter seen under its other name
+            # A tied parameter seen under its other name is skipped.
+            pnames = [p for p in names[info.name] if p in params]
+            if not pnames:
                 continue
-            param = params[pname]
-            if tuple(param.shape) != info.shape:
-                raise ValueError(f"{header.path}: tensor {info.name!r} has shape "
-                                 f"{list(info.shape)}, the model expects {list(param.shape)}")
+            transform = next((fn for suffix, fn in fixups.transforms
+                              if info.name.endswith(suffix)), None)
             raw = files.raw(info)
             if arch.permuted_qk and info.name.endswith(("attn_q.weight", "attn_k.weight",
                                                         "attn_q.bias", "attn_k.bias")):
                 raw = _unpermute_rows(raw, heads if "attn_q" in info.name else kv_heads)
-            owner, attr = _module(model, pname)
-            matrix = attr == "weight" and isinstance(owner, (nn.Linear, nn.Embedding))
-            if matrix and not dequantize:
-                if info.qtype not in quant_linear.SUPPORTED:
-                    raise ValueError(
-                        f"{header.path}: tensor {info.name!r} is {info.type_name}, which the "
-                        f"quantized kernels do not compute on (supported: "
-                        f"{', '.join(quant_linear.SUPPORTED.values())}); pass "
-                        f"dequantize=True (--dequantize) to load it as float32")
-                weight = _quantized(raw, info)
-                parent, child = _module(model, pname.rpartition(".")[0])
-                if isinstance(owner, nn.Embedding):
-                    setattr(parent, child, QuantizedEmbedding(weight))
-                else:
-                    bias = owner.bias.detach() if owner.bias is not None else None
-                    setattr(parent, child, QuantizedLinear(weight, bias))
-                    if bias is not None:  # the bias now lives in the new module
-                        params[pname.rpartition(".")[0] + ".bias"] = \
-                            parent.get_submodule(child).bias
+            for pname, part, shape in _slices(header, info, raw, pnames, params,
+                                              transform is not None):
+                _place(header, model, params, pname, part, info, shape, arch, transform,
+                       dequantize=dequantize)
                 loaded.add(pname)
-                continue
-            if info.qtype not in quant_linear.SUPPORTED:
-                raise ValueError(f"{header.path}: tensor {info.name!r} is {info.type_name}, "
-                                 f"which cannot be dequantized here (supported: "
-                                 f"{', '.join(quant_linear.SUPPORTED.values())})")
-            value = _float(raw, info)
-            if arch.norm_shift and info.name.endswith("norm.weight"):
-                value = value - arch.norm_shift
-            with torch.no_grad():
-                target = params[pname]
-                if target.is_meta or target.shape != value.shape:
-                    raise ValueError(f"{header.path}: tensor {info.name!r} cannot be placed")
-                target.copy_(value)
-            loaded.add(pname)
     finally:
         files.close()
     _tie_head(model, config)
@@ -182,6 +243,48 @@ def load_gguf_weights(model: CausalLM, header: GGUFHeader, config: dict[str, Any
     if missing:
         raise ValueError(f"{header.path}: the file lacks {len(missing)} tensor(s) the model "
                          f"needs, e.g. {missing[0]!r}")
+
+
+def _place(header: GGUFHeader, model: nn.Module, params: dict[str, nn.Parameter], pname: str,
+           raw: np.ndarray, info: TensorInfo, shape: tuple[int, ...], arch: Any,
+           transform: Transform | None, *, dequantize: bool) -> None:
+    """One parameter from its bytes: a linear or embedding weight as a quantized module
+    (unless `dequantize`), anything else as float32."""
+    owner, attr = _module(model, pname)
+    matrix = attr == "weight" and isinstance(owner, (nn.Linear, nn.Embedding))
+    where = f"{header.path}: tensor {info.name!r}" + (
+        f" (for {pname!r})" if shape != info.shape else "")
+    if matrix and not dequantize and transform is None:
+        if info.qtype not in quant_linear.SUPPORTED:
+            raise ValueError(
+                f"{where} is {info.type_name}, which the quantized kernels do not "
+                f"compute on (supported: {', '.join(quant_linear.SUPPORTED.values())}); pass "
+                f"dequantize=True (--dequantize) to load it as float32")
+        weight = _quantized(raw, info)
+        parent, child = _module(model, pname.rpartition(".")[0])
+        if isinstance(owner, nn.Embedding):
+            setattr(parent, child, QuantizedEmbedding(weight))
+        else:
+            bias = owner.bias.detach() if owner.bias is not None else None
+            setattr(parent, child, QuantizedLinear(weight, bias))
+            if bias is not None:  # the bias now lives in the new module
+                params[pname.rpartition(".")[0] + ".bias"] = parent.get_submodule(child).bias
+        return
+    if info.qtype not in quant_linear.SUPPORTED:
+        raise ValueError(f"{where} is {info.type_name}, which cannot be dequantized "
+                         f"here (supported: {', '.join(quant_linear.SUPPORTED.values())})")
+    value = _float(raw, info, shape)
+    if arch.norm_shift and info.name.endswith("norm.weight"):
+        value = value - arch.norm_shift
+    target = params[pname]
+    if transform is not None:
+        value = transform(value, tuple(target.shape))
+    elif value.shape != target.shape:
+        value = value.reshape(target.shape)  # shapes that differ by dimensions of 1
+    with torch.no_grad():
+        if target.is_meta or target.shape != value.shape:
+            raise ValueError(f"{where} cannot be placed")
+        target.copy_(value)
 
 
 def _in_quantized(model: nn.Module, pname: str) -> bool:
