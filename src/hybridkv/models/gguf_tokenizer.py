@@ -25,8 +25,6 @@ takes seconds.
 
 from __future__ import annotations
 
-import mmap
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +32,8 @@ from typing import Any
 import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+
+from hybridkv.models.gguf_file import read_header
 
 __all__ = [
     "GGUFTokenizerInfo",
@@ -516,115 +516,11 @@ def _post_processor(
 
 
 # --------------------------------------------------------------------------------------------------
-# reading the metadata of a file
-
-# GGUF metadata value types: fixed-size ones as (struct format, numpy dtype)
-_FIXED = {
-    0: ("<B", "<u1"),
-    1: ("<b", "<i1"),
-    2: ("<H", "<u2"),
-    3: ("<h", "<i2"),
-    4: ("<I", "<u4"),
-    5: ("<i", "<i4"),
-    6: ("<f", "<f4"),
-    7: ("<?", "?"),
-    10: ("<Q", "<u8"),
-    11: ("<q", "<i8"),
-    12: ("<d", "<f8"),
-}
-_STRING, _ARRAY = 8, 9
-
-
-def _wanted(key: str) -> bool:
-    return key.startswith("tokenizer.") or key == "general.architecture"
 
 
 def read_tokenizer_metadata(path: str) -> dict[str, Any]:
     """The `tokenizer.*` and `general.architecture` keys of the GGUF file at `path`, without
-    reading any tensor. String arrays (tokens, merges) come back as lists of str, numeric arrays
-    (scores, token types) as numpy arrays, scalars as python values."""
-    source = str(path)
-    with open(path, "rb") as f:
-        try:
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError:  # an empty file cannot be mapped
-            raise ValueError(f"{source}: not a GGUF file (it is empty)") from None
-    try:
-        return _read_metadata(buf, source)
-    except (struct.error, IndexError, UnicodeDecodeError) as exc:
-        raise ValueError(
-            f"{source}: malformed GGUF metadata ({type(exc).__name__}: {exc})"
-        ) from None
-    finally:
-        buf.close()
-
-
-def _read_metadata(buf: mmap.mmap, source: str) -> dict[str, Any]:
-    if buf[:4] != b"GGUF":
-        raise ValueError(f"{source}: not a GGUF file (no GGUF magic)")
-    unpack = struct.unpack_from
-    (version,) = unpack("<I", buf, 4)
-    if version not in (2, 3):
-        raise ValueError(f"{source}: GGUF version {version} is not supported; supported: 2, 3")
-    _tensor_count, kv_count = unpack("<QQ", buf, 8)
-    size = len(buf)
-    pos = 24
-    out: dict[str, Any] = {}
-
-    def string_at(p: int) -> tuple[str, int]:
-        (length,) = unpack("<Q", buf, p)
-        p += 8
-        if p + length > size:
-            raise IndexError("string runs past the end of the file")
-        return buf[p : p + length].decode("utf-8"), p + length
-
-    for _ in range(kv_count):
-        key, pos = string_at(pos)
-        (vtype,) = unpack("<I", buf, pos)
-        pos += 4
-        keep = _wanted(key)
-        if vtype in _FIXED:
-            fmt = _FIXED[vtype][0]
-            if keep:
-                (out[key],) = unpack(fmt, buf, pos)
-            pos += struct.calcsize(fmt)
-        elif vtype == _STRING:
-            value, pos = string_at(pos)
-            if keep:
-                out[key] = value
-        elif vtype == _ARRAY:
-            etype, count = unpack("<IQ", buf, pos)
-            pos += 12
-            if etype in _FIXED:
-                dtype = np.dtype(_FIXED[etype][1])
-                nbytes = dtype.itemsize * count
-                if pos + nbytes > size:
-                    raise IndexError("array runs past the end of the file")
-                if keep:
-                    out[key] = np.frombuffer(buf, dtype=dtype, count=count, offset=pos).copy()
-                pos += nbytes
-            elif etype == _STRING:
-                if keep:
-                    values: list[str] = [""] * count
-                    for j in range(count):
-                        (length,) = unpack("<Q", buf, pos)
-                        pos += 8
-                        values[j] = buf[pos : pos + length].decode("utf-8")
-                        pos += length
-                    if pos > size:
-                        raise IndexError("string array runs past the end of the file")
-                    out[key] = values
-                else:
-                    for _j in range(count):
-                        (length,) = unpack("<Q", buf, pos)
-                        pos += 8 + length
-            else:
-                raise ValueError(
-                    f"{source}: metadata key {key} holds an array of type {etype}, "
-                    "which is not readable"
-                )
-        else:
-            raise ValueError(
-                f"{source}: metadata key {key} has value type {vtype}, which is not readable"
-            )
-    return out
+    reading any tensor (models/gguf_file.py reads the header; arrays come back as lists)."""
+    header = read_header(path)
+    return {key: value for key, value in header.metadata.items()
+            if key.startswith("tokenizer.") or key == "general.architecture"}
