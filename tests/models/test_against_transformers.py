@@ -37,10 +37,14 @@ def reference(request, tmp_path_factory):
 def hf_reference(model_dir: Path, prompts):
     """transformers' greedy tokens and per-step logits for each prompt (float32)."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    hf.eval()
+    return greedy_reference(hf.eval(), prompts)
+
+
+def greedy_reference(hf, prompts, num_new: int = NUM_NEW):
+    """A transformers model's greedy tokens and per-step logits for each prompt."""
     tokens, logits = [], []
     for prompt in prompts:
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW, do_sample=False,
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False,
                           eos_token_id=None, pad_token_id=0, output_logits=True,
                           return_dict_in_generate=True)
         tokens.append(out.sequences[0, len(prompt):].tolist())

@@ -14,6 +14,7 @@ import torch
 from hybridkv import LLM, SamplingParams
 from hybridkv.models.sources import REAL_MODELS, real_model_path
 from tests.hooks import record_logits
+from tests.models.test_against_transformers import greedy_reference
 
 pytest.importorskip("accelerate")
 
@@ -52,14 +53,8 @@ def real(request):
         assert len(prompts[-1]) > 600
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    tokens, logits = [], []
     with torch.no_grad():
-        for prompt in prompts:
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW, do_sample=False,
-                              eos_token_id=None, pad_token_id=0, output_logits=True,
-                              return_dict_in_generate=True)
-            tokens.append(out.sequences[0, len(prompt):].tolist())
-            logits.append(torch.stack([step[0] for step in out.logits]))
+        tokens, logits = greedy_reference(hf, prompts, NUM_NEW)
     del hf
     return name, path, prompts, tokens, logits
 
@@ -83,6 +78,7 @@ def test_greedy_tokens_and_logits_match_transformers(real):
         n = min(agree + 1, len(ref_tokens))
         err = (ours[:n] - ref_logits[:n]).abs().max().item()
         scale = ref_logits[:n].abs().max().item()
+        print(f"{name}: max |logit error| {err:.4f} over logits up to {scale:.1f}")
         assert err <= 0.02 * scale, (name, err, scale)
 
 
