@@ -392,6 +392,10 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dequantize", action="store_true",
                         help="GGUF models: dequantize the weights to --dtype at load instead "
                              "of computing on their quantized blocks")
+    parser.add_argument("--quant-activations", choices=["float32", "int8"], default="float32",
+                        help="GGUF models on CPUs: activations of a decode step in float32 "
+                             "(exact) or 8 bits for integer dot products (faster, logits "
+                             "slightly off)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn prefix caching off")
     parser.add_argument("--no-hybrid", action="store_true",
@@ -454,6 +458,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     options: dict[str, object] = dict(
         kv_cache_memory=args.kv_cache_memory, dtype=args.dtype, dequantize=args.dequantize,
+        quant_activations=args.quant_activations,
         enable_prefix_caching=not args.no_prefix_caching,
         disable_hybrid_kv_cache=args.no_hybrid,
         kv_sharing_fast_prefill=args.kv_sharing_fast_prefill,
@@ -609,6 +614,10 @@ def add_server_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
     parser.add_argument("--dequantize", action="store_true",
                         help="GGUF models: dequantize the weights to --dtype at load instead "
                              "of computing on their quantized blocks")
+    parser.add_argument("--quant-activations", choices=["float32", "int8"], default="float32",
+                        help="GGUF models on CPUs: activations of a decode step in float32 "
+                             "(exact) or 8 bits for integer dot products (faster, logits "
+                             "slightly off)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True, help="reuse the KV cache of shared prompt prefixes")
     add_threads_argument(parser)
@@ -636,6 +645,7 @@ def server_engine_options(args: argparse.Namespace) -> dict[str, object]:
     options: dict[str, object] = dict(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory, dtype=args.dtype, dequantize=args.dequantize,
+        quant_activations=args.quant_activations,
         enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
         linear_kernel=args.linear_kernel, attention_backend=args.attention_backend)
     if args.max_model_len:

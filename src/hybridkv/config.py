@@ -83,6 +83,11 @@ class EngineConfig:
     # GGUF models: weights are kept in their quantized blocks on the CPU; True dequantizes
     # them to `dtype` at load (4-8x the memory; what CUDA devices do anyway).
     dequantize: bool = False
+    # GGUF models on CPUs: "float32" keeps the activations in float (exact against the
+    # dequantized model); "int8" quantizes a decode step's few rows to 8 bits for integer dot
+    # products (llama.cpp's choice: ~2x faster matrices at batch 1, logits off by up to a few
+    # units). Process-wide, like `threads`.
+    quant_activations: str = "float32"
 
     # Serve a max_model_len above the model's max_position_embeddings (positions the model
     # was never trained on); refused unless set, as vLLM does.
@@ -133,6 +138,7 @@ class EngineConfig:
         _choice("kv_eviction", self.kv_eviction, (None, "lru", "value"))
         _choice("block_hash_algo", self.block_hash_algo, ("xxh3", "sha256"))
         _choice("linear_kernel", self.linear_kernel, ("auto", "cpu", "onednn", "torch"))
+        _choice("quant_activations", self.quant_activations, ("float32", "int8"))
         if self.block_hash_seed is not None and (not isinstance(self.block_hash_seed, str)
                                                  or not self.block_hash_seed):
             raise ValueError("block_hash_seed must be a non-empty string or None (a random "

@@ -1,10 +1,12 @@
 """The GGML-quantized kernels (worker/native/quant.c through worker/quant_linear.py) against
 gguf-py's numpy dequantization and a float matmul: every supported block type, the AVX2
-and the portable dequantization, odd row counts, strided inputs, several threads."""
+and the portable kernels, 8-bit and float activations, odd row counts, strided inputs,
+several threads."""
 
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import gguf
@@ -16,6 +18,9 @@ from hybridkv.worker import quant_linear as ql
 
 TYPES = sorted(ql.SUPPORTED)
 K_QUANTS = {12, 13, 14}  # gguf-py has no quantizer for these: random blocks instead
+INT8_TYPES = {2, 3, 6, 7, 8, 12, 13, 14}  # the block types that take 8-bit activations
+# Offsets of the f16 min (Q4_1, Q5_1) or dmin (Q4_K, Q5_K) in each block.
+MIN_OFFSETS = {3: 2, 7: 2, 12: 2, 13: 2}
 # Offsets of each K-quant block's f16 super-block scales (d, and dmin for Q4_K/Q5_K).
 SCALE_OFFSETS = {12: (0, 2), 13: (0, 2), 14: (208,)}
 
@@ -63,6 +68,51 @@ def close_matmul(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert err < 1e-5, f"relative error {err:.3g}"
 
 
+def without_min(raw: np.ndarray, qtype: int, cols: int) -> torch.Tensor:
+    """The dequantized weights less their blocks' min terms (d q: what the 8-bit x values
+    multiply; the min goes through x's exact block sums)."""
+    if qtype not in MIN_OFFSETS:
+        return reference(raw, qtype, cols)
+    values, nbytes = ql.block_shape(qtype)
+    blocks = raw.reshape(raw.shape[0], -1, nbytes).copy()
+    blocks[:, :, MIN_OFFSETS[qtype]:MIN_OFFSETS[qtype] + 2] = 0
+    return reference(blocks.reshape(raw.shape[0], -1), qtype, cols)
+
+
+def int8_bound(x: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    """quant_linear's bound on |y - y_float| from 8-bit x: per 32-value block of x,
+    max |x| / 254 times sum |d q| of the block's weights (wq: without their mins)."""
+    m, cols = x.shape
+    half_step = x.abs().double().reshape(m, cols // 32, 32).amax(dim=2) / 254
+    return half_step.repeat_interleave(32, dim=1) @ wq.abs().double().T
+
+
+def check_matmul(got: torch.Tensor, x: torch.Tensor, raw: np.ndarray, qtype: int,
+                 cols: int, w: torch.Tensor | None = None) -> float:
+    """got against x @ w.T: to float rounding, or within int8_bound (plus float rounding)
+    where the product may quantize x (a small batch, a quantized type, 8-bit activations
+    on); returns the largest error over its bound."""
+    w = reference(raw, qtype, cols) if w is None else w
+    if x.shape[0] > ql.int8_rows(qtype) or not got.numel():
+        close_matmul(got, x, w)
+        return 0.0
+    want = x.double() @ w.double().T
+    scale = x.abs().double() @ w.abs().double().T
+    bound = int8_bound(x, without_min(raw, qtype, cols)) + 1e-5 * scale + 1e-30
+    ratio = ((got.double() - want).abs() / bound).max().item()
+    assert ratio <= 1.0, f"error {ratio:.3g} x the 8-bit activations' bound"
+    return ratio
+
+
+@pytest.fixture(params=["int8", "float"])
+def activations(request: pytest.FixtureRequest):
+    """Each matmul test with x quantized to 8 bits for small batches (the default) and with
+    x kept in float (HYBRIDKV_QUANT_FLOAT_ACTIVATIONS=1)."""
+    was = ql.set_float_activations(request.param == "float")
+    yield request.param
+    ql.set_float_activations(was)
+
+
 @pytest.fixture(params=["fast", "portable"])
 def path(request: pytest.FixtureRequest):
     """Each test under the AVX2 dequantization (where built) and under the portable one."""
@@ -100,25 +150,95 @@ def test_dequantize_and_rows_equal_gguf(qtype: int, path: str) -> None:
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[ql.SUPPORTED[t] for t in TYPES])
-def test_matmul_equals_float_matmul(qtype: int, path: str) -> None:
+def test_matmul_equals_float_matmul(qtype: int, path: str, activations: str) -> None:
+    """Float activations: the float matmul to rounding; 8-bit ones: within their bound, and
+    visibly not the float result (the integer kernel ran)."""
     torch.manual_seed(qtype)
     for rows, cols in shapes(qtype):
         raw = weights(qtype, rows, cols, seed=rows + 1)
         w = reference(raw, qtype, cols)
         data = as_tensor(raw)
-        for m in (0, 1, 3, 17, 64):
+        for m in (0, 1, 3, 5, 8, 17, 64):  # 1 to 8: every type's integer kernel
             x = torch.randn(m, cols)
-            close_matmul(ql.matmul(x, data, qtype, cols), x, w)
+            got = ql.matmul(x, data, qtype, cols)
+            check_matmul(got, x, raw, qtype, cols, w)
+            if 0 < m <= ql.int8_rows(qtype):
+                err = ((got.double() - x.double() @ w.double().T).abs()
+                       / (x.abs().double() @ w.abs().double().T + 1e-30)).max().item()
+                assert err > 1e-5, "x kept in float: the integer kernel did not run"
         # Strided rows (a row subset of a wider buffer) and a column-strided x.
         wide = torch.randn(7, cols + 5)[:, 2:cols + 2]
-        close_matmul(ql.matmul(wide, data, qtype, cols), wide, w)
+        check_matmul(ql.matmul(wide, data, qtype, cols), wide, raw, qtype, cols, w)
         cstrided = torch.randn(9, 2 * cols)[:, ::2]
-        close_matmul(ql.matmul(cstrided, data, qtype, cols), cstrided, w)
+        check_matmul(ql.matmul(cstrided, data, qtype, cols), cstrided, raw, qtype, cols, w)
 
 
 @needs_c
-@pytest.mark.parametrize("qtype", [2, 8, 12, 14], ids=["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
-def test_matmul_on_two_threads_and_into_out(qtype: int,
+@pytest.mark.parametrize("qtype", sorted(INT8_TYPES),
+                         ids=[ql.SUPPORTED[t] for t in sorted(INT8_TYPES)])
+def test_int8_activations_bound_is_tight_and_kernels_agree(qtype: int) -> None:
+    """The bound holds with x's blocks of very different magnitudes (a wide range inside a
+    block makes its small values coarse), is not vacuous (the error reaches a fair share of
+    it), and the AVX2 and portable integer kernels agree to float rounding."""
+    if ql.int8_rows(qtype) < 8:
+        pytest.skip("no integer kernel on this CPU")
+    rows, cols = 45, 512
+    raw = weights(qtype, rows, cols, seed=11)
+    w = reference(raw, qtype, cols)
+    data = as_tensor(raw)
+    gen = torch.Generator().manual_seed(qtype)
+    x = torch.randn(6, cols, generator=gen) * torch.logspace(-3, 2, cols).roll(qtype * 7)
+    x[:, 5] = 0.0
+    x[2] = 0.0  # an all-zero row: scale 0
+    lib = ql.library()
+    worst = check_matmul(ql.matmul(x, data, qtype, cols), x, raw, qtype, cols, w)
+    assert worst > 0.01, f"the error is only {worst:.3g} of the bound: vacuous?"
+    fast = ql.matmul(x, data, qtype, cols)
+    lib.hkv_quant_force_portable(1)
+    try:
+        portable = ql.matmul(x, data, qtype, cols)
+    finally:
+        lib.hkv_quant_force_portable(0)
+    torch.testing.assert_close(fast, portable, rtol=1e-5, atol=1e-5 * float(fast.abs().max()))
+    assert not fast[2].any()
+
+
+def test_float_activations_switch() -> None:
+    """x stays in float by default (HYBRIDKV_QUANT_FLOAT_ACTIVATIONS unset or 1); 0 at
+    import turns the 8-bit activations on; set_float_activations switches at run time (in
+    the C library too)."""
+    import subprocess
+    import sys
+
+    code = ("from hybridkv.worker import quant_linear as ql; "
+            "print(ql.FLOAT_ACTIVATIONS, ql.available() and "
+            "ql.library().hkv_quant_float_activations(-1))")
+    for value, want in (("1", "True 1"), ("0", "False 0"), (None, "True 1")):
+        env = {k: v for k, v in os.environ.items() if k != "HYBRIDKV_QUANT_FLOAT_ACTIVATIONS"}
+        if value is not None:
+            env["HYBRIDKV_QUANT_FLOAT_ACTIVATIONS"] = value
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True).stdout.split()
+        assert out[0] == want.split()[0]
+        if ql.available():
+            assert out[1] == want.split()[1]
+    if ql.available():
+        was = ql.set_float_activations(True)
+        try:
+            assert ql.library().hkv_quant_float_activations(-1) == 1
+            assert ql.int8_rows(8) == 0
+            assert ql.set_float_activations(False) is True
+            assert ql.library().hkv_quant_float_activations(-1) == 0
+            assert ql.int8_rows(1) == 0  # F16: always float
+            assert all(ql.int8_rows(t) >= 8 for t in INT8_TYPES) or not ql.int8_rows(8)
+        finally:
+            ql.set_float_activations(was)
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", [2, 3, 6, 7, 8, 12, 13, 14],
+                         ids=["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_matmul_on_two_threads_and_into_out(qtype: int, activations: str,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     rows, cols = 301, 512
     raw = weights(qtype, rows, cols, seed=3)
@@ -129,10 +249,10 @@ def test_matmul_on_two_threads_and_into_out(qtype: int,
     try:
         for m in (1, 7, 200):  # 200: torch's GEMM on dequantized rows
             x = torch.randn(m, cols)
-            close_matmul(ql.matmul(x, data, qtype, cols), x, w)
+            check_matmul(ql.matmul(x, data, qtype, cols), x, raw, qtype, cols, w)
             out = torch.full((m, rows + 3), float("nan"))[:, 1:rows + 1]
             assert ql.matmul(x, data, qtype, cols, out=out) is out
-            close_matmul(out, x, w)
+            check_matmul(out, x, raw, qtype, cols, w)
         torch.testing.assert_close(ql.dequantize(data, qtype, cols), w, rtol=0, atol=0)
         # The C tiles on many rows too (several blocks of x rows per panel).
         monkeypatch.setattr(ql, "LARGE_M", 1 << 30)
@@ -172,7 +292,7 @@ def test_weight_from_readonly_memmap_and_strided_table(tmp_path) -> None:
     x = torch.randn(2, 3, cols)
     y = weight.matmul(x)
     assert y.shape == (2, 3, rows)
-    close_matmul(y.reshape(6, rows), x.reshape(6, cols), w)
+    check_matmul(y.reshape(6, rows), x.reshape(6, cols), raw, qtype, cols, w)
     ids = torch.tensor([[3, 39], [0, 3]])
     torch.testing.assert_close(weight.rows_of(ids), w[ids], rtol=0, atol=0)
     assert weight.matmul(x[0, 0]).shape == (rows,)
@@ -183,7 +303,8 @@ def test_weight_from_readonly_memmap_and_strided_table(tmp_path) -> None:
     padded[:, :raw.shape[1]] = raw
     table = torch.from_numpy(padded)[:, :raw.shape[1]]
     torch.testing.assert_close(ql.dequantize(table, qtype, cols), w, rtol=0, atol=0)
-    close_matmul(ql.matmul(x.reshape(6, cols), table, qtype, cols), x.reshape(6, cols), w)
+    check_matmul(ql.matmul(x.reshape(6, cols), table, qtype, cols), x.reshape(6, cols), raw,
+                 qtype, cols, w)
 
 
 def test_numpy_fallback_matches(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -39,11 +39,12 @@ def _batched_prompts(n: int, length: int, r: int) -> list[list[int]]:
     return [[3 + (i * 37 + j * 11 + r * 101) % 1000 for j in range(length)] for i in range(n)]
 
 
-def child_single(model: str, repeats: int, spawned: float) -> dict[str, Any]:
+def child_single(model: str, repeats: int, spawned: float, activations: str
+                 ) -> dict[str, Any]:
     from hybridkv import LLM, SamplingParams
 
     llm = LLM(model, max_model_len=1024, enable_prefix_caching=False, max_num_seqs=4,
-              kv_cache_memory="256MiB", threads=1)
+              kv_cache_memory="256MiB", threads=1, quant_activations=activations)
     greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate([_prompt(16)], greedy, use_tqdm=False)
     load_s = time.time() - spawned
@@ -60,11 +61,13 @@ def child_single(model: str, repeats: int, spawned: float) -> dict[str, Any]:
     return {"pp512": statistics.median(pp), "tg128": statistics.median(tg), "load_s": load_s}
 
 
-def child_batched(model: str, n: int, length: int, k: int, repeats: int) -> dict[str, Any]:
+def child_batched(model: str, n: int, length: int, k: int, repeats: int, activations: str
+                  ) -> dict[str, Any]:
     from hybridkv import LLM, SamplingParams
 
     llm = LLM(model, max_model_len=length + k + 32, enable_prefix_caching=False,
-              max_num_seqs=max(n, 2), kv_cache_memory="1GiB", threads=1)
+              max_num_seqs=max(n, 2), kv_cache_memory="1GiB", threads=1,
+              quant_activations=activations)
     params = SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True)
     llm.generate(_batched_prompts(2, length, 99), params, use_tqdm=False)
     rates = []
@@ -117,7 +120,7 @@ def _last_json(text: str) -> dict[str, Any]:
 
 def bench_gguf(model: str, *, rounds: int = 3, pin: str = "0", llama_bin: Path | None = None,
                batched: tuple[int, int, int] = (32, 64, 128), skip_batched: bool = False,
-               as_json: bool = False) -> str:
+               activations: str = "float32", as_json: bool = False) -> str:
     from hybridkv.models.sources import resolve_model
 
     source = resolve_model(model)
@@ -132,10 +135,12 @@ def bench_gguf(model: str, *, rounds: int = 3, pin: str = "0", llama_bin: Path |
     for _ in range(rounds):
         row: dict[str, Any] = {}
         spawned = time.time()
-        out, rss = _run_rss([*me, "single", path, "--spawned", repr(spawned)], pin, env)
+        out, rss = _run_rss([*me, "single", path, activations, "--spawned", repr(spawned)],
+                            pin, env)
         row["hybridkv"] = {**_last_json(out), "rss_mib": rss / 1024}
         if not skip_batched:
-            out, _ = _run_rss([*me, "batched", path, *map(str, batched)], pin, env)
+            out, _ = _run_rss([*me, "batched", path, activations, *map(str, batched)], pin,
+                              env)
             row["hybridkv"]["batched_tok_s"] = _last_json(out)["tok_s"]
         if have_llama:
             out, rss = _run_rss([str(bin_dir / "llama-bench"), "-m", path, "-t", "1", "-p",
@@ -150,7 +155,7 @@ def bench_gguf(model: str, *, rounds: int = 3, pin: str = "0", llama_bin: Path |
         rows.append(row)
     keys = ["pp512", "tg128", "batched_tok_s", "rss_mib"]
     summary: dict[str, Any] = {"model": path, "rounds": rows, "pin": pin, "threads": 1,
-                               "batched": list(batched)}
+                               "batched": list(batched), "quant_activations": activations}
     hyb = {k: statistics.median(r["hybridkv"][k] for r in rows) for k in keys + ["load_s"]
            if all(k in r["hybridkv"] for r in rows)}
     summary["hybridkv"] = hyb
@@ -163,7 +168,8 @@ def bench_gguf(model: str, *, rounds: int = 3, pin: str = "0", llama_bin: Path |
         summary["pairs"] = {k: [round(x, 3) for x in v] for k, v in ratios.items() if v}
     if as_json:
         return json.dumps(summary)
-    lines = [f"{path}: one core ({pin}), one thread, {rounds} rounds, engines alternating"]
+    lines = [f"{path}: one core ({pin}), one thread, {rounds} rounds, engines alternating; "
+             f"hybridkv activations {activations}"]
     names = {"pp512": "prompt 512 (tok/s)", "tg128": "decode, batch 1 (tok/s)",
              "batched_tok_s": f"batched {batched[0]} x {batched[1]} in, {batched[2]} out "
                               f"(output tok/s)", "rss_mib": "peak RSS, batch 1 (MiB)"}
@@ -197,13 +203,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar=("N", "L", "K"),
                         help="the batched workload (default: 32 64 128)")
     parser.add_argument("--no-batched", action="store_true", help="batch 1 only")
+    parser.add_argument("--quant-activations", choices=["float32", "int8"], default="float32",
+                        help="hybridkv's activations for the quantized matrices (default: "
+                             "float32)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
     print(bench_gguf(args.model, rounds=args.rounds, pin=args.pin, llama_bin=args.llama_bin,
                      batched=tuple(args.batched), skip_batched=args.no_batched,
-                     as_json=args.json))
+                     activations=args.quant_activations, as_json=args.json))
     return 0
 
 
@@ -213,10 +222,10 @@ COMMAND = Command("gguf", "a GGUF model at batch 1 and batched, its memory and l
 
 def _child_main(argv: list[str]) -> None:
     if argv[0] == "single":
-        result = child_single(argv[1], 3, float(argv[argv.index("--spawned") + 1]))
+        result = child_single(argv[1], 3, float(argv[argv.index("--spawned") + 1]), argv[2])
     else:
-        n, length, k = (int(x) for x in argv[2:5])
-        result = child_batched(argv[1], n, length, k, 2)
+        n, length, k = (int(x) for x in argv[3:6])
+        result = child_batched(argv[1], n, length, k, 2, argv[2])
     print(json.dumps(result))
 
 

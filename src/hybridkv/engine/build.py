@@ -120,6 +120,9 @@ def _load(model: str, config: EngineConfig, device: str
     """(the loaded model, its HF config, its dtype name, chat template, special tokens)."""
     source = resolve_model(model)
     if source.is_gguf:
+        from hybridkv.worker import quant_linear
+
+        quant_linear.set_float_activations(config.quant_activations == "float32")
         header = read_header(source.path)
         hf_config = config_from_gguf(header)
         dtype_name = config.dtype if config.dtype != "auto" else "float32"

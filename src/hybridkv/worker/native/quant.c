@@ -17,15 +17,18 @@
            (2 s) of qh[32 h + i], minus 32.
      F32, F16, BF16: one value a block.
 
-   The product keeps x in float (no int8 activations: it matches a float matmul on the
-   dequantized weights to float rounding). One to four x rows (eight for Q8_0) take the fused
-   kernel: each block's integers become 8-float vectors in registers, dotted with every x
-   row, the block's scale applied once per block (a min, through the x block's sum); no
-   float copy of the weights is written, so decode streams the quantized rows once. More
-   rows take panels: a thread dequantizes a few weight rows (24 KiB) once and reuses them
-   for every x row through 4 x 3 register tiles of 8-float dot products. (From 32 rows
-   worker/quant_linear.py dequantizes chunks of rows and runs torch's GEMM instead.) Work
-   is split over torch's OpenMP threads. */
+   The product, for the quantized types with AVX2, quantizes a small batch of x rows (up to
+   8-24 rows by type: int_rows_max) to 8 bits once per call and takes integer dot products
+   with each weight block (the integer kernel below; no float copy of the weights, so decode
+   streams the quantized rows once, near memory bandwidth). Otherwise x stays in float (it
+   then matches a float matmul on the dequantized weights to float rounding): one to four
+   x rows (eight for Q8_0) take the fused kernel: each block's integers become 8-float
+   vectors in registers, dotted with every x row, the block's scale applied once per block
+   (a min, through the x block's sum). More rows take panels: a thread dequantizes a few
+   weight rows (24 KiB) once and reuses them for every x row through 4 x 3 register tiles
+   of 8-float dot products. (From 32 rows worker/quant_linear.py dequantizes chunks of rows
+   and runs torch's GEMM instead.) hkv_quant_float_activations(1) keeps x in float on every
+   path. Work is split over torch's OpenMP threads. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -669,6 +672,525 @@ static void fused_matmul(const float *x, int64_t m, int64_t ldx, const uint8_t *
 }
 #endif
 
+/* ---- A few x rows: 8-bit activations, integer dot products ----
+   Each x row is quantized once per call, in blocks of 32 values: d = max |x| / 127 and
+   q = round(x / d) (so |x - d q| <= d / 2), plus the block's float sum. A weight block's
+   integers then dot with the x block's in int32 (exactly), converted to float once per
+   32 values (16 for Q6_K's scales) and scaled by the two blocks' scales; the offsets of
+   the types with a min (Q4_1, Q5_1, Q4_K, Q5_K) go through the x block's exact float sum.
+   The signed types (Q4_0, Q5_0, Q8_0, Q6_K) take |w| as the unsigned operand of the
+   byte products and x with w's sign (AVX2's maddubs multiplies unsigned by signed bytes).
+   The error against float activations is sum over blocks of (max |x| in the block / 254)
+   times sum |d q| over the block's weights (d q: the weight without its min), plus float
+   rounding; quant_linear.py states and the tests check it. */
+
+#ifndef INT_PREFETCH
+#define INT_PREFETCH 2048
+#endif
+#ifndef INT_ROWS
+#define INT_ROWS 4 /* x rows per pass over a weight row */
+#endif
+static int float_activations; /* A/B tests: keep x in float (the kernels above) */
+
+int hkv_quant_float_activations(int on) {
+    const int was = float_activations;
+    if (on >= 0) float_activations = on;
+    return was;
+}
+
+/* Q4_K / Q5_K: the eight 6-bit scales and mins as integers. */
+static inline void scales_mins_k4(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (uint8_t)((s[j + 8] & 0x0f) | ((s[j] >> 6) << 4));
+        mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+    }
+}
+
+/* One 32-value x block: its scale d (0 for zeros; NaN where x holds a NaN or an infinity,
+   so those reach y as with float activations) and sum; q[j] = round(v[j] / d). */
+static inline void finish_block(float amax, float sum, float *d, float *id, float *s) {
+    const float dd = amax / 127.f;
+    *id = dd != 0.f && isfinite(dd) ? 1.f / dd : 0.f;
+    *d = isfinite(sum) ? dd : NAN;
+    *s = sum;
+}
+
+static void quantize_x_portable(const float *x, int64_t m, int64_t ldx, int64_t cols,
+                                int8_t *q, float *d, float *s) {
+    const int64_t nb = cols / 32;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + i * ldx + 32 * b;
+            float amax = 0.f, sum = 0.f, id;
+            for (int j = 0; j < 32; j++) {
+                amax = fmaxf(amax, fabsf(v[j]));
+                sum += v[j];
+            }
+            finish_block(amax, sum, d + i * nb + b, &id, s + i * nb + b);
+            int8_t *o = q + i * cols + 32 * b;
+            for (int j = 0; j < 32; j++) o[j] = (int8_t)(int)nearbyintf(v[j] * id);
+        }
+}
+
+/* The portable kernel: a weight row decoded to int8 values w (their dot with x's bytes
+   exact in int32), a float scale per 16 values and the coefficient of each x block's sum
+   (the min term) per 32; every x row then dots with it (loops GCC vectorises). */
+static void int_decode_row_portable(int type, const uint8_t *p, int64_t cols, int8_t *w,
+                                    float *sc, float *mn) {
+    const int64_t nb = cols / 32;
+    switch (type) {
+    case T_Q4_0:
+    case T_Q4_1:
+    case T_Q5_0:
+    case T_Q5_1: {
+        const int five = type == T_Q5_0 || type == T_Q5_1;
+        const int min = type == T_Q4_1 || type == T_Q5_1;
+        const int64_t size = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 24;
+        const int bias = min ? 0 : five ? 16 : 8;
+        for (int64_t b = 0; b < nb; b++, p += size, w += 32) {
+            const float dd = half_to_float(rd16(p));
+            const uint32_t qh = five ? rd32(p + (min ? 4 : 2)) : 0;
+            const uint8_t *q = p + (min ? 4 : 2) + (five ? 4 : 0);
+            for (int j = 0; j < 16; j++) {
+                w[j] = (int8_t)(((q[j] & 15) | (int)(((qh >> j) & 1) << 4)) - bias);
+                w[j + 16] = (int8_t)(((q[j] >> 4) | (int)(((qh >> (j + 16)) & 1) << 4)) - bias);
+            }
+            sc[2 * b] = sc[2 * b + 1] = dd;
+            mn[b] = min ? half_to_float(rd16(p + 2)) : 0.f;
+        }
+        break;
+    }
+    case T_Q8_0:
+        for (int64_t b = 0; b < nb; b++, p += 34, w += 32) {
+            memcpy(w, p + 2, 32);
+            sc[2 * b] = sc[2 * b + 1] = half_to_float(rd16(p));
+            mn[b] = 0.f;
+        }
+        break;
+    case T_Q4_K:
+    case T_Q5_K: {
+        const int five = type == T_Q5_K;
+        for (int64_t b = 0; b < nb; b += 8, p += five ? 176 : 144, w += 256) {
+            const float dd = half_to_float(rd16(p)), dmin = half_to_float(rd16(p + 2));
+            const uint8_t *qh = p + 16, *q = p + (five ? 48 : 16);
+            uint8_t scs[8], mns[8];
+            scales_mins_k4(p + 4, scs, mns);
+            for (int s = 0; s < 8; s++) {
+                const uint8_t *qq = q + 32 * (s >> 1);
+                const int shift = 4 * (s & 1);
+                for (int i = 0; i < 32; i++)
+                    w[32 * s + i] = (int8_t)(((qq[i] >> shift) & 15) |
+                                             (five ? ((qh[i] >> s) & 1) << 4 : 0));
+                sc[2 * (b + s)] = sc[2 * (b + s) + 1] = dd * (float)scs[s];
+                mn[b + s] = -dmin * (float)mns[s];
+            }
+        }
+        break;
+    }
+    case T_Q6_K:
+        for (int64_t b = 0; b < nb; b += 8, p += 210, w += 256) {
+            const uint8_t *ql = p, *qh = p + 128;
+            const int8_t *scs = (const int8_t *)(p + 192);
+            const float dd = half_to_float(rd16(p + 208));
+            for (int h = 0; h < 2; h++)
+                for (int s = 0; s < 4; s++) {
+                    const uint8_t *l = ql + 64 * h + 32 * (s & 1), *hb = qh + 32 * h;
+                    const int shift = 4 * (s >> 1);
+                    int8_t *o = w + 128 * h + 32 * s;
+                    for (int i = 0; i < 32; i++)
+                        o[i] = (int8_t)((((l[i] >> shift) & 15) |
+                                         (((hb[i] >> (2 * s)) & 3) << 4)) - 32);
+                    const int64_t g = b + 4 * h + s;
+                    sc[2 * g] = dd * (float)scs[8 * h + 2 * s];
+                    sc[2 * g + 1] = dd * (float)scs[8 * h + 2 * s + 1];
+                    mn[g] = 0.f;
+                }
+        }
+        break;
+    default:
+        break;
+    }
+}
+
+/* (Measured: products of a stretch of blocks into int16 first (|w x| <= 128 127), then
+   their sums by 16, vectorise better than a sum per block.) */
+static float int_dot_portable(const int8_t *w, const float *sc, const float *mn,
+                              const int8_t *xq, const float *xd, const float *xs, int64_t nb) {
+    float t = 0.f;
+    int16_t pr[32 * 32];
+    int32_t is[64];
+    for (int64_t b0 = 0; b0 < nb; b0 += 32) {
+        const int64_t n = nb - b0 < 32 ? nb - b0 : 32;
+        const int8_t *wc = w + 32 * b0, *xc = xq + 32 * b0;
+        for (int64_t j = 0; j < 32 * n; j++) pr[j] = (int16_t)(wc[j] * xc[j]);
+        for (int64_t g = 0; g < 2 * n; g++) {
+            int32_t v = 0;
+            for (int j = 0; j < 16; j++) v += pr[16 * g + j];
+            is[g] = v;
+        }
+        for (int64_t b = 0; b < n; b++) {
+            const int64_t bb = b0 + b;
+            t += xd[bb] * (sc[2 * bb] * (float)is[2 * b] + sc[2 * bb + 1] * (float)is[2 * b + 1]) +
+                 mn[bb] * xs[bb];
+        }
+    }
+    return t;
+}
+
+#if defined(HAVE_FAST_DEQUANT)
+#define HAVE_INT_AVX2 1
+
+static void quantize_x_avx2(const float *x, int64_t m, int64_t ldx, int64_t cols, int8_t *q,
+                            float *d, float *s) {
+    const int64_t nb = cols / 32;
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + i * ldx + 32 * b;
+            const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+            const __m256 v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
+            const __m256 mx = _mm256_max_ps(
+                _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            const __m256 sv = _mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3));
+            __m128 t = _mm_add_ps(_mm256_castps256_ps128(sv), _mm256_extractf128_ps(sv, 1));
+            t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+            t = _mm_add_ss(t, _mm_movehdup_ps(t));
+            float id;
+            finish_block(_mm_cvtss_f32(h), _mm_cvtss_f32(t), d + i * nb + b, &id,
+                         s + i * nb + b);
+            const __m256 idv = _mm256_set1_ps(id);
+            /* Rounded to nearest even, as nearbyintf in the portable code. */
+            const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, idv));
+            const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, idv));
+            const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, idv));
+            const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, idv));
+            const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1),
+                                                 _mm256_packs_epi32(i2, i3));
+            _mm256_storeu_si256((__m256i *)(q + i * cols + 32 * b),
+                                _mm256_permutevar8x32_epi32(p, perm));
+        }
+}
+
+/* 16 bytes -> their 16 low nibbles, then their 16 high nibbles (one load, one shift). */
+static inline __m256i nibbles32_v(const uint8_t *q) {
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q));
+    return _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                            _mm256_set1_epi8(0x0f));
+}
+/* Bit j of `bits` -> byte j = 0xff, else 0 (j < 32). */
+static inline __m256i bits_to_ff(const uint8_t *bits) {
+    const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i others = _mm256_set1_epi64x((long long)0x7fbfdfeff7fbfdfeULL);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)rd32(bits)), shuf);
+    return _mm256_cmpeq_epi8(_mm256_or_si256(v, others), _mm256_set1_epi8(-1));
+}
+
+/* Sums of pairs of u8 x s8 products (into int16: at most 2 128 127 < 2^15), then of
+   their pairs: eight int32 sums of four products each. */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+/* One 32-value block b of the types with 32-value blocks into A[i] (and O[i], the min
+   terms) for the NX x rows. */
+static inline __attribute__((always_inline)) void int_block32(
+    const int type, const uint8_t *p, int64_t b, int64_t cols, const int8_t *xq,
+    const float *xd, const float *xs, __m256 *A, float *O, const int NX) {
+    const int64_t nb = cols / 32, k = 32 * b;
+    __m256i w;
+    switch (type) {
+    case T_Q8_0: w = _mm256_loadu_si256((const __m256i *)(p + 2)); break;
+    case T_Q4_0: w = _mm256_sub_epi8(nibbles32_v(p + 2), _mm256_set1_epi8(8)); break;
+    case T_Q5_0: /* q - 16: the nibble, or the nibble - 16 (0xf0 | nibble) without bit 5 */
+        w = _mm256_or_si256(nibbles32_v(p + 6),
+                            _mm256_andnot_si256(bits_to_ff(p + 2), _mm256_set1_epi8((char)0xf0)));
+        break;
+    case T_Q4_1: w = nibbles32_v(p + 4); break;
+    default:
+        w = _mm256_or_si256(nibbles32_v(p + 8),
+                            _mm256_and_si256(bits_to_ff(p + 4), _mm256_set1_epi8(0x10)));
+        break;
+    }
+    const float dw = half_to_float(rd16(p));
+    if (type == T_Q4_1 || type == T_Q5_1) { /* unsigned values, the min through x's sums */
+        const float mw = half_to_float(rd16(p + 2));
+        for (int i = 0; i < NX; i++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * cols + k));
+            A[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[i * nb + b]),
+                                   _mm256_cvtepi32_ps(dot_u8s8(w, xv)), A[i]);
+            O[i] += mw * xs[i * nb + b];
+        }
+    } else { /* signed values: |w| times x with w's sign */
+        const __m256i wa = _mm256_sign_epi8(w, w);
+        for (int i = 0; i < NX; i++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * cols + k));
+            const __m256i t = dot_u8s8(wa, _mm256_sign_epi8(xv, w));
+            A[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[i * nb + b]), _mm256_cvtepi32_ps(t),
+                                   A[i]);
+        }
+    }
+}
+
+/* y_i = W row . x_i for the NX x rows: q, d, s as quantize_x wrote them (row strides
+   cols, nb). Two sets of accumulators take alternate blocks (or halves of a K-quant
+   block): with one x row a single chain of FMAs would bound the speed. */
+static inline __attribute__((always_inline)) void int_row(
+    int type, const uint8_t *p, int64_t cols, const int8_t *xq, const float *xd,
+    const float *xs, float *y, int64_t ldy, const int NX) {
+    const int64_t nb = cols / 32;
+    __m256 acc[INT_ROWS], acc2[INT_ROWS];
+    float off[INT_ROWS];
+    for (int i = 0; i < NX; i++) {
+        acc[i] = acc2[i] = _mm256_setzero_ps();
+        off[i] = 0.f;
+    }
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+#define LOOP32(T, SIZE)                                                                   \
+    do {                                                                                  \
+        int64_t b = 0;                                                                    \
+        for (; b + 2 <= nb; b += 2, p += 2 * (SIZE)) {                                    \
+            int_block32(T, p, b, cols, xq, xd, xs, acc, off, NX);                         \
+            int_block32(T, p + (SIZE), b + 1, cols, xq, xd, xs, acc2, off, NX);           \
+        }                                                                                 \
+        if (b < nb) int_block32(T, p, b, cols, xq, xd, xs, acc, off, NX);                 \
+    } while (0)
+    switch (type) {
+    case T_Q8_0: LOOP32(T_Q8_0, 34); break;
+    case T_Q4_0: LOOP32(T_Q4_0, 18); break;
+    case T_Q5_0: LOOP32(T_Q5_0, 22); break;
+    case T_Q4_1: LOOP32(T_Q4_1, 20); break;
+    case T_Q5_1: LOOP32(T_Q5_1, 24); break;
+#undef LOOP32
+    case T_Q4_K:
+    case T_Q5_K: {
+        const int five = type == T_Q5_K;
+        const int64_t size = five ? 176 : 144;
+        for (int64_t k = 0, b = 0; k < cols; k += 256, b += 8, p += size) {
+            const float dw = half_to_float(rd16(p)), dmin = half_to_float(rd16(p + 2));
+            const uint8_t *qh = p + 16, *q = p + (five ? 48 : 16);
+            uint8_t scs[8], mns[8];
+            scales_mins_k4(p + 4, scs, mns);
+            const __m256 mv = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mns))));
+            const __m256i hv = five ? _mm256_loadu_si256((const __m256i *)qh)
+                                    : _mm256_setzero_si256();
+            __m256 sb[INT_ROWS], sb2[INT_ROWS];
+            for (int i = 0; i < NX; i++) sb[i] = sb2[i] = _mm256_setzero_ps();
+            for (int s = 0; s < 8; s += 2) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 * s));
+                __m256i lo = _mm256_and_si256(v, m4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                if (five) {
+                    const __m256i b0 = _mm256_set1_epi8((char)(1 << s));
+                    const __m256i b1 = _mm256_set1_epi8((char)(1 << (s + 1)));
+                    const __m256i x10 = _mm256_set1_epi8(0x10);
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(
+                        _mm256_cmpeq_epi8(_mm256_and_si256(hv, b0), b0), x10));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(
+                        _mm256_cmpeq_epi8(_mm256_and_si256(hv, b1), b1), x10));
+                }
+                const __m256i s0 = _mm256_set1_epi16(scs[s]), s1 = _mm256_set1_epi16(scs[s + 1]);
+                for (int i = 0; i < NX; i++) {
+                    const int8_t *xi = xq + i * cols + k + 32 * s;
+                    const float *di = xd + i * nb + b + s;
+                    const __m256i t0 = _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xi)), s0);
+                    const __m256i t1 = _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xi + 32))),
+                        s1);
+                    sb[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t0), _mm256_set1_ps(di[0]), sb[i]);
+                    sb2[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t1), _mm256_set1_ps(di[1]), sb2[i]);
+                }
+            }
+            const __m256 dv = _mm256_set1_ps(dw);
+            for (int i = 0; i < NX; i++) {
+                acc[i] = _mm256_fmadd_ps(dv, _mm256_add_ps(sb[i], sb2[i]), acc[i]);
+                acc2[i] = _mm256_fnmadd_ps(mv, _mm256_loadu_ps(xs + i * nb + b), acc2[i]);
+            }
+        }
+        break;
+    }
+    case T_Q6_K: {
+        const __m256i x32 = _mm256_set1_epi8(32), three = _mm256_set1_epi8(3);
+        for (int64_t k = 0, b = 0; k < cols; k += 256, b += 8, p += 210) {
+            const uint8_t *ql = p, *qh = p + 128;
+            const int8_t *scs = (const int8_t *)(p + 192);
+            __m256 sb[2][INT_ROWS];
+            for (int i = 0; i < NX; i++) sb[0][i] = sb[1][i] = _mm256_setzero_ps();
+            for (int h = 0; h < 2; h++) {
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+                const __m256i lows[4] = {
+                    _mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                    _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                    _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+                const __m256i highs[4] = {
+                    _mm256_slli_epi16(_mm256_and_si256(hb, three), 4),
+                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4),
+                    _mm256_and_si256(hb, _mm256_set1_epi8(0x30)),
+                    _mm256_and_si256(_mm256_srli_epi16(hb, 2), _mm256_set1_epi8(0x30))};
+                for (int s = 0; s < 4; s++) {
+                    const __m256i w = _mm256_sub_epi8(_mm256_or_si256(lows[s], highs[s]), x32);
+                    const __m256i wa = _mm256_sign_epi8(w, w);
+                    const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(scs[8 * h + 2 * s + 1]),
+                                                        _mm_set1_epi16(scs[8 * h + 2 * s]));
+                    const int64_t kk = k + 128 * h + 32 * s, bb = b + 4 * h + s;
+                    for (int i = 0; i < NX; i++) {
+                        const __m256i xv =
+                            _mm256_loadu_si256((const __m256i *)(xq + i * cols + kk));
+                        const __m256i t = _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, w)), sv);
+                        sb[s & 1][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t),
+                                                       _mm256_set1_ps(xd[i * nb + bb]),
+                                                       sb[s & 1][i]);
+                    }
+                }
+            }
+            const __m256 dv = _mm256_set1_ps(half_to_float(rd16(p + 208)));
+            for (int i = 0; i < NX; i++)
+                acc[i] = _mm256_fmadd_ps(dv, _mm256_add_ps(sb[0][i], sb[1][i]), acc[i]);
+        }
+        break;
+    }
+    default:
+        break;
+    }
+    for (int i = 0; i < NX; i++) {
+        float t[4];
+        hsum4(_mm256_add_ps(acc[i], acc2[i]), _mm256_setzero_ps(), _mm256_setzero_ps(),
+              _mm256_setzero_ps(), t);
+        y[i * ldy] = t[0] + off[i];
+    }
+}
+#endif
+
+static int int_type(int type) {
+    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 ||
+           type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
+}
+
+/* x rows up to which the integer path runs (measured against the float kernels: see
+   quant_linear.py). */
+#ifndef INT_MAX_ROWS
+#define INT_MAX_ROWS 0 /* a build option (measurements): all types up to this many rows */
+#endif
+#ifndef INT_MAX_ROWS_PORTABLE
+#define INT_MAX_ROWS_PORTABLE 0
+#endif
+static int64_t int_rows_max(int type) {
+#if defined(HAVE_INT_AVX2)
+    /* AVX2 (one core of an AMD EPYC): up to these rows the integer kernel beats the float
+       ones (the fused kernel to 4 rows, 8 for Q8_0, then the panels); in the tests'
+       portable mode the portable kernels take the same rows. */
+    if (INT_MAX_ROWS) return INT_MAX_ROWS;
+    switch (type) {
+    case T_Q8_0: return 24;
+    case T_Q4_0: case T_Q4_1: return 20;
+    case T_Q5_0: case T_Q6_K: return 16;
+    case T_Q5_1: return 12;
+    case T_Q4_K: return 10;
+    case T_Q5_K: return 8;
+    default: return 0;
+    }
+#else
+    /* Without AVX2 the portable integer kernel (measured with SSE2 and AVX2 code) was
+       slower than the float panels: x stays in float. */
+    (void)type;
+    return INT_MAX_ROWS_PORTABLE;
+#endif
+}
+
+/* x rows up to which y = x W^T of `type` takes 8-bit activations (0: never). */
+int64_t hkv_quant_int8_rows(int type) {
+    return int_type(type) && !float_activations ? int_rows_max(type) : 0;
+}
+
+/* y = x W^T through 8-bit x rows (the caller checked the type). -2: no memory. */
+static int int_matmul(const float *x, int64_t m, int64_t ldx, const uint8_t *w, int64_t ldw,
+                      int type, int64_t rows, int64_t cols, float *y, int64_t ldy) {
+    const int64_t nb = cols / 32;
+    /* One buffer: x's bytes [m, cols], then scales and sums [m, nb] each. */
+    const size_t qbytes = ((size_t)(m * cols) + 63) & ~(size_t)63;
+    uint8_t *buf = malloc(qbytes + 2 * (size_t)(m * nb + 1) * sizeof(float));
+    if (buf == NULL) return -2;
+    int8_t *xq = (int8_t *)buf;
+    float *xd = (float *)(buf + qbytes), *xs = xd + m * nb;
+    const int fast =
+#if defined(HAVE_INT_AVX2)
+        !force_portable;
+#else
+        0;
+#endif
+#if defined(HAVE_INT_AVX2)
+    if (fast)
+        quantize_x_avx2(x, m, ldx, cols, xq, xd, xs);
+    else
+#endif
+        quantize_x_portable(x, m, ldx, cols, xq, xd, xs);
+    const int parallel = m * rows * cols >= (1 << 17) && rows > 1;
+    int failed = 0;
+    if (fast) {
+#if defined(HAVE_INT_AVX2)
+        /* The weight row INT_PREFETCH bytes ahead is fetched while this one is read
+           (measured: the hardware's prefetch alone left ~25% of the bandwidth unused). */
+        int64_t bv, bb;
+        block_shape(type, &bv, &bb);
+        const int64_t rbytes = cols / bv * bb;
+        const int64_t ahead = (INT_PREFETCH + rbytes - 1) / (rbytes > 0 ? rbytes : 1);
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int64_t r = 0; r < rows; r++) {
+            const uint8_t *p = w + r * ldw;
+            if (r + ahead < rows)
+                for (int64_t o = 0; o < rbytes; o += 64) __builtin_prefetch(p + ahead * ldw + o);
+            for (int64_t i = 0; i < m; i += INT_ROWS) {
+                const int nx = m - i < INT_ROWS ? (int)(m - i) : INT_ROWS;
+                const int8_t *qi = xq + i * cols;
+                const float *di = xd + i * nb, *si = xs + i * nb;
+                float *yi = y + i * ldy + r;
+                switch (nx) {
+                case 4: int_row(type, p, cols, qi, di, si, yi, ldy, 4); break;
+                case 3: int_row(type, p, cols, qi, di, si, yi, ldy, 3); break;
+                case 2: int_row(type, p, cols, qi, di, si, yi, ldy, 2); break;
+                default: int_row(type, p, cols, qi, di, si, yi, ldy, 1); break;
+                }
+            }
+        }
+#endif
+    } else {
+#pragma omp parallel if (parallel)
+        {
+            /* A thread's decoded weight row: bytes, scales per 16 values, mins per 32. */
+            int8_t *wq = malloc((size_t)cols + 3 * (size_t)(nb + 1) * sizeof(float));
+            if (wq == NULL) {
+#pragma omp atomic write
+                failed = 1;
+            }
+            float *sc = wq == NULL ? NULL : (float *)(wq + ((cols + 15) & ~(int64_t)15));
+            float *mn = sc == NULL ? NULL : sc + 2 * nb;
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) {
+                if (wq == NULL) continue;
+                int_decode_row_portable(type, w + r * ldw, cols, wq, sc, mn);
+                for (int64_t i = 0; i < m; i++)
+                    y[i * ldy + r] = int_dot_portable(wq, sc, mn, xq + i * cols, xd + i * nb,
+                                                      xs + i * nb, nb);
+            }
+            free(wq);
+        }
+    }
+    free(buf);
+    return failed ? -2 : 0;
+}
+
 /* y [m, rows] (row stride ldy) = x [m, cols] (row stride ldx) times W^T, W [rows, cols]
    in blocks of `type` (row stride ldw bytes). Returns -1 for a type not handled here, -2
    when a buffer cannot be allocated. */
@@ -678,6 +1200,8 @@ int hkv_quant_matmul(const float *x, int64_t m, int64_t ldx, const uint8_t *w, i
     block_shape(type, &bv, &bb);
     if (bv == 0) return -1;
     if (m <= 0 || rows <= 0) return 0;
+    if (!float_activations && int_type(type) && m <= int_rows_max(type))
+        return int_matmul(x, m, ldx, w, ldw, type, rows, cols, y, ldy);
     const int64_t nb = cols / bv;
 #if defined(HAVE_FAST_DEQUANT)
     /* (Measured: beyond that the panels' one dequantization beats decoding the blocks
