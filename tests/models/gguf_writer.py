@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +22,20 @@ from safetensors.numpy import load_file, save_file
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
              "gemma2": "gemma2", "gemma3_text": "gemma3", "smollm3": "smollm3",
              "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "phi3": "phi3",
-             "starcoder2": "starcoder2", "mamba": "mamba", "mamba2": "mamba2", "lfm2": "lfm2"}
-PERMUTED_QK = {"llama"}
+             "starcoder2": "starcoder2", "mamba": "mamba", "mamba2": "mamba2", "lfm2": "lfm2",
+             "nemotron_h": "nemotron_h", "granitemoehybrid": "granitehybrid",
+             "jamba": "jamba", "falcon_h1": "falcon-h1"}
+PERMUTED_QK = {"llama", "granitehybrid"}  # granite: LlamaModel's modify_tensors
 GEMMA = {"gemma2", "gemma3"}
 # Tensors llama.cpp's converter always writes as F32 (besides vectors and norms).
 F32_TENSORS = ("ffn_gate_inp", "ssm_conv1d", "shortconv.conv")
 SSM = {"mamba", "mamba2"}
+# Files given a vocabulary (transformers' reader wants one for these).
+VOCAB = {"lfm2"}
+# Mamba-2 mixers (as the mamba2 converter writes them) inside hybrids.
+MAMBA2 = {"mamba2", "nemotron_h", "granitehybrid", "falcon-h1"}
+# Hybrids: per-layer head_count_kv (0 = not an attention layer).
+HYBRID = {"nemotron_h", "granitehybrid", "jamba"}
 
 # Byte offsets of the float16 scales in each K-quant block (the rest may be any bytes).
 _K_SCALES = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
@@ -65,7 +72,7 @@ def write_gguf(model_dir: Path, out: Path, qtypes: dict[str, T] | None = None, *
     config: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
     model_type = config["model_type"]
     arch = GGUF_ARCH[model_type]
-    n = int(config["num_hidden_layers"])
+    n = int(config.get("num_hidden_layers") or len(config["layers_block_type"]))
     heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
     head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
     writer = gguf.GGUFWriter(str(out), arch)
@@ -75,6 +82,8 @@ def write_gguf(model_dir: Path, out: Path, qtypes: dict[str, T] | None = None, *
     if arch in SSM:  # no attention, no MLP: llama.cpp's converter writes zeros
         writer.add_feed_forward_length(0)
         writer.add_head_count(0)
+    elif arch in HYBRID:
+        _hybrid_metadata(writer, arch, config, n, heads, kv_heads, head_dim)
     else:
         writer.add_feed_forward_length(_ff_length(arch, config))
         writer.add_head_count(heads)
@@ -100,8 +109,12 @@ def write_gguf(model_dir: Path, out: Path, qtypes: dict[str, T] | None = None, *
     tensors = load_file(str(model_dir / "model.safetensors"))
     stored: dict[str, np.ndarray] = {}
     for hf_name, value, sources in _converted(arch, config, tensors):
-        name = table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        name = table.get_name(hf_name, try_suffixes=(".weight", ".bias")) or (
+            hf_name if hf_name.startswith("blk.") else None)
         assert name is not None, hf_name
+        suffix = next((x for x in (".weight", ".bias") if hf_name.endswith(x)), "")
+        if not name.endswith(suffix):  # entries written with their suffix (Falcon-H1's)
+            name += suffix
         value = value.astype(np.float32)
         if arch in PERMUTED_QK and name.endswith(("attn_q.weight", "attn_k.weight")):
             value = _permute(value, heads if "attn_q" in name else kv_heads)
@@ -119,7 +132,8 @@ def write_gguf(model_dir: Path, out: Path, qtypes: dict[str, T] | None = None, *
         data = data.reshape(*value.shape[:-1], -1) if qtype != T.F32 else value
         writer.add_tensor(name, data, raw_dtype=qtype if qtype != T.F32 else None)
         for source in sources if rounded is not None else ():
-            original = tensors[source].astype(np.float32)
+            # A part of a split tensor ("name#k"): its rows as handed over.
+            original = (value if "#" in source else tensors[source]).astype(np.float32)
             if qtype == T.F32:
                 stored[source] = original
                 continue
@@ -131,9 +145,14 @@ def write_gguf(model_dir: Path, out: Path, qtypes: dict[str, T] | None = None, *
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    for key in sorted(k for k in stored if "#" in k):  # split tensors joined back
+        name = key.partition("#")[0]
+        stored[name] = np.concatenate([stored.get(name, stored[key][..., :0, :]),
+                                       stored.pop(key)], axis=-2)
     if rounded is not None:
         rounded.mkdir(parents=True, exist_ok=True)
-        shutil.copy(model_dir / "config.json", rounded / "config.json")
+        (rounded / "config.json").write_text(json.dumps(
+            {**config, **FOLDED.get(model_type, {})}, indent=2))
         save_file(stored, str(rounded / "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -150,6 +169,105 @@ def _ff_length(arch: str, config: dict[str, Any]) -> int:
     return size
 
 
+def _hybrid_metadata(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any], n: int,
+                     heads: int, kv_heads: int, head_dim: int) -> None:
+    """As llama.cpp's GraniteHybrid/NemotronH converters: head_count_kv per layer (0 for
+    the other layers), NemotronH's feed_forward_length per layer (0 but on MLP layers), the
+    Mamba-2 mixer's ssm.* keys."""
+    if arch == "jamba":  # JambaModel's converter
+        period, offset = int(config["attn_layer_period"]), int(config["attn_layer_offset"])
+        inner = int(config["mamba_expand"]) * int(config["hidden_size"])
+        writer.add_feed_forward_length(int(config["intermediate_size"]))
+        writer.add_head_count(heads)
+        writer.add_head_count_kv([kv_heads if i >= offset and (i - offset) % period == 0
+                                  else 0 for i in range(n)])
+        writer.add_ssm_conv_kernel(int(config["mamba_d_conv"]))
+        writer.add_ssm_inner_size(inner)
+        writer.add_ssm_state_size(int(config["mamba_d_state"]))
+        writer.add_ssm_time_step_rank(int(config["mamba_dt_rank"]))
+        writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+        return
+    kinds = config.get("layers_block_type") or config["layer_types"]
+    ff = int(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv([kv_heads if k in ("attention", "full_attention") else 0
+                              for k in kinds])
+    writer.add_feed_forward_length([ff if k == "mlp" else 0 for k in kinds]
+                                   if arch == "nemotron_h" else ff)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(float(_first(config, "layer_norm_epsilon", "rms_norm_eps")))
+    ssm_heads = int(_first(config, "mamba_num_heads", "mamba_n_heads"))
+    writer.add_ssm_conv_kernel(int(_first(config, "conv_kernel", "mamba_d_conv")))
+    writer.add_ssm_state_size(int(_first(config, "ssm_state_size", "mamba_d_state")))
+    writer.add_ssm_group_count(int(_first(config, "n_groups", "mamba_n_groups")))
+    writer.add_ssm_inner_size(ssm_heads * int(_first(config, "mamba_head_dim", "mamba_d_head")))
+    writer.add_ssm_time_step_rank(ssm_heads)
+    if arch == "granitehybrid":  # GraniteMoe's keys; RoPE flagged by rope.scaling.finetuned
+        writer.add_expert_feed_forward_length(ff)
+        writer.add_expert_shared_feed_forward_length(int(config["shared_intermediate_size"]))
+        writer.add_attention_scale(float(config["attention_multiplier"]))
+        writer.add_embedding_scale(float(config["embedding_multiplier"]))
+        writer.add_residual_scale(float(config["residual_multiplier"]))
+        writer.add_logit_scale(float(config["logits_scaling"]))
+        writer.add_rope_scaling_finetuned(config.get("position_embedding_type") == "rope")
+
+
+def _falcon_h1_fold(config: dict[str, Any], name: str, w: np.ndarray) -> np.ndarray | None:
+    """FalconH1Model.modify_tensors: the µP multipliers folded into the matrices."""
+    attn_in = float(config["attention_in_multiplier"])
+    scales = {"feed_forward.down_proj": float(config["mlp_multipliers"][1]),
+              "feed_forward.gate_proj": float(config["mlp_multipliers"][0]),
+              "self_attn.k_proj": float(config["key_multiplier"]) * attn_in,
+              "self_attn.q_proj": attn_in, "self_attn.v_proj": attn_in,
+              "self_attn.o_proj": float(config["attention_out_multiplier"]),
+              "mamba.out_proj": float(config["ssm_out_multiplier"]),
+              "lm_head": float(config["lm_head_multiplier"]),
+              "embed_tokens": float(config["embedding_multiplier"])}
+    for part, scale in scales.items():
+        if f"{part}.weight" in name:
+            return w * scale
+    if "mamba.in_proj.weight" in name:
+        inner, gn = int(config["mamba_d_ssm"]), int(config["mamba_n_groups"]) * int(
+            config["mamba_d_state"])
+        sizes = [inner, inner, gn, gn, int(config["mamba_n_heads"])]
+        mup = np.repeat(np.array(config["ssm_multipliers"], dtype=np.float32), sizes)
+        return w * float(config["ssm_in_multiplier"]) * mup[:, None]
+    return None
+
+
+# Config fields a rounded checkpoint drops: the converter folded them into its weights.
+FOLDED = {"falcon_h1": dict(
+    attention_in_multiplier=1.0, attention_out_multiplier=1.0, key_multiplier=1.0,
+    ssm_in_multiplier=1.0, ssm_out_multiplier=1.0, embedding_multiplier=1.0,
+    lm_head_multiplier=1.0, mlp_multipliers=[1.0, 1.0], ssm_multipliers=[1.0] * 5)}
+
+
+def _byte_vocabulary(writer: gguf.GGUFWriter, size: int) -> None:
+    """A gpt2-style vocabulary of `size` tokens, bytes in GPT-2's byte-to-character map: what
+    transformers' reader needs to build the model (the tests feed token ids)."""
+    chars = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+             *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in chars:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    # The last token is a merge of two "!" (the writer leaves an empty merge list out, and
+    # the readers want the key).
+    writer.add_token_list([table[b] for b in range(size - 1)] + ["!!"])
+    writer.add_token_types([1] * size)
+    writer.add_token_merges(["! !"])
+
+
+def _first(config: dict[str, Any], *keys: str) -> Any:
+    return next(config[k] for k in keys if config.get(k) is not None)
+
+
 def _arch_metadata(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -> None:
     """The keys llama.cpp's converter adds for the architecture."""
     experts = config.get("num_local_experts") or config.get("num_experts")
@@ -162,6 +280,8 @@ def _arch_metadata(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -
         writer.add_expert_shared_feed_forward_length(
             int(config["shared_expert_intermediate_size"]))
     if arch == "phi3":
+        # The tokenizer's pad id (transformers' Phi-3 default, 32000, is past a tiny vocab).
+        writer.add_pad_token_id(int(config["pad_token_id"]))
         rotary = int(config.get("partial_rotary_factor", 1.0) * int(config["head_dim"]))
         writer.add_rope_dimension_count(rotary)
         if config.get("sliding_window"):
@@ -181,6 +301,15 @@ def _arch_metadata(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -
         writer.add_ssm_inner_size(inner)
         writer.add_ssm_time_step_rank(inner // int(config["head_dim"]))
         writer.add_ssm_group_count(int(config["n_groups"]))
+    if arch == "falcon-h1":  # FalconH1Model's converter (over Mamba2Model's keys)
+        heads = int(config["mamba_n_heads"])
+        writer.add_ssm_conv_kernel(int(config["mamba_d_conv"]))
+        writer.add_ssm_state_size(int(config["mamba_d_state"]))
+        writer.add_ssm_group_count(int(config["mamba_n_groups"]))
+        writer.add_ssm_inner_size(int(config["mamba_d_ssm"]))
+        writer.add_ssm_time_step_rank(heads)
+    if arch in VOCAB:
+        _byte_vocabulary(writer, int(config["vocab_size"]))
     if arch == "lfm2":
         writer.add_shortconv_l_cache(int(config["conv_L_cache"]))
         writer.add_layer_norm_rms_eps(float(config["norm_eps"]))
@@ -203,15 +332,30 @@ def _converted(arch: str, config: dict[str, Any], tensors: dict[str, np.ndarray]
             value = value.reshape(-1)  # [1, hidden] as a vector, as published Qwen-MoE files
         if hf_name.endswith(".A_log"):
             value = -np.exp(value.astype(np.float32))
-        if arch in ("mamba", "mamba2", "lfm2") and value.ndim == 3:  # conv [C, 1, K]
+        if arch in ("mamba", "lfm2", "jamba", *MAMBA2) and value.ndim == 3 \
+                and value.shape[1] == 1:
+            # conv [C, 1, K]
             value = value.squeeze(1)
-        if arch == "mamba2":
+        if arch in MAMBA2:
             if hf_name.endswith((".A_log", ".D")):
                 value = value.reshape(-1, 1)
-            if hf_name.endswith(".mixer.norm.weight"):
-                value = value.reshape(int(config["n_groups"]), -1)
+            if hf_name.endswith((".mixer.norm.weight", ".mamba.norm.weight")):
+                value = value.reshape(int(_first(config, "n_groups", "mamba_n_groups")), -1)
             if hf_name.endswith(".dt_bias"):
                 hf_name = hf_name.removesuffix(".dt_bias") + ".dt_proj.bias"
+        if arch == "falcon-h1" and value.ndim == 2:
+            folded = _falcon_h1_fold(config, hf_name, value.astype(np.float32))
+            if folded is not None:
+                out[hf_name] = folded, [f"{source}#0"]
+                continue
+        if (m := re.match(r"model\.layers\.(\d+)\.(block_sparse_moe|shared_mlp)\."
+                          r"input_linear\.weight$", hf_name)) is not None:
+            # Granite's fused [gate | up] rows, split as llama.cpp's converter splits them.
+            kind = "exps" if m[2] == "block_sparse_moe" else "shexp"
+            gate, up = np.split(value, 2, axis=-2)
+            out[f"blk.{m[1]}.ffn_gate_{kind}.weight"] = gate, [f"{source}#0"]
+            out[f"blk.{m[1]}.ffn_up_{kind}.weight"] = up, [f"{source}#1"]
+            continue
         out[hf_name] = value, [source]
     for name, per_expert in experts.items():
         sources = [per_expert[e] for e in sorted(per_expert)]

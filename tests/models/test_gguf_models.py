@@ -37,6 +37,9 @@ SSM = {"token_embd": T.Q5_0, "ssm_in": T.Q4_K, "ssm_x": T.Q8_0, "ssm_out": T.Q6_
        "output": T.Q4_0}
 GEMMA_HEADS = dict(head_dim=256, num_attention_heads=2, num_key_value_heads=1,
                    query_pre_attn_scalar=256)
+# Block types only (rounded references); rows of 64 or 128.
+HYBRID_TYPES = {"ssm_in": T.Q4_0, "ssm_out": T.Q5_0, "attn_q": T.Q5_1, "attn_v": T.Q4_1,
+                "ffn_up": T.Q4_1, "ffn_down": T.Q5_0, "ffn_gate": T.Q5_1, "output": T.F16}
 CASES = {
     # name: (tiny arch, config overrides, types)
     "llama": ("llama", {}, MIXED),
@@ -57,6 +60,28 @@ CASES = {
     # weight rounded as the file stores it.
     "mamba2": ("mamba2", dict(hidden_size=64, intermediate_size=128, head_dim=16),
                {"ssm_in": T.Q4_0, "output": T.F16}),
+    # Fused attn_qkv split into q/k/v; fused gate|up; RoPE on half of each head; sliding.
+    "phi3": ("phi3", {}, MIXED),
+    # Biased LayerNorms and projections, gelu c_fc/c_proj MLP.
+    "starcoder2": ("starcoder2", {}, MIXED),
+    # Short convolutions + attention (per-layer head_count_kv); a byte vocabulary in the file.
+    "lfm2": ("lfm2", {}, OTHER),
+    # Hybrids (Mamba-2 + attention + MLP layers), against the rounded checkpoint too: the
+    # layer mix comes from the per-layer head_count_kv / feed_forward_length lists.
+    "nemotron_h": ("nemotron_h", dict(hidden_size=64, intermediate_size=128, head_dim=16),
+                   HYBRID_TYPES),
+    # Experts and shared MLP with gate|up fused in one projection: split in the file, joined
+    # back on loading (the shared one's halves of one type: their blocks joined as they are).
+    "granitemoehybrid": ("granitemoehybrid", dict(hidden_size=64, intermediate_size=32,
+                                                   head_dim=16),
+                         {"ffn_up_shexp": T.Q5_1, **HYBRID_TYPES}),
+    # Mamba-1 + attention every 2nd layer, experts every 2nd layer (read off the routers).
+    "jamba": ("jamba", dict(hidden_size=64, intermediate_size=128, head_dim=16),
+              {"ssm_x": T.Q8_0, "ffn_gate_exps": T.Q4_0, **HYBRID_TYPES}),
+    # Attention and Mamba-2 in parallel; the µP multipliers folded into the file's weights
+    # (the rounded reference holds the folded weights and multipliers of 1).
+    "falcon_h1": ("falcon_h1", dict(hidden_size=64, intermediate_size=128, head_dim=16),
+                  HYBRID_TYPES),
 }
 # Config fields transformers' GGUF reader leaves at its defaults (it reads no
 # expert_feed_forward_length, nor expert_shared_feed_forward_length): given to it
@@ -64,8 +89,13 @@ CASES = {
 HF_KWARGS = {
     "qwen2_moe": dict(moe_intermediate_size=256, shared_expert_intermediate_size=512),
     "qwen3_moe": dict(moe_intermediate_size=256),
+    # Its StarCoder 2 reader takes the vocabulary size from tokenizer.ggml.tokens only.
+    "starcoder2": dict(vocab_size=256),
+    # Nor Phi-3's rope.dimension_count, nor its attention.sliding_window.
+    "phi3": dict(sliding_window=16, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                     "partial_rotary_factor": 0.5}),
 }
-ROUNDED = {"mamba2"}
+ROUNDED = {"mamba2", "nemotron_h", "granitemoehybrid", "jamba", "falcon_h1"}
 ARCH_OF = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_hidden_layers=2))}
 
 

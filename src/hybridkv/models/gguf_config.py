@@ -10,9 +10,15 @@ to. Pure Python: `hybridkv plan model.gguf` needs no torch.
 Covered (ARCHS): llama, mistral3, qwen2, qwen3, gemma2, gemma3, smollm3, the MoE families
 qwen2moe (dense layers read off the tensors: a layer without a router) and qwen3moe, and the
 attention-free state-space models mamba (falcon-mamba when `ssm.dt_b_c_rms`) and mamba2 (the
-`ssm.*` keys: conv_kernel, inner_size, state_size, time_step_rank, group_count). Hybrids
-whose `attention.head_count_kv` is a per-layer list (0 = recurrent layer) can say so with
-`per_layer_kv`. Any other architecture is refused in one line naming it.
+`ssm.*` keys: conv_kernel, inner_size, state_size, time_step_rank, group_count), phi3,
+starcoder2, and the hybrids, whose `attention.head_count_kv` is a per-layer list (0 = not an
+attention layer, `per_layer_kv`) that gives their layer mix: lfm2 (short convolutions),
+nemotron_h (Mamba-2 / attention / relu² MLP layers, the MLP ones where the per-layer
+`feed_forward_length` is > 0), granitehybrid (Mamba-2 or attention, then experts and a shared
+MLP; Granite's scales as its µP multipliers), jamba (Mamba-1 or attention; experts on the
+layers with a router) and falcon-h1 (attention and Mamba-2 in parallel, its multipliers
+already folded into the weights by the converter). Any other architecture is refused in one
+line naming it.
 """
 
 from __future__ import annotations
@@ -122,8 +128,123 @@ def _mamba2(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _ssm_biases(names: Collection[str], cfg: dict[str, Any]) -> dict[str, Any]:
-    return {"use_bias": "blk.0.ssm_in.bias" in names,
-            "use_conv_bias": "blk.0.ssm_conv1d.bias" in names}
+    return {"use_bias": any(n.endswith(".ssm_in.bias") for n in names),
+            "use_conv_bias": any(n.endswith(".ssm_conv1d.bias") for n in names)}
+
+
+def _per_layer(get: Callable[[str], Any], key: str, n: int) -> list[int]:
+    value = get(key)
+    return list(value) if isinstance(value, list) else [int(value or 0)] * n
+
+
+def _hybrid_ssm(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """The Mamba-2 mixer's fields of a hybrid (names its mixer reads)."""
+    inner, heads = get("ssm.inner_size"), get("ssm.time_step_rank")
+    return {"mamba_num_heads": heads, "mamba_head_dim": inner // heads,
+            "ssm_state_size": get("ssm.state_size"), "n_groups": get("ssm.group_count"),
+            "conv_kernel": get("ssm.conv_kernel"), "mamba_d_ssm": inner,
+            "layer_norm_epsilon": cfg["rms_norm_eps"], "time_step_limit": [0.0, float("inf")]}
+
+
+def _nemotron_h(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Layers as llama.cpp tells them: attention where `head_count_kv` > 0, an MLP where
+    `feed_forward_length` > 0, Mamba-2 elsewhere."""
+    n = cfg["num_hidden_layers"]
+    kv = _per_layer(get, "attention.head_count_kv", n)
+    ff = _per_layer(get, "feed_forward_length", n)
+    return {**_hybrid_ssm(get, cfg), "mlp_hidden_act": "relu2",
+            "hybrid_override_pattern": "".join("*" if k else "-" if f else "M"
+                                               for k, f in zip(kv, ff, strict=True))}
+
+
+def _granite_hybrid(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite 4.0-H: attention where `head_count_kv` > 0, Mamba-2 elsewhere, each followed
+    by the experts and the shared MLP; µP multipliers as Granite's scales; RoPE only where
+    the converter set `rope.scaling.finetuned` (NoPE otherwise)."""
+    n = cfg["num_hidden_layers"]
+    kv = _per_layer(get, "attention.head_count_kv", n)
+    return {**_hybrid_ssm(get, cfg),
+            "layer_types": ["attention" if k else "mamba" for k in kv],
+            "num_local_experts": get("expert_count") or 0,
+            "num_experts_per_tok": get("expert_used_count"),
+            "intermediate_size": get("expert_feed_forward_length") or cfg["intermediate_size"],
+            "shared_intermediate_size": get("expert_shared_feed_forward_length"),
+            "attention_multiplier": get("attention.scale"),
+            "embedding_multiplier": get("embedding_scale"),
+            "residual_multiplier": get("residual_scale"),
+            "logits_scaling": get("logit_scale"),
+            "position_embedding_type": "rope" if get("rope.scaling.finetuned") else "nope"}
+
+
+def _period(layers: list[int], n: int, what: str) -> tuple[int, int]:
+    """(period, offset) of evenly spaced layers, as Jamba's config states them."""
+    if not layers:
+        return n + 1, n  # none
+    period = layers[1] - layers[0] if len(layers) > 1 else n
+    if layers != list(range(layers[0], n, period)):
+        raise ValueError(f"jamba: {what} layers {layers} are not evenly spaced; not supported")
+    return period, layers[0]
+
+
+def _jamba(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Mamba-1 where `head_count_kv` is 0, attention elsewhere (no positions)."""
+    n = cfg["num_hidden_layers"]
+    kv = _per_layer(get, "attention.head_count_kv", n)
+    period, offset = _period([i for i, k in enumerate(kv) if k], n, "attention")
+    return {"attn_layer_period": period, "attn_layer_offset": offset,
+            "mamba_expand": get("ssm.inner_size") // cfg["hidden_size"],
+            "mamba_d_state": get("ssm.state_size"), "mamba_d_conv": get("ssm.conv_kernel"),
+            "mamba_dt_rank": get("ssm.time_step_rank"),
+            "num_experts": get("expert_count") or 1,
+            "num_experts_per_tok": get("expert_used_count") or 1}
+
+
+def _jamba_tensors(names: Collection[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    """MoE layers are those with a router; the mixer's biases as the tensors say."""
+    n = cfg["num_hidden_layers"]
+    period, offset = _period([i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" in names],
+                             n, "expert")
+    return {"expert_layer_period": period, "expert_layer_offset": offset,
+            "mamba_proj_bias": any(x.endswith(".ssm_in.bias") for x in names),
+            "mamba_conv_bias": any(x.endswith(".ssm_conv1d.bias") for x in names)}
+
+
+def _falcon_h1(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Attention and Mamba-2 side by side in every layer. llama.cpp's converter folds the
+    µP multipliers into the weights (embeddings, head, projections, the in_proj sections),
+    so none is left to apply; the Mamba-2 gate comes before its (optional) norm."""
+    return {**_hybrid_ssm(get, cfg), "mamba_norm_before_gate": False,
+            "embedding_multiplier": 1.0, "lm_head_multiplier": 1.0}
+
+
+def _falcon_h1_tensors(names: Collection[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    return {"mamba_proj_bias": any(x.endswith(".ssm_in.bias") for x in names),
+            "projectors_bias": any(x.endswith(".ssm_out.bias") for x in names),
+            "mamba_conv_bias": any(x.endswith(".ssm_conv1d.bias") for x in names),
+            "mamba_rms_norm": any(x.endswith(".ssm_norm.weight") for x in names),
+            "mlp_bias": any(x.endswith(".ffn_up.bias") for x in names)}
+
+
+def _starcoder2(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    return {"norm_epsilon": get("attention.layer_norm_epsilon"),
+            "hidden_act": "gelu_pytorch_tanh"}
+
+
+def _starcoder2_tensors(names: Collection[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    return {"use_bias": any(x.endswith(".attn_q.bias") for x in names)}
+
+
+def _lfm2(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Attention where `head_count_kv` > 0, short convolutions elsewhere; the file's
+    feed_forward_length is the width the model builds (no further adjustment)."""
+    kv = _per_layer(get, "attention.head_count_kv", cfg["num_hidden_layers"])
+    return {"layer_types": ["full_attention" if k else "conv" for k in kv],
+            "conv_L_cache": get("shortconv.l_cache"), "norm_eps": cfg["rms_norm_eps"],
+            "block_auto_adjust_ff_dim": False}
+
+
+def _lfm2_tensors(names: Collection[str], cfg: dict[str, Any]) -> dict[str, Any]:
+    return {"conv_bias": any(x.endswith(".shortconv.conv.bias") for x in names)}
 
 
 ARCHS: dict[str, Arch] = {
@@ -138,6 +259,16 @@ ARCHS: dict[str, Arch] = {
     "gemma2": Arch("gemma2", _gemma2, norm_shift=1.0, tie_default=True),
     "gemma3": Arch("gemma3_text", _gemma3, norm_shift=1.0, tie_default=True),
     "smollm3": Arch("smollm3", tie_default=True),
+    "nemotron_h": Arch("nemotron_h", _nemotron_h, tensors=_ssm_biases, per_layer_kv=True),
+    # Phi-3: fused attn_qkv and ffn_up (gate|up); every layer sliding where the file says.
+    "phi3": Arch("phi3"),
+    # StarCoder 2: biased LayerNorms and projections, a gelu c_fc/c_proj MLP.
+    "starcoder2": Arch("starcoder2", _starcoder2, tensors=_starcoder2_tensors),
+    "lfm2": Arch("lfm2", _lfm2, tensors=_lfm2_tensors, per_layer_kv=True),
+    "falcon-h1": Arch("falcon_h1", _falcon_h1, tensors=_falcon_h1_tensors),
+    "jamba": Arch("jamba", _jamba, tensors=_jamba_tensors, per_layer_kv=True),
+    "granitehybrid": Arch("granitemoehybrid", _granite_hybrid, permuted_qk=True,
+                          tensors=_ssm_biases, per_layer_kv=True),
 }
 
 
@@ -187,6 +318,10 @@ def config_from_gguf(header: GGUFHeader) -> dict[str, Any]:
         # Hybrids: 0 marks a recurrent layer; the attention layers share one count.
         kv_value = [v for v in kv_value if v] or [heads]
     kv_heads = _int(header, f"{arch_name}.attention.head_count_kv", kv_value)
+    ff_value = get("feed_forward_length") or 0
+    if arch.per_layer_kv and isinstance(ff_value, list):
+        # Hybrids: 0 marks a layer without an MLP; the others share one width.
+        ff_value = [v for v in ff_value if v] or [0]
     if heads == 0 and not arch.attention_free:
         raise ValueError(f"{header.path}: metadata {arch_name}.attention.head_count is 0")
     head_dim = _int(header, f"{arch_name}.attention.key_length",
@@ -213,8 +348,7 @@ def config_from_gguf(header: GGUFHeader) -> dict[str, Any]:
         "model_type": arch.model_type,
         "architectures": [f"gguf:{arch_name}"],
         "num_hidden_layers": layers, "hidden_size": hidden,
-        "intermediate_size": _int(header, f"{arch_name}.feed_forward_length",
-                                  get("feed_forward_length") or 0),
+        "intermediate_size": _int(header, f"{arch_name}.feed_forward_length", ff_value),
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
         "rms_norm_eps": _float(header, f"{arch_name}.attention.layer_norm_rms_epsilon",
                                get("attention.layer_norm_rms_epsilon") or 1e-6),

@@ -21,7 +21,10 @@ Per-architecture fixups (`_FIXUPS`): parameter renames onto the names llama.cpp'
 matrix per expert; router `ffn_gate_inp` and shared experts `ffn_*_shexp` map by name), and
 float transforms by tensor-name suffix (Mamba's `ssm_a` = -exp(A_log) back to A_log, Mamba-2's
 per-group `ssm_norm`); shapes that differ only by dimensions of 1 (squeezed conv1d weights,
-Mamba-2's [heads, 1] A and D, Qwen's vector `ffn_gate_inp_shexp`) are reshaped.
+Mamba-2's [heads, 1] A and D, Qwen's vector `ffn_gate_inp_shexp`) are reshaped. The reverse
+of a split: a parameter the converter cut into several tensors (Granite's fused gate|up into
+`ffn_gate_*` and `ffn_up_*`) is joined back along its rows, bytes as they are where the types
+agree (each row is quantized on its own), else as float32.
 """
 
 from __future__ import annotations
@@ -87,10 +90,16 @@ class _Fixups:
     # File tensor-name suffix -> transform of its float32 value into the parameter's shape
     # (shapes that differ only by dimensions of 1 need none).
     transforms: tuple[tuple[str, Transform], ...] = ()
+    # Parameters the converter split into several file tensors (Granite's fused gate|up
+    # `input_linear` into ffn_gate* and ffn_up*): (regex on the parameter's name, the file
+    # tensors' names as templates of its groups), joined back along their rows (dim -2).
+    joins: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 _EXPERTS = (r"\.experts\.\d+\.", ".experts.")
 _MAMBA = (r"^model\.", "backbone.")
+_MAMBA2 = _Fixups(renames=(_MAMBA, (r"\.mixer\.dt_bias$", ".mixer.dt_proj.bias")),
+                  transforms=(("ssm_a", _a_log), ("ssm_norm.weight", _reshape)))
 _FIXUPS: dict[str, _Fixups] = {
     "qwen2moe": _Fixups(renames=(_EXPERTS,)),
     "qwen3moe": _Fixups(renames=(_EXPERTS,)),
@@ -100,8 +109,25 @@ _FIXUPS: dict[str, _Fixups] = {
                                                     ("ssm_dt.weight", _reshape))),
     # Mamba-2: A and D per head as [heads, 1], the gated norm per group [groups, width / groups],
     # dt_bias stored as the dt projection's bias.
-    "mamba2": _Fixups(renames=(_MAMBA, (r"\.mixer\.dt_bias$", ".mixer.dt_proj.bias")),
-                      transforms=(("ssm_a", _a_log), ("ssm_norm.weight", _reshape))),
+    "mamba2": _MAMBA2,
+    # NemotronH: Mamba-2 mixers as mamba2's; attention and relu² MLP layers by name.
+    "nemotron_h": _MAMBA2,
+    # Phi-3: q/k/v are the row slices of the fused attn_qkv, in that order.
+    "phi3": _Fixups(renames=((r"\.self_attn\.[qkv]_proj\.", ".self_attn.qkv_proj."),)),
+    # Falcon-H1: its µP multipliers are folded into the weights by the converter.
+    "falcon-h1": _Fixups(renames=((r"\.mamba\.dt_bias$", ".mamba.dt_proj.bias"),),
+                         transforms=_MAMBA2.transforms),
+    # Jamba: Mamba-1 mixers (dt_proj's matrix read directly: float32), experts as qwen's.
+    "jamba": _Fixups(renames=(_EXPERTS,), transforms=(("ssm_a", _a_log),
+                                                      ("ssm_dt.weight", _reshape))),
+    # Granite 4.0-H: the fused gate|up projections were split into ffn_gate*/ffn_up*.
+    "granitehybrid": _Fixups(
+        renames=((r"\.mamba\.dt_bias$", ".mamba.dt_proj.bias"),),
+        transforms=_MAMBA2.transforms,
+        joins=((r"^model\.layers\.(\d+)\.block_sparse_moe\.input_linear\.weight$",
+                ("blk.{0}.ffn_gate_exps.weight", "blk.{0}.ffn_up_exps.weight")),
+               (r"^model\.layers\.(\d+)\.shared_mlp\.input_linear\.weight$",
+                ("blk.{0}.ffn_gate_shexp.weight", "blk.{0}.ffn_up_shexp.weight")))),
 }
 
 
@@ -121,9 +147,47 @@ def gguf_names(model: nn.Module, arch: str, num_layers: int) -> dict[str, list[s
         for pattern, repl in renames:
             hf_name = pattern.sub(repl, hf_name)
         gguf_name = table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        suffix = next((x for x in (".weight", ".bias") if hf_name.endswith(x)), "")
+        if gguf_name is not None and not gguf_name.endswith(suffix):
+            # Entries written with their suffix (Falcon-H1's pre_ff_layernorm.weight) name
+            # the tensor without it; llama.cpp loads it with.
+            gguf_name += suffix
         if gguf_name is not None:
             names.setdefault(gguf_name, []).append(param)
     return names
+
+
+def joined_names(model: nn.Module, arch: str) -> dict[str, tuple[str, int, int]]:
+    """File tensor name -> (parameter, its part, the number of parts) for the parameters
+    made of several file tensors."""
+    out: dict[str, tuple[str, int, int]] = {}
+    joins = [(re.compile(p), parts) for p, parts in _FIXUPS.get(arch, _Fixups()).joins]
+    for param in dict(model.named_parameters(remove_duplicate=False)):
+        for pattern, parts in joins:
+            if (m := pattern.search(param)) is not None:
+                for i, part in enumerate(parts):
+                    out[part.format(*m.groups())] = (param, i, len(parts))
+    return out
+
+
+def _join(parts: list[tuple[np.ndarray, TensorInfo]]) -> tuple[np.ndarray, TensorInfo]:
+    """Row blocks of one parameter as one tensor: their bytes joined where the types agree
+    (rows are quantized on their own), else their float32 values."""
+    infos = [info for _, info in parts]
+    shape = (*infos[0].shape[:-2], sum(i.shape[-2] for i in infos), infos[0].shape[-1])
+    if any(i.shape[:-2] != infos[0].shape[:-2] or i.shape[-1] != shape[-1] for i in infos):
+        raise ValueError(f"tensors {[i.name for i in infos]} of shapes "
+                         f"{[list(i.shape) for i in infos]} do not join along their rows")
+    if len({i.qtype for i in infos}) == 1:
+        blocks = [raw.reshape(*i.shape[:-1], -1) for raw, i in parts]
+        qtype = infos[0].qtype
+    else:
+        blocks = [_float(raw, i, i.shape).numpy() for raw, i in parts]
+        qtype = 0  # F32
+    data = np.concatenate(blocks, axis=-2)
+    data = np.ascontiguousarray(data).view(np.uint8).reshape(-1, data.shape[-1] * (
+        data.itemsize))
+    return data, TensorInfo("+".join(i.name for i in infos), shape, qtype, 0, data.size)
 
 
 def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -212,12 +276,21 @@ def load_gguf_weights(model: CausalLM, header: GGUFHeader, config: dict[str, Any
     files = _FileTensors(header)
     params = dict(model.named_parameters())
     fixups = _FIXUPS.get(header.architecture, _Fixups())
+    joined = joined_names(model, header.architecture)
+    pending: dict[str, list[Any]] = {}
     loaded: set[str] = set()
     try:
         for info in header.tensors.values():
             if info.name in _DERIVED:
                 continue
-            if info.name not in names:
+            if info.name in joined:
+                pname, index, count = joined[info.name]
+                pending.setdefault(pname, [None] * count)[index] = (files.raw(info), info)
+                if any(p is None for p in pending[pname]):
+                    continue
+                raw, info = _join(pending.pop(pname))
+                names[info.name] = [pname]
+            elif info.name not in names:
                 raise ValueError(f"{header.path}: tensor {info.name!r} has no place in "
                                  f"{config['model_type']}")
             # A tied parameter seen under its other name is skipped.
@@ -226,7 +299,8 @@ def load_gguf_weights(model: CausalLM, header: GGUFHeader, config: dict[str, Any
                 continue
             transform = next((fn for suffix, fn in fixups.transforms
                               if info.name.endswith(suffix)), None)
-            raw = files.raw(info)
+            if "+" not in info.name:  # a joined tensor has its bytes already
+                raw = files.raw(info)
             if arch.permuted_qk and info.name.endswith(("attn_q.weight", "attn_k.weight",
                                                         "attn_q.bias", "attn_k.bias")):
                 raw = _unpermute_rows(raw, heads if "attn_q" in info.name else kv_heads)

@@ -7,6 +7,8 @@ from torch import nn
 
 from hybridkv.models.layers.activations import activation
 from hybridkv.worker.linear import GatedLinear, Linear
+from hybridkv.worker.quant_linear import QuantizedWeight
+from hybridkv.worker.quantized import QuantizedLinear
 
 
 class GatedMLP(nn.Module):
@@ -46,6 +48,13 @@ class GatedMLP(nn.Module):
         if self.fused is None:
             return self.gate_proj, self.up_proj, self.down_proj
         gate_up: nn.Linear = getattr(self, self.fused[0])
+        if isinstance(gate_up, QuantizedLinear):  # a GGUF file's blocks: rows split as bytes
+            q, n = gate_up.qweight, gate_up.out_features // 2
+            parts = [QuantizedLinear(QuantizedWeight(rows, q.qtype, n, q.cols), bias)
+                     for rows, bias in zip(q.data.chunk(2), gate_up.bias.detach().chunk(2)
+                                           if gate_up.bias is not None else (None, None),
+                                           strict=True)]
+            return parts[0], parts[1], getattr(self, self.fused[1])
         halves = []
         for rows in gate_up.weight.detach().chunk(2):
             half = nn.Linear(gate_up.in_features, rows.shape[0], bias=False,
