@@ -87,6 +87,7 @@ class RequestResult:
     prompt_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
+    cache_reported: bool = False  # the server reported cached_tokens (conversations)
 
 
 def make_prompts(num: int, input_len: int, shared_prefix_len: int, vocab: int,
@@ -291,9 +292,56 @@ def offline_throughput(model_dir: str, options: dict[str, Any], prompts: list[li
 
 # ---------------------------------------------------------------- the suite
 
+def bench_conversations(args: argparse.Namespace) -> dict[str, Any]:
+    """--workload conversations: one run per --variant (see bench/conversations.py)."""
+    from hybridkv.bench.conversations import run_conversations, send_turn
+    from hybridkv.cli import demo_model_dir
+
+    model_dir = args.model
+    if model_dir is None and not args.url:
+        model_dir = str(demo_model_dir())
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    options = engine_options(args)
+    runs: list[dict[str, Any]] = []
+
+    async def warm_up(url: str) -> None:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=httpx.Timeout(None)) as client:
+            await send_turn(client, url, args.endpoint,
+                            [{"role": "user", "content": "warm up"}], 2,
+                            args.served_model_name)
+
+    def run_all(url: str) -> None:
+        asyncio.run(warm_up(url))
+        for variant in args.variant:
+            runs.append(asyncio.run(run_conversations(
+                url, variant, args.users, args.turns, args.system_tokens, args.answer_tokens,
+                args.endpoint, args.seed, args.served_model_name)))
+
+    if args.url:
+        run_all(args.url.rstrip("/"))
+    else:
+        assert model_dir is not None
+        with server_in_process(model_dir, options) as url:
+            run_all(url)
+    return {"workload": "conversations", "model": model_dir, "url": args.url,
+            "users": args.users, "turns": args.turns, "system_tokens": args.system_tokens,
+            "answer_tokens": args.answer_tokens, "endpoint": args.endpoint, "seed": args.seed,
+            "engine_options": options if not args.url else None, "runs": runs}
+
+
 def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     from hybridkv.bench.engine import model_vocab
     from hybridkv.cli import demo_model_dir
+
+    if args.workload == "conversations":
+        if args.compare_offline:
+            raise CLIError("--compare-offline is for the random workload only")
+        return bench_conversations(args)
 
     if args.compare_offline and args.url and not args.model:
         raise CLIError("--compare-offline with --url needs --model: the server's model "
@@ -448,6 +496,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"--url and no --model, {DEFAULT_URL_VOCAB})")
     parser.add_argument("--seed", type=non_negative_int, default=0,
                         help="seed of the prompts and arrival times")
+    group = parser.add_argument_group(
+        "conversation workload (--workload conversations; bench/conversations.py)")
+    group.add_argument("--workload", choices=["random", "conversations"], default="random",
+                       help="random: --num-prompts random-id prompts per run; conversations: "
+                            "multi-turn chats resending the conversation every turn")
+    group.add_argument("--users", type=positive_int, default=8,
+                       help="concurrent users, each with its own conversation")
+    group.add_argument("--turns", type=positive_int, default=6,
+                       help="turns per user, in order")
+    group.add_argument("--system-tokens", type=positive_int, default=1000,
+                       help="the shared system prompt's length (about)")
+    group.add_argument("--answer-tokens", type=positive_int, default=32,
+                       help="tokens per answer (ignore_eos, greedy)")
+    group.add_argument("--variant", nargs="+", choices=["resend", "edit", "branch"],
+                       default=["resend"],
+                       help="resend: append a message each turn; edit: replace the last user "
+                            "message by an edited one; branch: from turn 3 on, restart from "
+                            "turn 3's state with a different message; several: one run each")
+    group.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                       help="completions: the conversation as plain text (no chat template "
+                            "needed); chat: /v1/chat/completions with the messages")
     parser.add_argument("--compare-offline", action="store_true",
                         help="also time the busiest run's prompts through offline "
                              "LLM.generate with the same engine options (after the server "
@@ -469,7 +538,14 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"hybridkv bench serve needs the server extra (missing {e.name}): "
                        f"pip install 'hybridkv[server]'") from None
     figures = bench_serve(args)
-    print(json.dumps(figures) if args.json else format_figures(figures))
+    if args.json:
+        print(json.dumps(figures))
+    elif figures.get("workload") == "conversations":
+        from hybridkv.bench.conversations import format_conversations
+
+        print(format_conversations(figures))
+    else:
+        print(format_figures(figures))
     return 0
 
 
