@@ -389,13 +389,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                              "memory available once the model is loaded)")
     parser.add_argument("--dtype", default="auto",
                         help="weights and activations dtype (auto: the model's)")
-    parser.add_argument("--dequantize", action="store_true",
-                        help="GGUF models: dequantize the weights to --dtype at load instead "
-                             "of computing on their quantized blocks")
-    parser.add_argument("--quant-activations", choices=["float32", "int8"], default="float32",
-                        help="GGUF models on CPUs: activations of a decode step in float32 "
-                             "(exact) or 8 bits for integer dot products (faster, logits "
-                             "slightly off)")
+    add_gguf_arguments(parser)
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn prefix caching off")
     parser.add_argument("--no-hybrid", action="store_true",
@@ -412,6 +406,17 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     add_threads_argument(parser)
     add_offload_arguments(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
+
+
+def add_gguf_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a GGUF model's quantized weights run (`generate`, the server)."""
+    parser.add_argument("--dequantize", action="store_true",
+                        help="GGUF models: dequantize the weights to --dtype at load instead "
+                             "of computing on their quantized blocks")
+    parser.add_argument("--quant-activations", choices=["float32", "int8"], default="float32",
+                        help="GGUF models on CPUs: activations of a decode step in float32 "
+                             "(exact) or 8 bits for integer dot products (faster, logits "
+                             "slightly off)")
 
 
 def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -611,13 +616,7 @@ def add_server_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
                              "memory available once the model is loaded)")
     parser.add_argument("--dtype", default="auto",
                         help="weights and activations dtype (auto: the model's)")
-    parser.add_argument("--dequantize", action="store_true",
-                        help="GGUF models: dequantize the weights to --dtype at load instead "
-                             "of computing on their quantized blocks")
-    parser.add_argument("--quant-activations", choices=["float32", "int8"], default="float32",
-                        help="GGUF models on CPUs: activations of a decode step in float32 "
-                             "(exact) or 8 bits for integer dot products (faster, logits "
-                             "slightly off)")
+    add_gguf_arguments(parser)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True, help="reuse the KV cache of shared prompt prefixes")
     add_threads_argument(parser)
