@@ -38,13 +38,12 @@ regardless.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridkv.bench.serve import MAX_ERRORS_KEPT, RequestResult, percentiles
+from hybridkv.bench.serve import MAX_ERRORS_KEPT, RequestResult, percentiles, stream_request
 
 VARIANTS = ("resend", "edit", "branch")
 ENDPOINTS = ("completions", "chat")
@@ -154,8 +153,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 async def send_turn(client: Any, url: str, endpoint: str, messages: list[dict[str, str]],
                     answer_tokens: int, model: str | None) -> tuple[RequestResult, str]:
     """Stream one turn; (the result, the answer's text)."""
-    import httpx
-
     body: dict[str, Any] = {"max_tokens": answer_tokens, "temperature": 0.0,
                             "ignore_eos": True, "stream": True,
                             "stream_options": {"include_usage": True}}
@@ -167,58 +164,8 @@ async def send_turn(client: Any, url: str, endpoint: str, messages: list[dict[st
         path = "/v1/completions"
     if model is not None:
         body["model"] = model
-    result = RequestResult()
-    pieces: list[str] = []
-    start = last = time.perf_counter()
-    try:
-        async with client.stream("POST", url + path, json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                result.error = f"HTTP {response.status_code}: {text[:200]}"
-                return result, ""
-            done = False
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                chunk = json.loads(data)
-                now = time.perf_counter()
-                if "error" in chunk:
-                    result.error = f"stream error: {json.dumps(chunk['error'])[:200]}"
-                    continue
-                text = "".join((c.get("delta") or {}).get("content") or ""
-                               if endpoint == "chat" else c.get("text") or ""
-                               for c in chunk.get("choices") or ())
-                if text:
-                    pieces.append(text)
-                    if result.ttft_s is None:
-                        result.ttft_s = now - start
-                    else:
-                        result.itl_s.append(now - last)
-                    last = now
-                usage = chunk.get("usage")
-                timings = chunk.get("timings")  # llama-server's own
-                if usage:
-                    result.output_tokens = usage.get("completion_tokens", 0)
-                    result.prompt_tokens = usage.get("prompt_tokens", 0)
-                    details = usage.get("prompt_tokens_details")
-                    if isinstance(details, dict) and details.get("cached_tokens") is not None:
-                        result.cached_tokens = details["cached_tokens"]
-                        result.cache_reported = True
-                if isinstance(timings, dict) and "cache_n" in timings \
-                        and not result.cache_reported:
-                    result.cached_tokens = timings["cache_n"]
-                    result.cache_reported = True
-            if result.error is None and not done:
-                result.error = "the stream ended without [DONE]"
-    except (httpx.HTTPError, ValueError) as e:
-        result.error = f"{type(e).__name__}: {e}"
-    result.latency_s = time.perf_counter() - start
-    result.ok = result.error is None
-    return result, "".join(pieces)
+    return await stream_request(client, url + path, body, RequestResult(),
+                                chat=endpoint == "chat")
 
 
 class Tokenizer:

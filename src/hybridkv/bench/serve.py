@@ -121,21 +121,31 @@ def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float |
 
 async def send_one(client: Any, url: str, prompt: list[int], output_len: int,
                    model: str | None) -> RequestResult:
-    import httpx
-
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
                             "ignore_eos": True, "stream": True,
                             "stream_options": {"include_usage": True}}
     if model is not None:
         body["model"] = model
-    result = RequestResult(prompt_tokens=len(prompt))
+    result, _ = await stream_request(client, f"{url}/v1/completions", body,
+                                     RequestResult(prompt_tokens=len(prompt)))
+    return result
+
+
+async def stream_request(client: Any, url: str, body: dict[str, Any], result: RequestResult,
+                         *, chat: bool = False) -> tuple[RequestResult, str]:
+    """POST a streaming completion (`chat`: a chat completion) and time it into `result`:
+    TTFT, inter-token gaps, usage (cached prompt tokens from `usage.prompt_tokens_details`,
+    else llama-server's `timings.cache_n`); (the result, the generated text)."""
+    import httpx
+
+    pieces: list[str] = []
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {text[:200]}"
-                return result
+                return result, ""
             done = False
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
@@ -149,25 +159,35 @@ async def send_one(client: Any, url: str, prompt: list[int], output_len: int,
                 if "error" in chunk:
                     result.error = f"stream error: {json.dumps(chunk['error'])[:200]}"
                     continue
-                if any(c.get("text") for c in chunk.get("choices") or ()):
+                text = "".join((c.get("delta") or {}).get("content") or "" if chat
+                               else c.get("text") or "" for c in chunk.get("choices") or ())
+                if text:
+                    pieces.append(text)
                     if result.ttft_s is None:
                         result.ttft_s = now - start
                     else:
                         result.itl_s.append(now - last)
                     last = now
                 usage = chunk.get("usage")
+                timings = chunk.get("timings")  # llama-server's own
                 if usage:
                     result.output_tokens = usage.get("completion_tokens", 0)
-                    result.prompt_tokens = usage.get("prompt_tokens", len(prompt))
-                    result.cached_tokens = (usage.get("prompt_tokens_details")
-                                            or {}).get("cached_tokens") or 0
+                    result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
+                    details = usage.get("prompt_tokens_details")
+                    if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                        result.cached_tokens = details["cached_tokens"]
+                        result.cache_reported = True
+                if isinstance(timings, dict) and "cache_n" in timings \
+                        and not result.cache_reported:
+                    result.cached_tokens = timings["cache_n"]
+                    result.cache_reported = True
             if result.error is None and not done:
                 result.error = "the stream ended without [DONE]"
     except (httpx.HTTPError, ValueError) as e:  # ValueError: a chunk that is not JSON
         result.error = f"{type(e).__name__}: {e}"
     result.latency_s = time.perf_counter() - start
     result.ok = result.error is None
-    return result
+    return result, "".join(pieces)
 
 
 async def run_load(url: str, prompts: list[list[int]], output_len: int,
