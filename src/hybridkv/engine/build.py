@@ -116,8 +116,8 @@ def auto_kv_cache_memory(device: str) -> int:
 
 
 def _load(model: str, config: EngineConfig, device: str
-          ) -> tuple[LoadedModel, dict[str, Any], str, str | None, dict[str, str] | None]:
-    """(the loaded model, its HF config, its dtype name, chat template, special tokens)."""
+          ) -> tuple[LoadedModel, dict[str, Any], str]:
+    """(the loaded model, its HF config, its dtype name)."""
     source = resolve_model(model)
     if source.is_gguf:
         from hybridkv.worker import quant_linear
@@ -130,7 +130,7 @@ def _load(model: str, config: EngineConfig, device: str
                                  dtype=torch_dtype(dtype_name),
                                  linear_kernel=config.linear_kernel,
                                  dequantize=config.dequantize)
-        return (loaded, hf_config, dtype_name, loaded.chat_template, loaded.special_tokens)
+        return loaded, hf_config, dtype_name
     if config.dequantize:
         raise ValueError(f"dequantize applies to GGUF models; {model} is a Hugging Face "
                          f"directory")
@@ -141,7 +141,7 @@ def _load(model: str, config: EngineConfig, device: str
         or hf_config.get("dtype") or "float32")
     loaded = load_model(source.path, dtype=torch_dtype(dtype_name), device=device,
                         config=hf_config, linear_kernel=config.linear_kernel)
-    return loaded, hf_config, dtype_name, None, None
+    return loaded, hf_config, dtype_name
 
 
 def _fitting_len(layout: Any, budget: int, wanted: int, config: EngineConfig) -> int:
@@ -175,7 +175,7 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
     set_intra_op_threads(config.threads)
     if device == "cpu":
         keep_buffers_in_heap()  # activations reuse heap buffers, not fresh pages (see module)
-    loaded, hf_config, dtype_name, chat_template, special = _load(model_dir, config, device)
+    loaded, hf_config, dtype_name = _load(model_dir, config, device)
     if device == "cpu":
         release_free_memory()  # what loading freed (a tokenizer's build, read buffers)
     text_cfg = hf_config.get("text_config") or hf_config
@@ -239,4 +239,5 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
     return EngineParts(scheduler=scheduler, runner=runner, plan=plan,
                        max_model_len=max_model_len, vocab_size=int(text_cfg["vocab_size"]),
                        tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
-                       chat_template=chat_template, special_tokens=special)
+                       chat_template=loaded.chat_template,
+                       special_tokens=loaded.special_tokens)
