@@ -17,13 +17,22 @@ import signal
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn, TypeVar
 
 from hybridkv.connector.offload.redis_tier import PASSWORD_ENV, parse_remote_url
 from hybridkv.connector.offload.store import TierSpec, parse_tier_spec
 from hybridkv.connector.scheduler import STORE_POLICIES
-from hybridkv.kv.plan import KVCacheConfig, KVCachePlan, format_bytes, parse_bytes, plan_kv_cache
+from hybridkv.kv.cache_dtype import KV_CACHE_DTYPES, SKIP_KINDS, STATE_DTYPES, apply_cache_dtype
+from hybridkv.kv.plan import (
+    KVCacheConfig,
+    KVCachePlan,
+    format_bytes,
+    group_dtype,
+    parse_bytes,
+    plan_kv_cache,
+)
 from hybridkv.kv.spec import AttentionSpec, KVCacheSpec, MLAAttentionSpec, dtype_size
 from hybridkv.models.layer_mix import (
     kv_layout_from_config,
@@ -194,6 +203,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per engine step (sizes the state blocks in flight)")
     parser.add_argument("--no-hybrid", action="store_true",
                         help="treat sliding-window and chunked layers as full attention")
+    add_kv_cache_dtype_arguments(parser)
     parser.add_argument("--kv-offload-cpu", type=memory, default=None, metavar="SIZE",
                         help="also show what a CPU offload tier of this size holds "
                              "(default: no CPU tier)")
@@ -208,6 +218,9 @@ def run_plan(args: argparse.Namespace) -> int:
         config = load_hf_config(args.model)
         layout = kv_layout_from_config(config, block_size=args.block_size,
                                        kv_dtype=args.kv_dtype)
+        layout = replace(layout, layer_specs=apply_cache_dtype(
+            layout.layer_specs, args.kv_cache_dtype, args.kv_cache_dtype_skip,
+            args.state_dtype))
     except UnicodeDecodeError:
         raise CLIError(f"{args.model}: config.json is not UTF-8 text") from None
     except KeyError as e:
@@ -316,7 +329,7 @@ def _plan_table(model: str, model_type: str, main: KVCachePlan, hybrid: KVCacheP
         f"{main.max_model_len}, max_num_batched_tokens {main.max_num_batched_tokens}, "
         f"hybrid management {'on' if main.hybrid else 'off'}",
         "",
-        f"{'group':>5}  {'kind':<15} {'window':>7} {'layers':>6} {'shared':>6} "
+        f"{'group':>5}  {'kind':<15} {'dtype':<13} {'window':>7} {'layers':>6} {'shared':>6} "
         f"{'block tok':>9} {'block bytes':>12} {'blocks/page':>11} {'pad/page':>10}",
     ]
     for g in cfg.groups:
@@ -324,7 +337,8 @@ def _plan_table(model: str, model_type: str, main: KVCachePlan, hybrid: KVCacheP
             g.spec, "attention_chunk_size", None) or "-"
         kind = _kind_label(g.spec, g.layer_specs)
         lines.append(
-            f"{g.group_id:>5}  {kind:<15} {window!s:>7} {len(g.layer_names):>6} "
+            f"{g.group_id:>5}  {kind:<15} {group_dtype(g):<13} {window!s:>7} "
+            f"{len(g.layer_names):>6} "
             f"{len(g.shared_layer_names):>6} {g.block_size:>9} {format_bytes(g.block_bytes):>12} "
             f"{g.blocks_per_large_page:>11} "
             f"{format_bytes(g.padding_bytes_per_large_page(cfg.large_page_bytes)):>10}")
@@ -390,6 +404,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto",
                         help="weights and activations dtype (auto: the model's)")
     add_gguf_arguments(parser)
+    add_kv_cache_dtype_arguments(parser)
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="turn prefix caching off")
     parser.add_argument("--no-hybrid", action="store_true",
@@ -417,6 +432,26 @@ def add_gguf_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GGUF models on CPUs: activations of a decode step in float32 "
                              "(exact) or 8 bits for integer dot products (faster, logits "
                              "slightly off)")
+
+
+def add_kv_cache_dtype_arguments(parser: argparse.ArgumentParser) -> None:
+    """How KV pages and states are stored (`plan`, `generate`, the server)."""
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="KV pages of the attention groups: the model's dtype (auto), "
+                             "int8, q4 (4-bit, Hadamard-rotated) or fp8 (CUDA); values and "
+                             "their scales share each page (default: auto)")
+    parser.add_argument("--kv-cache-dtype-skip", default=None, metavar="KINDS",
+                        help="attention kinds kept in the model's dtype, e.g. sliding or "
+                             f"sliding,cross (accepted: {', '.join(SKIP_KINDS)}; default: "
+                             "none)")
+    parser.add_argument("--state-dtype", choices=STATE_DTYPES, default="auto",
+                        help="recurrent (Mamba / linear attention) states' dtype (auto: as "
+                             "the model declares them; default: auto)")
+
+
+def kv_cache_dtype_options(args: argparse.Namespace) -> dict[str, object]:
+    return dict(kv_cache_dtype=args.kv_cache_dtype,
+                kv_cache_dtype_skip=args.kv_cache_dtype_skip, state_dtype=args.state_dtype)
 
 
 def add_offload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -473,7 +508,7 @@ def run_generate(args: argparse.Namespace) -> int:
         # From the environment, not a flag: a secret on the command line is visible to
         # every user of the machine (ps).
         block_hash_seed=os.environ.get(BLOCK_HASH_SEED_ENV) or None,
-        **offload_options(args))
+        **offload_options(args), **kv_cache_dtype_options(args))
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
     try:
@@ -617,6 +652,7 @@ def add_server_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
     parser.add_argument("--dtype", default="auto",
                         help="weights and activations dtype (auto: the model's)")
     add_gguf_arguments(parser)
+    add_kv_cache_dtype_arguments(parser)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True, help="reuse the KV cache of shared prompt prefixes")
     add_threads_argument(parser)
@@ -686,6 +722,7 @@ def run_serve(args: argparse.Namespace) -> int:
         log.warning("no model given: serving the built-in demo model at %s (random "
                     "weights: its text is noise, the machinery is real)", model_dir)
     options = dict(server_engine_options(args), **offload_options(args),
+                   **kv_cache_dtype_options(args),
                    block_hash_seed=os.environ.get(BLOCK_HASH_SEED_ENV) or None)
     try:
         engine = LLMEngine.from_model_dir(model_dir, EngineConfig.from_kwargs(options))

@@ -16,6 +16,7 @@ from typing import Any
 from hybridkv.connector.offload.redis_tier import parse_remote_url
 from hybridkv.connector.offload.store import parse_tier_spec
 from hybridkv.connector.scheduler import STORE_POLICIES
+from hybridkv.kv.cache_dtype import check_kv_cache_dtype, check_state_dtype, parse_skip
 from hybridkv.kv.plan import parse_bytes
 from hybridkv.sched.checks import check_bool, check_int
 from hybridkv.sched.scheduler import SchedulerConfig
@@ -88,6 +89,14 @@ class EngineConfig:
     # products (llama.cpp's choice: ~2x faster matrices at batch 1, logits off by up to a few
     # units). Process-wide, like `threads`.
     quant_activations: str = "float32"
+    # How KV pages are stored: "auto" (the model's dtype) or quantized for every attention
+    # group: "int8" (a quarter of float32's bytes), "q4" (4-bit after a Hadamard rotation),
+    # "fp8" (e4m3; CUDA). Kinds named in kv_cache_dtype_skip ("sliding", "full", "chunked",
+    # "cross"; a comma list) keep the model's dtype. state_dtype: recurrent states' dtype
+    # ("auto": as the model declares them; "float32", "bf16", "fp16").
+    kv_cache_dtype: str = "auto"
+    kv_cache_dtype_skip: str | tuple[str, ...] | None = None
+    state_dtype: str = "auto"
 
     # Serve a max_model_len above the model's max_position_embeddings (positions the model
     # was never trained on); refused unless set, as vLLM does.
@@ -139,6 +148,9 @@ class EngineConfig:
         _choice("block_hash_algo", self.block_hash_algo, ("xxh3", "sha256"))
         _choice("linear_kernel", self.linear_kernel, ("auto", "cpu", "onednn", "torch"))
         _choice("quant_activations", self.quant_activations, ("float32", "int8"))
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        parse_skip(self.kv_cache_dtype_skip)
+        check_state_dtype(self.state_dtype)
         if self.block_hash_seed is not None and (not isinstance(self.block_hash_seed, str)
                                                  or not self.block_hash_seed):
             raise ValueError("block_hash_seed must be a non-empty string or None (a random "

@@ -5,7 +5,7 @@ load the model and tokenizer, plan the KV cache, create the manager, scheduler a
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -20,6 +20,7 @@ from hybridkv.engine.offload import (
     layout_fingerprint,
     model_identity,
 )
+from hybridkv.kv.cache_dtype import apply_cache_dtype
 from hybridkv.kv.manager import KVCacheManager
 from hybridkv.kv.plan import KVCachePlan, format_bytes, plan_kv_cache
 from hybridkv.models.gguf_config import config_from_gguf
@@ -190,6 +191,14 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
                          f"not trained on")
     layout = kv_layout_from_config(hf_config, block_size=config.block_size,
                                    kv_dtype=dtype_name)
+    layout = replace(layout, layer_specs=apply_cache_dtype(
+        layout.layer_specs, config.kv_cache_dtype, config.kv_cache_dtype_skip,
+        config.state_dtype))
+    if config.kv_cache_dtype == "fp8" and not device.startswith("cuda"):
+        # e4m3 has no fast conversion on CPUs: int8 pages hold as many bytes and are read
+        # by the in-place kernel.
+        raise ValueError(f"kv_cache_dtype 'fp8' runs on CUDA devices, not {device}; use "
+                         f"int8 (the same bytes per token) or q4 here")
     kv_cache_memory = int(config.kv_cache_memory) if config.kv_cache_memory is not None \
         else auto_kv_cache_memory(device)
     if config.kv_cache_memory is None and config.max_model_len is None:

@@ -131,6 +131,11 @@ class KVCachePlan:
                     "num_layers": len(g.layer_names),
                     "num_shared_layers": len(g.shared_layer_names),
                     "block_bytes": g.block_bytes,
+                    # What the pages hold: the KV cache dtype (quantized rows include
+                    # their scales in bytes_per_token), or a state group's dtypes.
+                    "dtype": group_dtype(g),
+                    "bytes_per_token": None if g.spec.is_state
+                    else g.block_bytes / g.block_size,
                     "blocks_per_large_page": g.blocks_per_large_page,
                     "padding_bytes_per_large_page":
                         g.padding_bytes_per_large_page(cfg.large_page_bytes),
@@ -146,17 +151,28 @@ class KVCachePlan:
         }
 
 
+def group_dtype(group: KVCacheGroup) -> str:
+    """"int8", "float32", ...; a state group's distinct state dtypes joined by "+"."""
+    dtypes = getattr(group.spec, "dtypes", None)
+    if dtypes is not None:
+        return "+".join(dict.fromkeys(dtypes))
+    page_dtype = getattr(group.spec, "page_dtype", None)
+    return str(page_dtype) if page_dtype is not None else "-"
+
+
 def to_full_attention(spec: KVCacheSpec) -> KVCacheSpec:
     """What `--no-hybrid` does to a layer: keep every token, mask the window in the kernel."""
     if isinstance(spec, SlidingWindowSpec):
         return FullAttentionSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
                                  head_size=spec.head_size, dtype=spec.dtype,
-                                 keys_only=spec.keys_only, sliding_window=spec.sliding_window)
+                                 keys_only=spec.keys_only, sliding_window=spec.sliding_window,
+                                 cache_dtype=spec.cache_dtype)
     if isinstance(spec, ChunkedLocalAttentionSpec):
         return FullAttentionSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
                                  head_size=spec.head_size, dtype=spec.dtype,
                                  keys_only=spec.keys_only,
-                                 attention_chunk_size=spec.attention_chunk_size)
+                                 attention_chunk_size=spec.attention_chunk_size,
+                                 cache_dtype=spec.cache_dtype)
     return spec
 
 

@@ -38,6 +38,32 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Quantized KV pages (`kv_cache_dtype`). A quantized page stores each token's K (or V, or
+# latent) row of one head as
+#
+#     [fp16 scale of each group of QUANT_GROUP values | the values]
+#
+# padded to an even length so that every row's scales stay 2-byte aligned. The scales live in
+# the page, next to their values: a block is self-contained, so every tier and the prefix
+# cache move quantized blocks as plain bytes. Values: int8 (x / scale, scale = max|x| / 127),
+# q4 (4-bit, scale = max|x| / 7, after a Hadamard rotation of each full group, which spreads
+# outliers over the group; in each group byte i holds value i in its low nibble and value
+# i + 16 in its high one), fp8 (e4m3 of x / scale, scale = max|x| / 448).
+QUANT_GROUP = 32
+CACHE_DTYPES = ("int8", "q4", "fp8")
+
+
+def quantized_row_bytes(cache_dtype: str, head_size: int) -> int:
+    """Bytes of one quantized row of `head_size` values. E.g. int8, 256 -> 16 + 256 = 272
+    (float32: 1,024); q4, 256 -> 16 + 128 = 144; int8, 65 -> 6 + 65 + 1 pad = 72."""
+    if cache_dtype not in CACHE_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {cache_dtype!r}; accepted: auto, "
+                         f"{', '.join(CACHE_DTYPES)}")
+    scales = 2 * cdiv(head_size, QUANT_GROUP)
+    values = cdiv(head_size, 2) if cache_dtype == "q4" else head_size
+    return 2 * cdiv(scales + values, 2)
+
+
 @dataclass(frozen=True, kw_only=True)
 class KVCacheSpec:
     """Base of all specs. `block_size` is in tokens (for state specs: the hash alignment)."""
@@ -89,12 +115,36 @@ class AttentionSpec(KVCacheSpec):
     # values-equal-keys layers), so a page holds that projection alone and the layer derives
     # K and V from it when it reads the page. Same manager policy, half the bytes.
     keys_only: bool = False
+    # How pages store K/V: None, in `dtype`; else one of CACHE_DTYPES (rows of values and
+    # their scales, see `quantized_row_bytes`). Layers still compute K/V in `dtype`.
+    cache_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.cache_dtype is not None:
+            quantized_row_bytes(self.cache_dtype, self.head_size)  # a known dtype
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's row of one head (K, V or a latent) in a page."""
+        if self.cache_dtype is None:
+            return self.head_size * dtype_size(self.dtype)
+        return quantized_row_bytes(self.cache_dtype, self.head_size)
+
+    @property
+    def page_dtype(self) -> str:
+        """What a page holds: the quantized dtype, or the model's."""
+        return self.cache_dtype or self.dtype
+
+    def group_key(self) -> tuple[object, ...]:
+        # Pages of another dtype are another layout: never one block table.
+        return (self.kind, self.block_size, self.cache_dtype)
 
     @property
     def bytes_per_token(self) -> int:
         # K and V (or the keys alone), each [num_kv_heads, head_size].
         halves = 1 if self.keys_only else 2
-        return halves * self.num_kv_heads * self.head_size * dtype_size(self.dtype)
+        return halves * self.num_kv_heads * self.row_bytes
 
     @property
     def page_size_bytes(self) -> int:
@@ -132,7 +182,7 @@ class MLAAttentionSpec(FullAttentionSpec):
 
     @property
     def bytes_per_token(self) -> int:
-        return self.num_kv_heads * self.head_size * dtype_size(self.dtype)
+        return self.num_kv_heads * self.row_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,7 +198,7 @@ class SlidingWindowSpec(AttentionSpec):
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
 
     def group_key(self) -> tuple[object, ...]:
-        return (self.kind, self.block_size, self.sliding_window)
+        return (self.kind, self.block_size, self.sliding_window, self.cache_dtype)
 
     def peak_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         # The window before a prefill chunk plus the chunk itself, and one block because the
@@ -182,7 +232,7 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
                 f"attention_chunk_size must be >= 1, got {self.attention_chunk_size}")
 
     def group_key(self) -> tuple[object, ...]:
-        return (self.kind, self.block_size, self.attention_chunk_size)
+        return (self.kind, self.block_size, self.attention_chunk_size, self.cache_dtype)
 
     def peak_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         num_tokens = min(self.attention_chunk_size + max_num_batched_tokens, max_model_len)
@@ -209,7 +259,7 @@ class CrossAttentionSpec(AttentionSpec):
     kind = "cross_attention"
 
     def group_key(self) -> tuple[object, ...]:
-        return (self.kind, self.block_size, self.max_encoder_len)
+        return (self.kind, self.block_size, self.max_encoder_len, self.cache_dtype)
 
     def peak_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         return cdiv(self.max_encoder_len, self.block_size)

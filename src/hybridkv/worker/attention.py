@@ -13,6 +13,10 @@ tensor per token, the raw key projection, instead of K and V:
 
 A context's positions are 0..L-1 (block order is position order), so RoPE of the derived keys
 is exact; everything after the gather (plans, padding, masks) is the same for both layouts.
+
+Quantized pages (`AttentionMetadata.cache_dtype`, kv/spec.py) hold rows of bytes instead of
+head_size values: K/V are quantized as they are written (worker/kv_quant.py) and the rows a
+batch gathers are dequantized into the compute dtype before SDPA.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from typing import Protocol
 
 import torch
 from torch import nn
+
+from hybridkv.worker.kv_quant import dequantize_rows, quantize_rows
 
 
 @dataclass
@@ -89,6 +95,7 @@ class AttentionMetadata:
     block_size: int  # the manager's block size (tokens per block of the KV view)
     kernel_block_size: int
     blocks_per_page: int  # of the group's KV views: block b is (page b // n, slot b % n)
+    cache_dtype: str | None = None  # quantized pages (kv/spec.py CACHE_DTYPES), else None
     # Per (window, chunk): the batches to attend in one call each, and the requests whose
     # chunk is longer than the window/chunk (attended alone, in query blocks).
     _plans: dict[tuple[int | None, int | None, int],
@@ -275,7 +282,7 @@ class TorchReferenceBackend:
                 "(AttentionParams.derive_kv)")
         if k is not None and keys_only:
             pages, slots, offsets = meta.write_index
-            kv_cache[pages, slots, offsets] = k.to(kv_cache.dtype)
+            kv_cache[pages, slots, offsets] = to_page(k, kv_cache, meta)
         elif k is not None and v is not None:
             self._write(k, v, kv_cache, meta)
 
@@ -302,7 +309,7 @@ class TorchReferenceBackend:
                 out[batch.tokens[batch.valid]] = res[batch.valid]
         for r in alone:
             start, end = meta.query_start_loc[r], meta.query_start_loc[r + 1]
-            keys, values = self._gather(kv_cache, meta, r, params)
+            keys, values = self._gather(kv_cache, meta, r, params, q)
             out[start:end] = _attend(q[start:end], keys, values, meta.seq_lens[r], params)
         return out
 
@@ -316,12 +323,14 @@ class TorchReferenceBackend:
                 params.sinks is None and (local is None or batch.max_seq_len <= local):
             # Prompts from position 0 that no window or chunk cuts: causal alone decides.
             num_q = q.shape[1]
-            keys, values = _context_kv(kv_cache, meta, batch.gather, params, num_q)
+            keys, values = _context_kv(kv_cache, meta, batch.gather, params, num_q,
+                                       like=q)
             return _attend_padded(q, keys, values, None, params)
         if batch.key_start is not None and params.derive_kv is not None:
             # K-only pages derive RoPE for positions 0..L-1: read the whole contexts.
             batch = meta.whole_context_batch(batch)
-        keys, values = _context_kv(kv_cache, meta, batch.gather, params)  # [P, L, Hk, D]
+        keys, values = _context_kv(kv_cache, meta, batch.gather, params,
+                                   like=q)  # [P, L, Hk, D]
         allowed = batch.mask(params.sliding_window, params.chunk_size,
                              meta.kernel_block_size)  # [P, Qm, L]
         return _attend_padded(q, keys, values, allowed, params)
@@ -331,12 +340,13 @@ class TorchReferenceBackend:
                meta: AttentionMetadata) -> None:
         # Kernel slots and manager slots are the same numbers (see BlockTable).
         pages, slots, offsets = meta.write_index
-        kv_cache[pages, slots, 0, offsets] = k.to(kv_cache.dtype)
-        kv_cache[pages, slots, 1, offsets] = v.to(kv_cache.dtype)
+        kv_cache[pages, slots, 0, offsets] = to_page(k, kv_cache, meta)
+        kv_cache[pages, slots, 1, offsets] = to_page(v, kv_cache, meta)
 
     @staticmethod
     def _gather(kv_cache: torch.Tensor, meta: AttentionMetadata, r: int,
-                params: AttentionParams) -> tuple[torch.Tensor, torch.Tensor]:
+                params: AttentionParams, like: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """One request's keys and values, [seq_len, Hk, D] each."""
         kb = meta.kernel_block_size
         seq_len = meta.seq_lens[r]
@@ -348,20 +358,38 @@ class TorchReferenceBackend:
             blocks = kernel_ids // k_per_block
             index = (blocks // meta.blocks_per_page, blocks % meta.blocks_per_page,
                      kernel_ids % k_per_block)
-        keys, values = _context_kv(kv_cache, meta, index, params, seq_len)
+        keys, values = _context_kv(kv_cache, meta, index, params, seq_len, like=like)
         return keys[0], values[0]
+
+
+def to_page(x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Rows as the pages store them: quantized, or in the pages' dtype."""
+    if meta.cache_dtype is None:
+        return x.to(kv_cache.dtype)
+    return quantize_rows(x, meta.cache_dtype)
+
+
+def from_page(rows: torch.Tensor, meta: AttentionMetadata, like: torch.Tensor
+              ) -> torch.Tensor:
+    """Rows read from pages as values of `like`'s head size and dtype."""
+    if meta.cache_dtype is None:
+        return rows
+    return dequantize_rows(rows, meta.cache_dtype, like.shape[-1], like.dtype)
 
 
 def _context_kv(kv_cache: torch.Tensor, meta: AttentionMetadata,
                 index: tuple[torch.Tensor, ...], params: AttentionParams,
-                length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                length: int | None = None, *, like: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of the blocks in `index` (see `_gather_padded`), their first
     `length` positions (None: all), [P, L, Hk, D] each: read from K/V pages, or derived by
-    the layer from K-only pages' raw keys at positions 0..L-1."""
+    the layer from K-only pages' raw keys at positions 0..L-1. Quantized rows come back
+    as values of `like`'s (the queries') head size and dtype."""
     if params.derive_kv is None:
         keys, values = _gather_padded(kv_cache, meta, index)
-        return keys[:, :length], values[:, :length]
-    raw = _gather_raw_keys(kv_cache, meta, index)[:, :length]
+        return (from_page(keys[:, :length], meta, like),
+                from_page(values[:, :length], meta, like))
+    raw = from_page(_gather_raw_keys(kv_cache, meta, index)[:, :length], meta, like)
     return params.derive_kv(raw, torch.arange(raw.shape[1], device=raw.device))
 
 

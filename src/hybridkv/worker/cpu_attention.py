@@ -8,8 +8,9 @@ its keys and values; longer prompt chunks go to the torch backend's batched SDPA
 the faster of the two once a chunk has many queries. K/V writes are one C call too
 (worker/cpu_ops.py), the torch backend's where the layout or dtype is not the kernels'.
 
-The kernel takes float32 K/V pages; other dtypes and K-only pages (Gemma 4) take the torch
-path for the whole layer. `choose_backend("auto")` picks this backend on CPU devices when
+The kernel takes float32 K/V pages and int8 / q4 pages (decoded a tile at a time in the
+kernel); other dtypes and K-only pages (Gemma 4) take the torch path for the whole layer.
+`choose_backend("auto")` picks this backend on CPU devices when
 the kernel compiles here, the torch backend elsewhere (CUDA runs SDPA).
 """
 
@@ -34,13 +35,16 @@ logger = logging.getLogger(__name__)
 # Up to this many queries per request the in-place kernel is faster than gather + SDPA
 # (its cost grows with queries x context, SDPA's tiles amortise the gather).
 MAX_QUERY = 16
+# What the kernel's rows hold: float32 values, or quantized rows of a `cache_dtype`.
+CODECS: dict[str | None, int] = {None: 0, "int8": 1, "q4": 2}
 
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _ARGTYPES: list[Any] = [
     _PTR, _I64, _I64,  # q, token stride, head stride
     _PTR, _I64, _I64,  # out, token stride, head stride
-    _PTR, _I64, _I64, _I64, _I64, _I64,  # cache: page, slot, K->V, token, head strides
+    _PTR, _I64,  # cache, what its rows hold (CODECS)
+    _I64, _I64, _I64, _I64, _I64,  # cache strides in bytes: page, slot, K->V, token, head
     _I64, _I64, _I64,  # block size, kernel block size, blocks per page
     _PTR, _I64,  # block table, its row stride
     _PTR, _I64,  # rows, number of rows
@@ -55,7 +59,7 @@ class CPUPagedBackend(TorchReferenceBackend):
     name = "cpu"
 
     def __init__(self) -> None:
-        kernel = native.load("paged_attention").hkv_paged_attention_f32
+        kernel = native.load("paged_attention").hkv_paged_attention
         kernel.argtypes = _ARGTYPES
         kernel.restype = ctypes.c_int
         self._kernel = kernel
@@ -64,7 +68,7 @@ class CPUPagedBackend(TorchReferenceBackend):
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
                 params: AttentionParams) -> torch.Tensor:
         self.write(k, v, kv_cache, meta, params)
-        if not _in_place_ok(q, kv_cache, params):
+        if not _in_place_ok(q, kv_cache, meta, params):
             return self.attend(q, kv_cache, meta, params)
         rows = meta.short_rows(MAX_QUERY)
         if rows.numel() == 0:
@@ -97,11 +101,11 @@ class CPUPagedBackend(TorchReferenceBackend):
         sinks = params.sinks
         if sinks is not None:
             sinks = sinks.detach().float().contiguous()
-        cs = kv_cache.stride()
+        cs = [stride * kv_cache.element_size() for stride in kv_cache.stride()]
         status = self._kernel(
             q.data_ptr(), q.stride(0), q.stride(1),
             out.data_ptr(), out.stride(0), out.stride(1),
-            kv_cache.data_ptr(), cs[0], cs[1], cs[2], cs[3], cs[4],
+            kv_cache.data_ptr(), CODECS[meta.cache_dtype], cs[0], cs[1], cs[2], cs[3], cs[4],
             meta.block_size, meta.kernel_block_size, meta.blocks_per_page,
             table.data_ptr(), table.stride(0),
             rows.data_ptr(), rows.numel(),
@@ -116,12 +120,16 @@ class CPUPagedBackend(TorchReferenceBackend):
                                f"head dim {head_dim}")
 
 
-def _in_place_ok(q: torch.Tensor, kv_cache: torch.Tensor, params: AttentionParams) -> bool:
-    """Float32 K/V pages on the CPU, rows of unit stride (the kernel's one layout)."""
+def _in_place_ok(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                 params: AttentionParams) -> bool:
+    """Float32 or int8 / q4 K/V pages on the CPU, rows of unit stride (the kernel's one
+    layout)."""
+    page_dtype = torch.float32 if meta.cache_dtype is None else torch.uint8
     return (q.device.type == "cpu" and q.dtype == torch.float32
-            and kv_cache.dtype == torch.float32 and kv_cache.dim() == 6
-            and params.derive_kv is None and q.stride(2) == 1 and kv_cache.stride(5) == 1
-            and q.shape[1] * q.shape[2] <= 1 << 16)
+            and meta.cache_dtype in CODECS and kv_cache.dtype == page_dtype
+            and kv_cache.dim() == 6 and params.derive_kv is None and q.stride(2) == 1
+            and kv_cache.stride(5) == 1 and q.shape[1] * q.shape[2] <= 1 << 16
+            and q.shape[2] <= 1024)
 
 
 BACKENDS["cpu"] = CPUPagedBackend

@@ -4,6 +4,8 @@
     group view    [num_large_pages, blocks_per_page, block_bytes]   (padding left out)
     layer view    [num_large_pages, blocks_per_page, 2, block_size, num_kv_heads, head_size]
                   (K-only pages: no K/V dimension; MLA: [..., block_size, latent])
+    quantized     the same, uint8, with each row's bytes (values and their scales, see
+                  kv/spec.py) as the last dimension instead of head_size
 
 Block id b of a group lies at (page b // blocks_per_page, slot b % blocks_per_page). A block
 holds its group's layers' pages back to back, so one block is one byte range; the layer views
@@ -63,18 +65,21 @@ def allocate_kv_caches(config: KVCacheConfig, device: torch.device | str
         layer_specs = group.layer_specs or (group.spec,) * len(group.layer_names)
         for name, page_bytes, spec in zip(group.layer_names, group.layer_page_bytes,
                                           layer_specs, strict=True):
+            if isinstance(spec, AttentionSpec):
+                raw = blocks[:, :, offset:offset + page_bytes]
+                if spec.cache_dtype is None:
+                    pages, row = raw.view(torch_dtype(spec.dtype)), spec.head_size
+                else:  # quantized rows: bytes
+                    pages, row = raw.view(torch.uint8), spec.row_bytes
             if isinstance(spec, MLAAttentionSpec):
                 # One latent per token, no K/V halves: [pages, per_page, block, head_size].
-                pages = blocks[:, :, offset:offset + page_bytes].view(torch_dtype(spec.dtype))
-                views[name] = pages.unflatten(2, (spec.block_size, spec.head_size))
+                views[name] = pages.unflatten(2, (spec.block_size, row))
             elif isinstance(spec, AttentionSpec) and spec.keys_only:
                 # Raw keys only (K and V are derived from them): [pages, per_page, block,
                 # Hk, D].
-                pages = blocks[:, :, offset:offset + page_bytes].view(torch_dtype(spec.dtype))
-                views[name] = pages.unflatten(2, (spec.block_size, -1, spec.head_size))
+                views[name] = pages.unflatten(2, (spec.block_size, -1, row))
             elif isinstance(spec, AttentionSpec):
-                pages = blocks[:, :, offset:offset + page_bytes].view(torch_dtype(spec.dtype))
-                views[name] = pages.unflatten(2, (2, spec.block_size, -1, spec.head_size))
+                views[name] = pages.unflatten(2, (2, spec.block_size, -1, row))
             elif isinstance(spec, MambaSpec):
                 views[name] = _state_views(blocks, offset, spec)
             else:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hybridkv.worker.attention import AttentionMetadata
+from hybridkv.worker.attention import AttentionMetadata, from_page, to_page
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,14 @@ def mla_forward(q: torch.Tensor, latent: torch.Tensor | None, kv_cache: torch.Te
     returns the attention output [T, H, v_head_dim]."""
     if latent is not None:
         pages, slots, offsets = meta.write_index
-        kv_cache[pages, slots, offsets] = latent.to(kv_cache.dtype)
+        kv_cache[pages, slots, offsets] = to_page(latent, kv_cache, meta)
     batches, _ = meta.plan(None, None)  # no window or chunk: no request goes alone
     out = q.new_empty(q.shape[0], params.num_heads, params.v_head_dim)
     for batch in batches:
         latents = gather_latents(kv_cache, meta, batch.gather)  # [P, L, rank + rope]
+        if meta.cache_dtype is not None:  # quantized rows of the latent's width
+            width = params.kv_lora_rank + q.shape[-1] - params.qk_nope_head_dim
+            latents = from_page(latents, meta, q.new_empty(0, width))
         keys, values = expand_latents(latents.to(q.dtype), kv_b_weight, params)
         allowed = batch.mask(None, None, meta.kernel_block_size)  # [P, Qm, L]
         res = nn.functional.scaled_dot_product_attention(

@@ -69,6 +69,8 @@ class ModelRunner:
             for g in kv_config.groups]
         self.blocks_per_page = [g.blocks_per_large_page for g in kv_config.groups]
         self.is_state_group = [g.spec.is_state for g in kv_config.groups]
+        # Quantized pages (None: pages in the model dtype), one dtype per group.
+        self.cache_dtypes = [getattr(g.spec, "cache_dtype", None) for g in kv_config.groups]
         self.backend = get_backend(config.attention_backend, self.device)
         self.sampler = Sampler()
         self.rope_tables = RopeTables()
@@ -166,7 +168,8 @@ class ModelRunner:
         return [AttentionMetadata(
             query_start_loc=loc, seq_lens=meta.seq_lens, block_table=meta.block_table,
             slot_mapping=meta.slot_mapping[sample_t], block_size=meta.block_size,
-            kernel_block_size=meta.kernel_block_size, blocks_per_page=meta.blocks_per_page)
+            kernel_block_size=meta.kernel_block_size, blocks_per_page=meta.blocks_per_page,
+            cache_dtype=meta.cache_dtype)
             if isinstance(meta, AttentionMetadata) else None for meta in metadata]
 
     # ---------------------------------------------------------------- one step
@@ -194,8 +197,9 @@ class ModelRunner:
         batch_rows = torch.tensor([self.row_of[r] for r in inputs.scheduled],
                                   dtype=torch.int64)
         metadata: list[AttentionMetadata | StateMetadata] = []
-        for table, blocks_per_page, is_state in zip(self.block_tables, self.blocks_per_page,
-                                                    self.is_state_group, strict=True):
+        for table, blocks_per_page, is_state, cache_dtype in zip(
+                self.block_tables, self.blocks_per_page, self.is_state_group,
+                self.cache_dtypes, strict=True):
             if is_state:
                 metadata.append(self._state_metadata(
                     len(metadata), table, blocks_per_page, inputs.scheduled,
@@ -207,7 +211,7 @@ class ModelRunner:
                 block_table=kernel[batch_rows].to(self.device),
                 slot_mapping=table.slot_mapping(rows_t, pos_t).to(self.device),
                 block_size=table.block_size, kernel_block_size=table.kernel_block_size,
-                blocks_per_page=blocks_per_page))
+                blocks_per_page=blocks_per_page, cache_dtype=cache_dtype))
         return metadata
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:

@@ -7,11 +7,17 @@
    online softmax per head (running max, sum and output) and the block two ahead prefetched
    a few lines per key scored.
 
-   Float32 only; requests split across threads. Addressing follows the KV view [pages,
-   blocks_per_page, 2, block, Hk, D] given by its strides, so padded large pages and kernel
-   blocks inside manager blocks need no special case. Masks: causal, sliding window, chunked
-   local attention; optional logit soft-cap and per-head sink logits, as in
-   worker/attention.py. */
+   Pages hold float32 values or quantized rows (kv/spec.py: per token and head, an fp16
+   scale per group of 32 values, then int8 values or q4 nibbles). Quantized rows are decoded
+   a tile at a time into a small buffer that stays in L1 (TILE rows of one KV head), then
+   scored and weighed like float rows: no float copy of the context is ever made. q4 rows
+   hold Hadamard-rotated K and V, so the queries are rotated once and the output rotated
+   back (the rotation is orthonormal: q.k and the weighted sum of values are unchanged).
+
+   Requests split across threads. Addressing follows the KV view [pages, blocks_per_page, 2,
+   block, Hk, row] given by its strides in bytes, so padded large pages and kernel blocks
+   inside manager blocks need no special case. Masks: causal, sliding window, chunked local
+   attention; optional logit soft-cap and per-head sink logits, as in worker/attention.py. */
 
 #include <math.h>
 #include <stdint.h>
@@ -21,21 +27,96 @@
 
 #define PREFETCH_BLOCKS 2 /* how far ahead the next blocks are fetched */
 #define TILE 32 /* at most this many keys scored before the running softmax is updated */
+#define GROUP 32 /* values per scale in quantized rows */
+
+enum { CODEC_F32 = 0, CODEC_INT8 = 1, CODEC_Q4 = 2 };
 
 typedef struct {
-    const float *cache;
+    const char *cache; /* strides in bytes */
     int64_t page_stride, slot_stride, kv_stride, token_stride, head_stride;
     int64_t block_size, kernel_block_size, blocks_per_page;
 } kv_view;
 
 /* Address of token `pos` of a request (K; V is kv_stride further), head 0. */
-static inline const float *token_row(const kv_view *kv, const int64_t *table, int64_t pos) {
+static inline const char *token_row(const kv_view *kv, const int64_t *table, int64_t pos) {
     int64_t kid = table[pos / kv->kernel_block_size];
     int64_t per = kv->block_size / kv->kernel_block_size;
     int64_t block = kid / per;
     int64_t offset = (kid % per) * kv->kernel_block_size + pos % kv->kernel_block_size;
     return kv->cache + (block / kv->blocks_per_page) * kv->page_stride
            + (block % kv->blocks_per_page) * kv->slot_stride + offset * kv->token_stride;
+}
+
+/* An IEEE half (a row's scale) as a float; scales are finite, subnormals included. */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    union { uint32_t u; float f; } out;
+    if (exp == 0) {
+        out.f = (float)man * 5.9604644775390625e-08f; /* man * 2^-24 */
+        out.u |= sign;
+        return out.f;
+    }
+    out.u = sign | ((exp + 112) << 23) | (man << 13);
+    return out.f;
+}
+
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+
+/* One quantized row of `dim` values into `dst`: [fp16 scale per GROUP | values]. */
+static inline void decode_row(int codec, const char *row, int64_t dim, float *restrict dst) {
+    const int64_t groups = (dim + GROUP - 1) / GROUP;
+    const uint8_t *vals = (const uint8_t *)row + 2 * groups;
+    for (int64_t g = 0; g < groups; g++) {
+        uint16_t bits;
+        memcpy(&bits, row + 2 * g, 2);
+        const float s = half_to_float(bits);
+        const int64_t d0 = g * GROUP, n = dim - d0 < GROUP ? dim - d0 : GROUP;
+        if (codec == CODEC_INT8) {
+            const uint8_t *v = vals + d0;
+            if (n == GROUP) {
+                i8x16 a, b;
+                memcpy(&a, v, 16);
+                memcpy(&b, v + 16, 16);
+                store16(dst + d0, __builtin_convertvector(a, v16) * s);
+                store16(dst + d0 + 16, __builtin_convertvector(b, v16) * s);
+            } else {
+                for (int64_t d = 0; d < n; d++) dst[d0 + d] = (float)(int8_t)v[d] * s;
+            }
+        } else { /* q4: byte i = value i (low nibble) | value i + half (high nibble) */
+            const uint8_t *v = vals + d0 / 2;
+            if (n == GROUP) {
+                u8x16 b;
+                memcpy(&b, v, 16);
+                const u8x16 lo = b & 15, hi = b >> 4;
+                store16(dst + d0, (__builtin_convertvector(lo, v16) - 8.f) * s);
+                store16(dst + d0 + 16, (__builtin_convertvector(hi, v16) - 8.f) * s);
+            } else {
+                const int64_t half = (n + 1) / 2;
+                for (int64_t d = 0; d < half; d++) dst[d0 + d] = ((float)(v[d] & 15) - 8.f) * s;
+                for (int64_t d = half; d < n; d++)
+                    dst[d0 + d] = ((float)(v[d - half] >> 4) - 8.f) * s;
+            }
+        }
+    }
+}
+
+/* The orthonormal Hadamard transform of each full group of GROUP values (its own inverse):
+   what q4 rows were rotated by when written (worker/kv_quant.py). */
+static void rotate_groups(float *x, int64_t dim) {
+    const float norm = 0.17677669529663687f; /* 1 / sqrt(32) */
+    for (int64_t g = 0; g + GROUP <= dim; g += GROUP) {
+        float *y = x + g;
+        for (int64_t len = 1; len < GROUP; len <<= 1)
+            for (int64_t i = 0; i < GROUP; i += 2 * len)
+                for (int64_t j = i; j < i + len; j++) {
+                    const float a = y[j], b = y[j + len];
+                    y[j] = a + b;
+                    y[j + len] = a - b;
+                }
+        for (int64_t j = 0; j < GROUP; j++) y[j] *= norm;
+    }
 }
 
 /* A tree, not a chain of 15 dependent adds (which is what a reduction loop compiles to). */
@@ -91,12 +172,13 @@ static inline void weigh_rows(float *restrict out, float c, const float *restric
     }
 }
 
-/* Returns 0, or a negative code for arguments it cannot take (checked by the caller too). */
-int hkv_paged_attention_f32(
+/* Returns 0, or a negative code for arguments it cannot take (checked by the caller too).
+   Cache strides are in bytes; `codec` says what the rows hold (CODEC_*). */
+int hkv_paged_attention(
     const float *q, int64_t q_token_stride, int64_t q_head_stride,
     float *out, int64_t out_token_stride, int64_t out_head_stride,
-    const float *cache, int64_t page_stride, int64_t slot_stride, int64_t kv_stride,
-    int64_t token_stride, int64_t head_stride,
+    const char *cache, int64_t codec, int64_t page_stride, int64_t slot_stride,
+    int64_t kv_stride, int64_t token_stride, int64_t head_stride,
     int64_t block_size, int64_t kernel_block_size, int64_t blocks_per_page,
     const int64_t *block_table, int64_t table_stride,
     const int64_t *rows, int64_t num_rows,
@@ -105,15 +187,17 @@ int hkv_paged_attention_f32(
     float scale, int64_t window, int64_t chunk, float softcap, const float *sinks,
     int64_t num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 ||
-        num_heads * head_dim > (1 << 16))
+        num_heads * head_dim > (1 << 16) || head_dim > 1024 || codec < CODEC_F32 ||
+        codec > CODEC_Q4)
         return -1;
+    const int quantized = codec != CODEC_F32;
     const int64_t group = num_heads / num_kv_heads;
     kv_view kv = {cache, page_stride, slot_stride, kv_stride, token_stride, head_stride,
                   block_size, kernel_block_size, blocks_per_page};
     /* The bytes of one kernel block's K (or V) rows, prefetched a block ahead: the block
        table's indirection hides the next block from the hardware prefetcher. */
-    const int64_t block_bytes = (kernel_block_size - 1) * token_stride * 4
-                                + num_kv_heads * head_stride * 4;
+    const int64_t block_bytes = (kernel_block_size - 1) * token_stride
+                                + num_kv_heads * head_stride;
     const int64_t tiles_per_block = (kernel_block_size + TILE - 1) / TILE;
     const int64_t pf_lines_per_head =
         (block_bytes / 64 + num_heads * tiles_per_block) / (num_heads * tiles_per_block);
@@ -125,6 +209,8 @@ int hkv_paged_attention_f32(
         float qs[num_heads * head_dim];  /* scaled queries of one position, [Hq, D] */
         float acc[num_heads * head_dim]; /* running outputs [Hq, D] */
         float scores[TILE];
+        /* A tile's decoded K and V rows of one KV head (quantized pages only). */
+        float kbuf[quantized ? TILE * head_dim : 1], vbuf[quantized ? TILE * head_dim : 1];
         float run_max[num_heads], run_sum[num_heads];
         const char *pf_k = NULL, *pf_v = NULL; /* the block being prefetched, K and V */
         int64_t pf_at = 0;                       /* its bytes prefetched so far */
@@ -142,6 +228,7 @@ int hkv_paged_attention_f32(
             for (int64_t h = 0; h < num_heads; h++) {
                 const float *src = q + tok * q_token_stride + h * q_head_stride;
                 for (int64_t d = 0; d < head_dim; d++) qs[h * head_dim + d] = src[d] * scale;
+                if (codec == CODEC_Q4) rotate_groups(qs + h * head_dim, head_dim);
                 run_max[h] = sinks ? sinks[h] : -INFINITY;
                 run_sum[h] = sinks ? 1.f : 0.f;
             }
@@ -151,10 +238,10 @@ int hkv_paged_attention_f32(
                 const int64_t block_end = (t0 / kernel_block_size + 1) * kernel_block_size;
                 const int64_t end = block_end <= pos + 1 ? block_end : pos + 1;
                 const int64_t n = end - t0 < TILE ? end - t0 : TILE;
-                const float *row0 = token_row(&kv, table, t0);
+                const char *row0 = token_row(&kv, table, t0);
                 if (t0 % kernel_block_size == 0) {
                     /* The block PREFETCH_BLOCKS ahead, in this row or the next one's first. */
-                    const float *ahead = NULL;
+                    const char *ahead = NULL;
                     const int64_t at = block_end + (PREFETCH_BLOCKS - 1) * kernel_block_size;
                     if (at <= pos)
                         ahead = token_row(&kv, table, at);
@@ -165,13 +252,27 @@ int hkv_paged_attention_f32(
                             ahead = token_row(&kv, block_table + r2 * table_stride,
                                               k2 * kernel_block_size);
                     }
-                    pf_k = (const char *)ahead;
-                    pf_v = ahead == NULL ? NULL : (const char *)(ahead + kv_stride);
+                    pf_k = ahead;
+                    pf_v = ahead == NULL ? NULL : ahead + kv_stride;
                     pf_at = 0;
                 }
                 t0 += n;
                 for (int64_t kh = 0; kh < num_kv_heads; kh++) {
-                    const float *k0 = row0 + kh * head_stride;
+                    /* The tile's rows as floats: in place, or decoded into the buffers. */
+                    const float *k0, *v0;
+                    int64_t stride;
+                    if (quantized) {
+                        for (int64_t t = 0; t < n; t++) {
+                            const char *row = row0 + t * token_stride + kh * head_stride;
+                            decode_row((int)codec, row, head_dim, kbuf + t * head_dim);
+                            decode_row((int)codec, row + kv_stride, head_dim, vbuf + t * head_dim);
+                        }
+                        k0 = kbuf, v0 = vbuf, stride = head_dim;
+                    } else {
+                        k0 = (const float *)(row0 + kh * head_stride);
+                        v0 = (const float *)(row0 + kv_stride + kh * head_stride);
+                        stride = token_stride / 4;
+                    }
                     for (int64_t g = 0; g < group; g++) {
                         const int64_t h = kh * group + g;
                         /* The prefetch spread over the block's work, a few lines per key: a
@@ -185,7 +286,7 @@ int hkv_paged_attention_f32(
                                     __builtin_prefetch(pf_k + pf_at, 0, 2);
                                     __builtin_prefetch(pf_v + pf_at, 0, 2);
                                 }
-                            scores[t] = dot(qs + h * head_dim, k0 + t * token_stride, head_dim);
+                            scores[t] = dot(qs + h * head_dim, k0 + t * stride, head_dim);
                         }
                         if (softcap > 0.f)
                             for (int64_t t = 0; t < n; t++)
@@ -204,14 +305,15 @@ int hkv_paged_attention_f32(
                         }
                         run_sum[h] = run_sum[h] * correction + sum;
                         run_max[h] = new_max;
-                        weigh_rows(acc + h * head_dim, correction, scores, k0 + kv_stride,
-                                   token_stride, n, head_dim);
+                        weigh_rows(acc + h * head_dim, correction, scores, v0, stride, n,
+                                   head_dim);
                     }
                 }
             }
             for (int64_t h = 0; h < num_heads; h++) {
                 float *dst = out + tok * out_token_stride + h * out_head_stride;
                 const float inv = 1.f / run_sum[h];
+                if (codec == CODEC_Q4) rotate_groups(acc + h * head_dim, head_dim);
                 for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[h * head_dim + d] * inv;
             }
         }
