@@ -183,7 +183,8 @@ def test_every_option_has_help_showing_its_default():
     assert set(leaves) == {("plan",), ("generate",), ("demo-model",), ("serve",), ("bench", "kv"),
                            ("bench", "throughput"), ("bench", "capacity"),
                            ("bench", "prefix"), ("bench", "fast-prefill"),
-                           ("bench", "offload"), ("bench", "serve"), ("bench", "gguf")}
+                           ("bench", "offload"), ("bench", "serve"), ("bench", "gguf"),
+                           ("bench", "kv-quant")}
     for path, parser in leaves.items():
         text = " ".join(parser.format_help().split())
         required_choice = {a for g in parser._mutually_exclusive_groups if g.required

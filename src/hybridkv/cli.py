@@ -749,11 +749,21 @@ def run_serve(args: argparse.Namespace) -> int:
 # bench
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from hybridkv.bench import engine, fast_prefill, gguf, kv_trace, offload, prefix, serve
+    from hybridkv.bench import (
+        engine,
+        fast_prefill,
+        gguf,
+        kv_quant,
+        kv_trace,
+        offload,
+        prefix,
+        serve,
+    )
 
     suites = parser.add_subparsers(dest="suite", required=True, metavar="SUITE")
     for suite in (kv_trace.COMMAND, engine.THROUGHPUT, engine.CAPACITY, prefix.COMMAND,
-                  fast_prefill.COMMAND, offload.COMMAND, serve.COMMAND, gguf.COMMAND):
+                  fast_prefill.COMMAND, offload.COMMAND, serve.COMMAND, gguf.COMMAND,
+                  kv_quant.COMMAND):
         add_command(suites, suite)
 
 

@@ -61,8 +61,14 @@ static inline float half_to_float(uint16_t h) {
     return out.f;
 }
 
-typedef int8_t i8x16 __attribute__((vector_size(16)));
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x8 __attribute__((vector_size(8)));
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+
+/* Eight int8 / uint8 values as floats: 8-wide conversions map onto one sign/zero extension
+   and one int-to-float instruction (16-wide ones are split into scalar code by GCC on AVX2). */
+static inline v8 i8_to_v8(const uint8_t *p) { i8x8 x; memcpy(&x, p, 8); return __builtin_convertvector(x, v8); }
+static inline v8 u8_to_v8(u8x8 x) { return __builtin_convertvector(x, v8); }
+static inline void store8(float *p, v8 x) { memcpy(p, &x, sizeof x); }
 
 /* One quantized row of `dim` values into `dst`: [fp16 scale per GROUP | values]. */
 static inline void decode_row(int codec, const char *row, int64_t dim, float *restrict dst) {
@@ -76,22 +82,19 @@ static inline void decode_row(int codec, const char *row, int64_t dim, float *re
         if (codec == CODEC_INT8) {
             const uint8_t *v = vals + d0;
             if (n == GROUP) {
-                i8x16 a, b;
-                memcpy(&a, v, 16);
-                memcpy(&b, v + 16, 16);
-                store16(dst + d0, __builtin_convertvector(a, v16) * s);
-                store16(dst + d0 + 16, __builtin_convertvector(b, v16) * s);
+                for (int k = 0; k < GROUP; k += 8) store8(dst + d0 + k, i8_to_v8(v + k) * s);
             } else {
                 for (int64_t d = 0; d < n; d++) dst[d0 + d] = (float)(int8_t)v[d] * s;
             }
         } else { /* q4: byte i = value i (low nibble) | value i + half (high nibble) */
             const uint8_t *v = vals + d0 / 2;
             if (n == GROUP) {
-                u8x16 b;
-                memcpy(&b, v, 16);
-                const u8x16 lo = b & 15, hi = b >> 4;
-                store16(dst + d0, (__builtin_convertvector(lo, v16) - 8.f) * s);
-                store16(dst + d0 + 16, (__builtin_convertvector(hi, v16) - 8.f) * s);
+                for (int k = 0; k < 16; k += 8) {
+                    u8x8 b;
+                    memcpy(&b, v + k, 8);
+                    store8(dst + d0 + k, (u8_to_v8(b & 15) - 8.f) * s);
+                    store8(dst + d0 + 16 + k, (u8_to_v8(b >> 4) - 8.f) * s);
+                }
             } else {
                 const int64_t half = (n + 1) / 2;
                 for (int64_t d = 0; d < half; d++) dst[d0 + d] = ((float)(v[d] & 15) - 8.f) * s;
