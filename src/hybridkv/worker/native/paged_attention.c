@@ -64,10 +64,28 @@ static inline float half_to_float(uint16_t h) {
 typedef int8_t i8x8 __attribute__((vector_size(8)));
 typedef uint8_t u8x8 __attribute__((vector_size(8)));
 
-/* Eight int8 / uint8 values as floats: 8-wide conversions map onto one sign/zero extension
-   and one int-to-float instruction (16-wide ones are split into scalar code by GCC on AVX2). */
+/* Eight int8 / uint8 values as floats. GCC turns the generic conversion into eight scalar
+   ones; AVX2 has it as one sign/zero extension and one int-to-float instruction. */
+#ifdef __AVX2__
+#include <immintrin.h>
+static inline v8 i8_to_v8(const uint8_t *p) {
+    __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    v8 out;
+    memcpy(&out, &x, sizeof out);
+    return out;
+}
+static inline v8 u8_to_v8(u8x8 b) {
+    __m128i w;
+    memcpy(&w, &b, 8);
+    __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(w));
+    v8 out;
+    memcpy(&out, &x, sizeof out);
+    return out;
+}
+#else
 static inline v8 i8_to_v8(const uint8_t *p) { i8x8 x; memcpy(&x, p, 8); return __builtin_convertvector(x, v8); }
 static inline v8 u8_to_v8(u8x8 x) { return __builtin_convertvector(x, v8); }
+#endif
 static inline void store8(float *p, v8 x) { memcpy(p, &x, sizeof x); }
 
 /* One quantized row of `dim` values into `dst`: [fp16 scale per GROUP | values]. */
@@ -122,49 +140,75 @@ static void rotate_groups(float *x, int64_t dim) {
     }
 }
 
-/* A tree, not a chain of 15 dependent adds (which is what a reduction loop compiles to). */
-static inline float sum16(v16 x) {
-    v8 y = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
-           + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 z = __builtin_shufflevector(y, y, 0, 1, 2, 3) + __builtin_shufflevector(y, y, 4, 5, 6, 7);
-    return (z[0] + z[2]) + (z[1] + z[3]);
+/* 8 floats: one AVX register (generic 16-wide vectors on AVX2 go through the stack). */
+static inline v8 load8(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
+
+/* [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7]: vhaddps. */
+static inline v8 hadd8(v8 a, v8 b) {
+    return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14)
+           + __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
 }
 
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    if (n % 16 == 0) {
-        v16 acc = load16(a) * load16(b);
-        for (int64_t d = 16; d < n; d += 16) acc += load16(a + d) * load16(b + d);
-        return sum16(acc);
+static inline float hsum8(v8 x) {
+    v4 y = __builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7);
+    return (y[0] + y[2]) + (y[1] + y[3]);
+}
+
+/* scores[t] = q . rows[t * stride], t < n. Eight keys at a time, each with its own
+   accumulator, reduced together at the end (three rounds of pairwise adds for all eight)
+   instead of one horizontal sum per key, which cost more than the key's products. */
+static inline void score_rows(const float *restrict q, const float *rows, int64_t stride,
+                              int64_t n, int64_t dim, float *restrict scores) {
+    int64_t t = 0;
+    if (dim % 8 == 0) {
+        for (; t + 8 <= n; t += 8) {
+            const float *r = rows + t * stride;
+            v8 a[8] = {{0}};
+            for (int64_t d = 0; d < dim; d += 8) {
+                const v8 qv = load8(q + d);
+                for (int i = 0; i < 8; i++) a[i] += qv * load8(r + i * stride + d);
+            }
+            const v8 h0 = hadd8(hadd8(a[0], a[1]), hadd8(a[2], a[3]));
+            const v8 h1 = hadd8(hadd8(a[4], a[5]), hadd8(a[6], a[7]));
+            const v8 sum = __builtin_shufflevector(h0, h1, 0, 1, 2, 3, 8, 9, 10, 11)
+                           + __builtin_shufflevector(h0, h1, 4, 5, 6, 7, 12, 13, 14, 15);
+            memcpy(scores + t, &sum, sizeof sum);
+        }
+        for (; t < n; t++) {
+            const float *r = rows + t * stride;
+            v8 a = {0};
+            for (int64_t d = 0; d < dim; d += 8) a += load8(q + d) * load8(r + d);
+            scores[t] = hsum8(a);
+        }
+        return;
     }
-    float s = 0.f;
-    for (int64_t d = 0; d < n; d++) s += a[d] * b[d];
-    return s;
+    for (; t < n; t++) {
+        float acc = 0.f;
+        for (int64_t d = 0; d < dim; d++) acc += q[d] * rows[t * stride + d];
+        scores[t] = acc;
+    }
 }
 
 /* out[d] = out[d] * c + sum_t p[t] * rows[t * stride + d]: the running output of one head
-   over a tile. Four 16-wide slices at a time stay in registers across the tile's rows, so
+   over a tile. Eight 8-wide slices at a time stay in registers across the tile's rows, so
    the adds of consecutive rows do not wait on each other. */
 static inline void weigh_rows(float *restrict out, float c, const float *restrict p,
                               const float *rows, int64_t stride, int64_t n, int64_t dim) {
     int64_t d = 0;
-    if (dim % 16 == 0) {
+    if (dim % 8 == 0) {
         for (; d + 64 <= dim; d += 64) {
-            v16 a0 = load16(out + d) * c, a1 = load16(out + d + 16) * c;
-            v16 a2 = load16(out + d + 32) * c, a3 = load16(out + d + 48) * c;
+            v8 a[8];
+            for (int i = 0; i < 8; i++) a[i] = load8(out + d + 8 * i) * c;
             for (int64_t t = 0; t < n; t++) {
                 const float *row = rows + t * stride + d;
-                a0 += p[t] * load16(row);
-                a1 += p[t] * load16(row + 16);
-                a2 += p[t] * load16(row + 32);
-                a3 += p[t] * load16(row + 48);
+                for (int i = 0; i < 8; i++) a[i] += p[t] * load8(row + 8 * i);
             }
-            store16(out + d, a0); store16(out + d + 16, a1);
-            store16(out + d + 32, a2); store16(out + d + 48, a3);
+            memcpy(out + d, a, sizeof a);
         }
-        for (; d < dim; d += 16) {
-            v16 acc = load16(out + d) * c;
-            for (int64_t t = 0; t < n; t++) acc += p[t] * load16(rows + t * stride + d);
-            store16(out + d, acc);
+        for (; d < dim; d += 8) {
+            v8 acc = load8(out + d) * c;
+            for (int64_t t = 0; t < n; t++) acc += p[t] * load8(rows + t * stride + d);
+            store8(out + d, acc);
         }
         return;
     }
@@ -289,8 +333,8 @@ int hkv_paged_attention(
                                     __builtin_prefetch(pf_k + pf_at, 0, 2);
                                     __builtin_prefetch(pf_v + pf_at, 0, 2);
                                 }
-                            scores[t] = dot(qs + h * head_dim, k0 + t * stride, head_dim);
                         }
+                        score_rows(qs + h * head_dim, k0, stride, n, head_dim, scores);
                         if (softcap > 0.f)
                             for (int64_t t = 0; t < n; t++)
                                 scores[t] = tanhf(scores[t] / softcap) * softcap;
