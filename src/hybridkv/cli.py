@@ -635,6 +635,35 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="log level")
     add_offload_arguments(parser)
+    add_replica_arguments(parser)
+
+
+def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
+    """KV events and replicas: what routers and indexers in front of `serve` read."""
+    parser.add_argument("--kv-events-endpoint", default=None, metavar="ENDPOINT",
+                        help="publish KV events in vLLM's ZMQ format: tcp://*:PORT binds, "
+                             "tcp://HOST:PORT connects to a subscriber that binds "
+                             "(docs/deployment.md)")
+    parser.add_argument("--kv-events-topic", default="kv-events", help="the events' topic")
+    parser.add_argument("--kv-events-replay-endpoint", default=None, metavar="ENDPOINT",
+                        help="a ROUTER socket answering replay requests for missed batches")
+    parser.add_argument("--kv-events-queue", type=positive_int, default=10_000,
+                        help="event batches waiting for the publisher at most; beyond it "
+                             "they are dropped and counted")
+    parser.add_argument("--data-parallel-size", type=positive_int, default=1,
+                        help="start N replicas on N consecutive ports (--port .. --port+N-1) "
+                             "on disjoint cores, with one block hash seed, for a router")
+    parser.add_argument("--data-parallel-rank", type=non_negative_int, default=0,
+                        help="this replica's rank (set by --data-parallel-size): KV events "
+                             "carry it and their ports are offset by it")
+
+
+def replica_options(args: argparse.Namespace) -> dict[str, object]:
+    return dict(kv_events_endpoint=args.kv_events_endpoint,
+                kv_events_topic=args.kv_events_topic,
+                kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+                kv_events_queue=args.kv_events_queue,
+                data_parallel_rank=args.data_parallel_rank)
 
 
 def add_server_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
@@ -716,13 +745,23 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: "
                                                              "%(message)s")
     log = logging.getLogger("hybridkv.serve")
+    if args.data_parallel_size > 1:
+        from hybridkv.server.replicas import launch_replicas
+
+        if args.kv_events_endpoint is not None:  # one line now, not N from the replicas
+            EngineConfig(kv_events_endpoint=args.kv_events_endpoint,
+                         kv_events_replay_endpoint=args.kv_events_replay_endpoint)
+        raw = args.raw_argv
+        return launch_replicas(raw[raw.index("serve") + 1:],
+                               num_replicas=args.data_parallel_size,
+                               port=args.port, seed_env=BLOCK_HASH_SEED_ENV)
     model_dir = args.model_dir
     if model_dir is None:
         model_dir = str(demo_model_dir())
         log.warning("no model given: serving the built-in demo model at %s (random "
                     "weights: its text is noise, the machinery is real)", model_dir)
     options = dict(server_engine_options(args), **offload_options(args),
-                   **kv_cache_dtype_options(args),
+                   **kv_cache_dtype_options(args), **replica_options(args),
                    block_hash_seed=os.environ.get(BLOCK_HASH_SEED_ENV) or None)
     try:
         engine = LLMEngine.from_model_dir(model_dir, EngineConfig.from_kwargs(options))
@@ -802,6 +841,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(e, file=sys.stderr)
         return 2
+    args.raw_argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return int(args.run(args))
     except BrokenPipeError:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from hybridkv.connector.events import check_endpoint
 from hybridkv.connector.offload.redis_tier import parse_remote_url
 from hybridkv.connector.offload.store import parse_tier_spec
 from hybridkv.connector.scheduler import STORE_POLICIES
@@ -124,6 +125,18 @@ class EngineConfig:
     kv_remote_timeout_s: float = 1.0  # on every connect and reply; past it Redis is "down"
     kv_remote_queue: int | str = "256MiB"  # stores waiting to be sent; beyond it, dropped
 
+    # KV events for routers and indexers, in vLLM's ZMQ wire format (connector/events.py):
+    # a PUB socket at this endpoint (tcp://*:PORT binds, tcp://HOST:PORT connects to a
+    # subscriber that binds, as vLLM's publisher does), the topic, an optional replay
+    # (ROUTER) endpoint, and how many steps' batches may wait for the publisher thread.
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = "kv-events"
+    kv_events_replay_endpoint: str | None = None
+    kv_events_queue: int = 10_000
+    # This replica's index among `hybridkv serve --data-parallel-size N` replicas: its KV
+    # events carry it, and their endpoints' ports are offset by it (vLLM's layout).
+    data_parallel_rank: int = 0
+
     def __post_init__(self) -> None:
         # Every option is checked here, with one line naming it and what is accepted: a wrong
         # type found later would surface as an internal error far from its cause.
@@ -186,6 +199,19 @@ class EngineConfig:
                 not math.isfinite(timeout) or timeout <= 0:
             raise ValueError(f"kv_offload_load_timeout_s must be a number of seconds > 0, "
                              f"got {timeout!r}")
+        check_int("kv_events_queue", self.kv_events_queue, low=1)
+        check_int("data_parallel_rank", self.data_parallel_rank, low=0)
+        if not isinstance(self.kv_events_topic, str):
+            raise ValueError(f"kv_events_topic must be a string, got {self.kv_events_topic!r}")
+        if self.kv_events_endpoint is not None:
+            check_endpoint(self.kv_events_endpoint)
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_events_endpoint needs enable_prefix_caching (events "
+                                 "announce the blocks the prefix cache can serve)")
+        if self.kv_events_replay_endpoint is not None:
+            if self.kv_events_endpoint is None:
+                raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+            check_endpoint(self.kv_events_replay_endpoint, "kv_events_replay_endpoint")
         if self.kv_offload and not self.enable_prefix_caching:
             raise ValueError("kv_offload_cpu / kv_offload_disk / kv_remote need "
                              "enable_prefix_caching "

@@ -63,6 +63,10 @@ class _Target:
     block: Block
     block_hash: BlockHash
     value: int  # the prefix tokens a hit through it spares
+    # For KV events (only when the pool publishes them): the parent block's hash and the
+    # block's tokens.
+    parent_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -169,10 +173,17 @@ class OffloadConnectorScheduler:
         self._drain_evictions()  # taking may have evicted blocks: they are stored first
         job_id, self._next_job = self._next_job, self._next_job + 1
         targets, copies, first = [], [], []
+        announce = self.pool.kv_events is not None
         for g, (group_loads, blocks) in enumerate(zip(loads, taken, strict=True)):
-            block_size = self.managers[g].block_size
+            block_size, stride = self.managers[g].block_size, self.managers[g].stride
             for (index, block_hash, key, tier), block in zip(group_loads, blocks, strict=True):
-                targets.append(_Target(g, block, block_hash, (index + 1) * block_size))
+                target = _Target(g, block, block_hash, (index + 1) * block_size)
+                if announce:
+                    target.parent_hash = (request.block_hashes[index * stride - 1]
+                                          if index else None)
+                    target.token_ids = tuple(
+                        request.token_ids[index * block_size:(index + 1) * block_size])
+                targets.append(target)
                 copies.append(BlockCopy(g, block.block_id, key))
                 first.append(max(tier, 0))
         load = _Load(rid, job_id, time.monotonic(), device_tokens, end, targets, held)
@@ -305,7 +316,8 @@ class OffloadConnectorScheduler:
         computed here keeps that one: the first block per hash wins)."""
         for target, tier in zip(load.targets, load.served, strict=True):
             if tier >= 0:
-                self.pool.cache(target.block, target.block_hash, value=target.value)
+                self.pool.cache(target.block, target.block_hash, value=target.value,
+                                parent_hash=target.parent_hash, token_ids=target.token_ids)
                 self.stats.blocks_loaded += 1
                 self.stats.bytes_loaded += self.kv.config.groups[target.group_id].block_bytes
             else:

@@ -11,15 +11,22 @@ import atexit
 import logging
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
+from typing import TYPE_CHECKING, Any
 
 from hybridkv.config import EngineConfig
+from hybridkv.connector.events import KVEventPublisher, group_infos
 from hybridkv.engine.build import EngineParts, build_engine
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
 from hybridkv.engine.outputs import RequestOutput
 from hybridkv.sched.checks import check_int
 from hybridkv.sched.request import Request, RequestStatus
 from hybridkv.sched.sampling import SamplingParams
+from hybridkv.sched.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from hybridkv.sched.structured.manager import StructuredOutputManager
 
 # Every tier a request's prompt can come from, in outputs even when unused.
 NO_CACHED_TOKENS = {"device": 0, "cpu": 0, "disk": 0, "remote": 0}
@@ -77,8 +84,17 @@ class LLMEngine:
         self._samples: dict[str, list[str]] = {}
         self._sample_of: dict[str, tuple[str, int]] = {}
         self._held: dict[str, list[Request]] = {}
+        # Structured output (a tokenizer is needed to know what each token spells); the
+        # grammar library is loaded and its token table built on first use.
+        self.structured: StructuredOutputManager | None = None
+        if self.tokenizer is not None:
+            from hybridkv.sched.structured.manager import StructuredOutputManager
+            self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size,
+                                                      self.eos_token_ids)
+        self._compiling: dict[str, Request] = {}  # queued, their grammar not ready yet
         self.connector = parts.scheduler.connector
         self._closed = False
+        self.kv_events = self._start_kv_events()
         if self.connector is not None:
             # At exit, the device cache and the queued writes go to the tiers: a later
             # process on the same disk directory finds them. (A weak reference: the exit
@@ -127,6 +143,9 @@ class LLMEngine:
         if bad:
             raise ValueError(f"request {request_id}: logit_bias names token {bad[0]}, outside "
                              f"the vocabulary [0, {self.vocab_size})")
+        if params.structured_output is not None and self.structured is None:
+            raise ValueError(f"request {request_id}: structured_output needs the model's "
+                             f"tokenizer, and this model has none")
         if params.n == 1:
             self._queue(self._request(request_id, token_ids, params, priority))
             return
@@ -155,6 +174,11 @@ class LLMEngine:
                           priority=priority, block_hasher=self.kv_manager.block_hasher)
         self._next_index += 1
         self._params[request_id] = params
+        if params.structured_output is not None:
+            assert self.structured is not None  # checked in add_request
+            # Compiles on the manager's threads (or is cached): it is admitted when ready.
+            request.grammar = self.structured.grammar_for(params.structured_output)
+            self._compiling[request_id] = request
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         return request
@@ -185,15 +209,94 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or bool(self._held)
 
+    # ---------------------------------------------------------------- structured output
+    def _poll_grammars(self) -> list[RequestOutput]:
+        """Take the grammars compiled since the last step; fail the requests whose grammar
+        could not be compiled (alone: nothing else is affected)."""
+        failed = []
+        for rid, request in list(self._compiling.items()):
+            if rid not in self.scheduler.requests:
+                continue  # a held sample of n: polled once it is queued
+            assert request.grammar is not None
+            error = request.grammar.poll()
+            if error is not None:
+                failed.append(self._fail(request, error))
+            elif request.grammar.ready:
+                del self._compiling[rid]
+        return failed
+
+    def _wait_for_grammars(self, timeout: float) -> None:
+        """Nothing could be scheduled: rather than spin, wait a little for a compile."""
+        pending = [r.grammar.compiling for r in self._compiling.values()
+                   if r.grammar is not None]
+        if pending:
+            wait_futures(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def _grammar_bitmask(self, out: SchedulerOutput) -> None:
+        """The allowed tokens of each constrained request that samples in this step (its
+        scheduled tokens reach its last known token)."""
+        rows = []
+        for rid, num in out.num_scheduled_tokens.items():
+            request = self.scheduler.requests[rid]
+            if request.grammar is not None and \
+                    request.num_computed_tokens + num == request.num_tokens:
+                rows.append((rid, request.grammar))
+        if rows:
+            assert self.structured is not None
+            out.grammar_bitmask = self.structured.fill_bitmask(
+                [rid for rid, _ in rows], [grammar for _, grammar in rows])
+
+    def _advance_grammar(self, request: Request) -> RequestStatus | None:
+        """Feed the sampled token to the request's grammar; STOPPED once the grammar has
+        ended (only EOS could follow)."""
+        grammar = request.grammar
+        if grammar is None:
+            return None
+        error = grammar.accept(request.token_ids[-1])
+        if error is not None:
+            raise RuntimeError(error)
+        return RequestStatus.FINISHED_STOPPED if grammar.finished else None
+
+    # ---------------------------------------------------------------- KV events
+    def _start_kv_events(self) -> KVEventPublisher | None:
+        """The KV event publisher, when configured; the pool (and the tiers) then log events
+        that each step hands to it."""
+        config = self.config
+        if config.kv_events_endpoint is None:
+            return None
+        publisher = KVEventPublisher(
+            config.kv_events_endpoint, groups=group_infos(self.plan.config),
+            topic=config.kv_events_topic, replay_endpoint=config.kv_events_replay_endpoint,
+            data_parallel_rank=config.data_parallel_rank, max_queue=config.kv_events_queue)
+        self.kv_manager.pool.kv_events = []
+        return publisher
+
+    def _publish_kv_events(self) -> None:
+        """Hand the events since the last call to the publisher (it never blocks)."""
+        pool = self.kv_manager.pool
+        if self.kv_events is not None and pool.kv_events:
+            events, pool.kv_events = pool.kv_events, []
+            self.kv_events.publish(events)
+
     # ---------------------------------------------------------------- one step
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        finally:
+            if self.kv_events is not None:
+                self._publish_kv_events()
+
+    def _step(self) -> list[RequestOutput]:
         if self._held:
             self._release_held()
+        outputs = self._poll_grammars() if self._compiling else []
         out = self.scheduler.schedule()
-        outputs = [self._fail(request, "it does not fit in the KV cache even alone (raise "
-                              "kv_cache_memory or lower max_model_len)")
-                   for request in self.scheduler.take_never_fitting()]
+        outputs += [self._fail(request, "it does not fit in the KV cache even alone (raise "
+                               "kv_cache_memory or lower max_model_len)")
+                    for request in self.scheduler.take_never_fitting()]
         if not out.num_scheduled_tokens:
+            if self._compiling:
+                self._wait_for_grammars(timeout=0.05)
             meta = out.kv_connector_meta
             if meta is not None and meta.has_work:
                 self.runner.execute(out)  # copies and loads only
@@ -201,6 +304,8 @@ class LLMEngine:
                 self.connector.wait(timeout=0.5)  # nothing to compute until a load is done
             return outputs
         try:
+            if self.structured is not None:
+                self._grammar_bitmask(out)
             result = self.runner.execute(out)
         except Exception as e:
             # The forward itself failed: no request can be blamed, so the step's requests
@@ -221,6 +326,8 @@ class LLMEngine:
                 if rid in result.logprobs:
                     request.output_logprobs.append(result.logprobs[rid])
                 status = self._check_stop(request)
+                grammar_status = self._advance_grammar(request)
+                status = status or grammar_status
                 new_text, stopped = self._detokenize(request, final=status is not None)
             except Exception as e:
                 logger.exception("request %s failed after its step", rid)
@@ -293,7 +400,9 @@ class LLMEngine:
         """Forget the device prefix cache (offload tiers keep theirs; with the "evict" store
         policy the device's cached blocks go to them first). Refused (False) while requests
         hold blocks."""
-        return self.kv_manager.reset_prefix_cache()
+        done = self.kv_manager.reset_prefix_cache()
+        self._publish_kv_events()
+        return done
 
     def offload_stats(self) -> dict[str, Any] | None:
         """Per tier: lookups, hits, hit tokens, bytes and seconds of loads and stores,
@@ -303,6 +412,12 @@ class LLMEngine:
     def close(self) -> None:
         """Write the device prefix cache to the tiers (store policy "evict": the device
         cache goes away now), finish queued tier writes and stop the offload thread."""
+        if self.structured is not None:
+            self.structured.close()  # compiles still queued are dropped
+        if self.kv_events is not None:
+            self._publish_kv_events()
+            self.kv_events.close()
+            self.kv_manager.pool.kv_events = None  # nobody drains it any more
         worker = getattr(self.runner, "connector", None)
         if self._closed or self.connector is None or worker is None:
             return
@@ -316,6 +431,7 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> None:
         self._params.pop(request_id, None)
+        self._compiling.pop(request_id, None)
         self._detokenizers.pop(request_id, None)
         sample = self._sample_of.pop(request_id, None)
         if sample is not None:

@@ -28,6 +28,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import cast, overload
 
+from hybridkv.kv.events import (
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    KVCacheEvent,
+    stored_runs,
+)
 from hybridkv.kv.eviction import EvictionPolicy, make_eviction_policy
 from hybridkv.kv.hashing import BlockHash
 from hybridkv.kv.integrity import check_pool
@@ -178,6 +185,9 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.enable_events = enable_events
         self.events: list[BlockStored | BlockRemoved] = []
+        # KV events for routers and indexers (kv/events.py), when someone listens (a list the
+        # engine drains each step); None: off.
+        self.kv_events: list[KVCacheEvent] | None = None
         # (group id, block id, hash) of every cached block evicted to make room or by a
         # reset, while a KV connector keeps it (a list): their bytes are still intact until
         # the next forward, so it can copy them to another tier first. Blocks dropped as
@@ -395,7 +405,8 @@ class BlockPool:
         gs = self.groups[group_id]
         lru, cached, unused = gs.lru, gs.cached, gs.unused_pages
         track_unused = gs.track_unused
-        removed: list[BlockHash] | None = [] if self.enable_events else None
+        removed: list[BlockHash] | None = (
+            [] if self.enable_events or self.kv_events is not None else None)
         log = self.eviction_log
         n = min(num_blocks, len(lru))
         for _ in range(n):
@@ -414,8 +425,10 @@ class BlockPool:
                 del unused[page.index]
             page.num_used += 1
             out.append(block)
-        if removed:
+        if removed and self.enable_events:
             self.events.append(BlockRemoved(gs.group_id, tuple(removed)))
+        if removed and self.kv_events is not None:
+            self.kv_events.append(BlocksRemoved(gs.group_id, tuple(removed)))
         return n
 
     def reclaim_page(self, group_id: int) -> None:
@@ -516,9 +529,11 @@ class BlockPool:
                     unused[page.index] = page
 
     # ---------------------------------------------------------------- prefix cache
-    def cache(self, block: Block, block_hash: BlockHash, value: int = 0) -> None:
+    def cache(self, block: Block, block_hash: BlockHash, value: int = 0, *,
+              parent_hash: BlockHash | None = None, token_ids: Sequence[int] = ()) -> None:
         """Register a full, computed block under its hash (first block per hash wins);
-        `value`: the tokens of compute a hit on it spares."""
+        `value`: the tokens of compute a hit on it spares. `parent_hash` and `token_ids`
+        (the block's own tokens) are for KV events."""
         gs = self.groups[block.group_id]
         if block.block_hash is not None or block_hash in gs.cached:
             return
@@ -528,14 +543,20 @@ class BlockPool:
         block.page.num_hashed += 1
         if self.enable_events:
             self.events.append(BlockStored(gs.group_id, (block_hash,), (block.block_id,)))
+        if self.kv_events is not None:
+            self.kv_events.append(BlocksStored(gs.group_id, (block_hash,), parent_hash,
+                                               tuple(token_ids), len(token_ids)))
 
     def cache_run(self, group_id: int, blocks: list[Block], start: int, end: int,
-                  block_hashes: Sequence[BlockHash], stride: int, block_size: int = 0) -> None:
+                  block_hashes: Sequence[BlockHash], stride: int, block_size: int = 0,
+                  token_ids: Sequence[int] = ()) -> None:
         """`cache` for `blocks[start:end]`, whose hashes are `block_hashes[(i+1)*stride-1]`
-        (the null block and duplicates of cached content are skipped)."""
+        (the null block and duplicates of cached content are skipped). `token_ids`: the
+        request's tokens, for KV events."""
         gs = self.groups[group_id]
         cached = gs.cached
         stored: list[tuple[BlockHash, int]] | None = [] if self.enable_events else None
+        announced: list[int] | None = [] if self.kv_events is not None else None
         for i in range(start, end):
             block = blocks[i]
             if not block.block_id or block.block_hash is not None:
@@ -549,9 +570,15 @@ class BlockPool:
             block.page.num_hashed += 1
             if stored is not None:
                 stored.append((block_hash, block.block_id))
+            if announced is not None:
+                announced.append(i)
         if stored:
             hashes, ids = zip(*stored, strict=True)
             self.events.append(BlockStored(group_id, hashes, ids))
+        if announced and self.kv_events is not None:
+            group_hashes = block_hashes if stride == 1 else block_hashes[stride - 1::stride]
+            self.kv_events.extend(stored_runs(group_id, announced, group_hashes, token_ids,
+                                              block_size))
 
     def _evict(self, gs: GroupBooks, block: Block, *, valid: bool = True) -> Block:
         """Forget a cached block with ref 0; it becomes empty (not yet in `page.empty`).
@@ -566,6 +593,8 @@ class BlockPool:
         block.page.num_hashed -= 1
         if self.enable_events:
             self.events.append(BlockRemoved(gs.group_id, (block_hash,)))
+        if self.kv_events is not None:
+            self.kv_events.append(BlocksRemoved(gs.group_id, (block_hash,)))
         return block
 
     def _push_empty(self, gs: GroupBooks, block: Block) -> None:
@@ -598,12 +627,20 @@ class BlockPool:
         """Forget every cached block. Refused (False) while any request holds blocks."""
         if any(gs.num_used for gs in self.groups):
             return False
-        for gs in self.groups:
-            for block in list(gs.lru.values()):
-                self._evict(gs, block)
-                self._push_empty(gs, block)
-            for page in [p for p in self.pages if p is not None and p.group_id == gs.group_id]:
-                self._release_page(gs, page)
+        # Announced as one AllBlocksCleared, not a removal per block.
+        kv_events, self.kv_events = self.kv_events, None
+        try:
+            for gs in self.groups:
+                for block in list(gs.lru.values()):
+                    self._evict(gs, block)
+                    self._push_empty(gs, block)
+                for page in [p for p in self.pages
+                             if p is not None and p.group_id == gs.group_id]:
+                    self._release_page(gs, page)
+        finally:
+            self.kv_events = kv_events
+        if kv_events is not None:
+            kv_events.append(AllBlocksCleared())
         return True
 
     def take_events(self) -> list[BlockStored | BlockRemoved]:

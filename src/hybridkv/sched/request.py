@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from hybridkv.kv.hashing import BlockHasher
 from hybridkv.kv.request import KVRequest
 from hybridkv.sched.sampling import SamplingParams
+
+if TYPE_CHECKING:  # the grammar library is imported only where structured output is used
+    from hybridkv.sched.structured.manager import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -46,6 +50,13 @@ class Request(KVRequest):
         # Prompt tokens reused at its first admission, and where they came from.
         self.num_cached_tokens: int | None = None
         self.cached_tokens_by_tier: dict[str, int] = {}
+        # Structured output: its grammar (set by the engine); the request is not admitted
+        # until the grammar has compiled.
+        self.grammar: RequestGrammar | None = None
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        return self.grammar is not None and not self.grammar.ready
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from hybridkv.sched.checks import check_bool, check_int, check_number
+from hybridkv.sched.structured.spec import StructuredOutput
 
 # Below this a softmax over float32 logits is an argmax anyway, and dividing by it overflows
 # (vLLM treats it as greedy too).
@@ -42,6 +43,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Mapping[int, float] = field(default_factory=dict, hash=False)  # id -> added
+    # The output follows a JSON schema, a regex, a choice or a grammar (a StructuredOutput,
+    # or a dict of its fields); each of n samples follows it on its own.
+    structured_output: StructuredOutput | None = None
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -82,6 +86,9 @@ class SamplingParams:
                              f"got {self.repetition_penalty!r}")
         object.__setattr__(self, "repetition_penalty", repetition)
         object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias))
+        if self.structured_output is not None:
+            object.__setattr__(self, "structured_output",
+                               StructuredOutput.from_value(self.structured_output))
         stop_ids = self.stop_token_ids
         if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, Iterable):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {stop_ids!r}")

@@ -13,12 +13,16 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from hybridkv.connector.base import ConnectorMeta
 from hybridkv.connector.scheduler import OffloadConnectorScheduler
 from hybridkv.kv.manager import KVCacheManager
 from hybridkv.sched.request import Request, RequestStatus
 from hybridkv.sched.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from hybridkv.sched.structured.manager import GrammarBitmask
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,9 @@ class SchedulerOutput:
         default_factory=dict)
     # The KV connector's loads and stores of this step (None: no connector).
     kv_connector_meta: ConnectorMeta | None = None
+    # The tokens each structured-output request that samples this step may sample (set
+    # by the engine after `schedule`; None: no such request).
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -178,11 +185,16 @@ class Scheduler:
         # Then waiting requests, unless this step had to preempt (memory is short).
         while (self.waiting and budget > 0 and not out.preempted_request_ids
                and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
+            # A request whose grammar is still compiling keeps its place; those behind it
+            # are admitted meanwhile.
+            ready = next((r for r in self.waiting if not r.waiting_for_grammar), None)
+            if ready is None:
+                break
+            req = ready
             hit = self.kv.get_computed_blocks(req)
             if connector is not None and connector.start_load(req, hit.num_computed_tokens):
                 # A tier holds more of its prompt: it waits for the loads, the rest go on.
-                self.waiting.popleft()
+                self.waiting.remove(req)
                 req.status = RequestStatus.WAITING_FOR_KV
                 self.loading[req.request_id] = req
                 continue
@@ -207,7 +219,7 @@ class Scheduler:
                 break  # head of line waits for memory
             if new.checkpoints:
                 out.state_checkpoints[req.request_id] = new.checkpoints
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = hit.num_computed_tokens
             by_tier = (connector.request_admitted(req, hit.num_computed_tokens)

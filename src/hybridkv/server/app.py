@@ -56,6 +56,19 @@ def group_names(engine: LLMEngine) -> list[str]:
     return names
 
 
+def cache_info(engine: LLMEngine) -> dict[str, str]:
+    """vllm:cache_config_info's labels: the block size a prefix hit aligns to, and the KV
+    capacity in blocks of that size (what a vLLM scheduler divides usage by)."""
+    plan, config = engine.plan, engine.config
+    block_size = plan.config.hit_alignment
+    return {"block_size": str(block_size),
+            "num_gpu_blocks": str(plan.capacity_tokens // block_size),
+            "cache_dtype": str(getattr(config, "kv_cache_dtype", "auto")),
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+            "prefix_caching_hash_algo": config.block_hash_algo,
+            "num_kv_cache_groups": str(len(plan.config.groups))}
+
+
 class APIKeyMiddleware:
     """`Authorization: Bearer KEY` on /v1/... (health, metrics and version stay open, as in
     vLLM). Checked before the body is read, so an unauthenticated client learns nothing."""
@@ -86,10 +99,13 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     chat_template = ChatTemplate(template, variables) if template is not None else None
     holder: dict[str, AsyncEngine] = {}
     metrics = ServerMetrics(config.model_name, lambda: holder["engine"].snapshot,
-                            group_names(engine))
+                            group_names(engine), cache_info(engine), engine.kv_events)
     async_engine = AsyncEngine(engine, max_waiting=config.max_waiting,
                                on_output=metrics.observe_output,
                                on_scheduled=metrics.observe_queue_time)
+    if engine.structured is not None:
+        engine.structured.on_compile = metrics.observe_grammar_compile
+        engine.structured.on_mask = metrics.observe_grammar_mask
     holder["engine"] = async_engine
     state = ServerState(engine=async_engine, metrics=metrics, model_name=config.model_name,
                         model_dir=config.model_dir, tokenizer=engine.tokenizer,

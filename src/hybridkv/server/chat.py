@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 NO_TEMPLATE = ("the model has no chat template (chat_template in tokenizer_config.json or "
@@ -75,15 +75,18 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise_exception
         try:
             self._template = env.from_string(source)
+            # Whether it renders tools itself (else the server describes them: tools.py).
+            self.reads_tools = "tools" in meta.find_undeclared_variables(env.parse(source))
         except TemplateError as e:
             raise ValueError(f"the chat template does not parse: {e}") from None
         self._variables = variables or {}
 
-    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
+    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+               tools: list[dict[str, Any]] | None = None) -> str:
         try:
             return self._template.render(messages=messages,
                                          add_generation_prompt=add_generation_prompt,
-                                         **self._variables)
+                                         tools=tools, **self._variables)
         except ChatTemplateError:
             raise
         except Exception as e:  # a template is user code: any failure is the request's

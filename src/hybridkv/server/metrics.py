@@ -32,19 +32,33 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+# Structured output: a grammar compiles in ~1 ms (a schema) to seconds (a huge grammar); a
+# step's token masks take tens of microseconds a row.
+GRAMMAR_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                   0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class EngineCollector(Collector):
     """The engine snapshot as gauges and counters, read when scraped."""
 
     def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str,
-                 group_names: Sequence[str]) -> None:
+                 group_names: Sequence[str], cache_info: dict[str, str] | None = None,
+                 kv_events: Any = None) -> None:
         self._snapshot = snapshot
         self._model = model_name
         self._groups = list(group_names)
+        self._cache_info = cache_info or {}
+        self._kv_events = kv_events  # the engine's KVEventPublisher, if any
 
     def collect(self) -> Iterator[Metric]:
         s = self._snapshot()
+        yield from self._vllm(s)
+        if self._kv_events is not None:
+            dropped = CounterMetricFamily(
+                P + "kv_events_dropped", "KV event batches dropped: the publisher queue was "
+                "full.", labels=["model_name"])
+            dropped.add_metric([self._model], self._kv_events.num_dropped)
+            yield dropped
         labels = ["model_name"]
         for name, doc, value in (
                 ("num_requests_running", "Requests in the running batch.", s.num_running),
@@ -80,6 +94,30 @@ class EngineCollector(Collector):
         if s.offload is not None:
             yield from self._offload(s.offload)
 
+    def _vllm(self, s: EngineSnapshot) -> Iterator[Metric]:
+        """The series schedulers written for vLLM scrape (llm-d's inference scheduler, the
+        Gateway API inference extension), under vLLM's own names."""
+        labels = ["model_name"]
+        for name, value in (("num_requests_running", s.num_running),
+                            ("num_requests_waiting", s.num_waiting),
+                            ("kv_cache_usage_perc", s.kv_usage),
+                            ("gpu_cache_usage_perc", s.kv_usage)):  # vLLM < 0.10's name
+            gauge = GaugeMetricFamily("vllm:" + name, f"vLLM's {name}.", labels=labels)
+            gauge.add_metric([self._model], value)
+            yield gauge
+        for name, value in (("prefix_cache_queries", s.prefix_queried_tokens),
+                            ("prefix_cache_hits", s.prefix_hit_tokens),
+                            ("num_preemptions", s.num_preemptions)):
+            counter = CounterMetricFamily("vllm:" + name, f"vLLM's {name}.", labels=labels)
+            counter.add_metric([self._model], value)
+            yield counter
+        if self._cache_info:
+            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache "
+                                     "configuration (the value is 1).",
+                                     labels=sorted(self._cache_info))
+            info.add_metric([self._cache_info[k] for k in sorted(self._cache_info)], 1.0)
+            yield info
+
     def _offload(self, stats: dict[str, Any]) -> Iterator[Metric]:
         """Per offload tier (label `tier`: cpu, disk, remote...), every counter the tier
         keeps, as `hybridkv:kv_offload_<counter>`; the connector's own totals beside them."""
@@ -105,7 +143,8 @@ class EngineCollector(Collector):
 
 class ServerMetrics:
     def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot],
-                 group_names: Sequence[str]) -> None:
+                 group_names: Sequence[str], cache_info: dict[str, str] | None = None,
+                 kv_events: Any = None) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r, labels = self.registry, ["model_name"]
@@ -124,7 +163,17 @@ class ServerMetrics:
         self.queue_time = Histogram(P + "request_queue_time_seconds",
                                     "Arrival to first scheduled.", labels,
                                     buckets=LATENCY_BUCKETS, registry=r)
-        r.register(EngineCollector(snapshot, model_name, group_names))
+        # Observed from the grammar threads and the engine thread (prometheus_client's
+        # histograms take a lock).
+        self.grammar_compile = Histogram(
+            P + "structured_output_compile_seconds",
+            "Time to compile a structured-output grammar (cache misses only).", labels,
+            buckets=GRAMMAR_BUCKETS, registry=r)
+        self.grammar_mask = Histogram(
+            P + "structured_output_mask_seconds",
+            "Time to build one step's token masks for its structured-output rows.", labels,
+            buckets=GRAMMAR_BUCKETS, registry=r)
+        r.register(EngineCollector(snapshot, model_name, group_names, cache_info, kv_events))
         self._last_token: dict[str, float] = {}
 
     def observe_output(self, stream: RequestStream, out: RequestOutput) -> None:
@@ -154,6 +203,12 @@ class ServerMetrics:
                 self._last_token.pop(f"{rid}/{i}", None)
         self.request_success.labels(self.model_name, reason).inc()
         self.e2e.labels(self.model_name).observe(time.monotonic() - stream.arrival)
+
+    def observe_grammar_compile(self, seconds: float) -> None:
+        self.grammar_compile.labels(self.model_name).observe(seconds)
+
+    def observe_grammar_mask(self, seconds: float) -> None:
+        self.grammar_mask.labels(self.model_name).observe(seconds)
 
     def observe_queue_time(self, seconds: float) -> None:
         self.queue_time.labels(self.model_name).observe(seconds)

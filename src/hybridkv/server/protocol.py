@@ -47,6 +47,33 @@ class SamplingFields(Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as OpenAI's own servers log it
+    # Fields routers add (vllm-router and SGLang's gateway send SGLang's request fields):
+    # accepted at the value that means what hybridkv does, refused with a 400 otherwise
+    # (ROUTER_FIELDS). `rid` (a request id) is accepted whatever it is.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    include_reasoning: bool = True
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    return_hidden_states: bool = False
+    continue_final_message: bool = False
+    min_tokens: int = 0
+    lora_path: Any = None
+    session_params: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    rid: str | list[str] | None = None
+    # Structured output (server/structured.py): OpenAI's response_format, vLLM's
+    # structured_outputs; vLLM's old guided_* names are refused with a 400 naming the new.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
 
 
 class CompletionRequest(SamplingFields):
@@ -67,6 +94,8 @@ class ChatMessage(Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: which call it answers
 
     @property
     def text(self) -> str:
@@ -83,7 +112,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
 
@@ -99,9 +127,29 @@ class DetokenizeRequest(Request):
     tokens: list[int]
 
 
+# Router-added field -> (the value that changes nothing, what any other value would ask for).
+ROUTER_FIELDS: dict[str, tuple[object, str]] = {
+    "skip_special_tokens": (True, "special tokens in the output text"),
+    "spaces_between_special_tokens": (True, "no spaces between special tokens"),
+    "no_stop_trim": (False, "stop strings kept in the output"),
+    "include_reasoning": (True, "reasoning left out (no reasoning parser here)"),
+    "separate_reasoning": (True, "reasoning merged (no reasoning parser here)"),
+    "stream_reasoning": (True, "reasoning held back (no reasoning parser here)"),
+    "return_hidden_states": (False, "hidden states"),
+    "continue_final_message": (False, "continuing the final message"),
+    "min_tokens": (0, "a minimum number of tokens"),
+    "lora_path": (None, "a LoRA adapter"),
+    "session_params": (None, "session parameters"),
+    "bootstrap_host": (None, "prefill/decode disaggregation"),
+    "bootstrap_port": (None, "prefill/decode disaggregation"),
+    "bootstrap_room": (None, "prefill/decode disaggregation"),
+}
+
+
 def unsupported_fields(body: SamplingFields) -> list[tuple[str, str]]:
     """(field, why) for every field set to a value the engine cannot honour yet."""
-    found = []
+    found = [(name, why) for name, (neutral, why) in ROUTER_FIELDS.items()
+             if getattr(body, name) != neutral]
     if isinstance(body, CompletionRequest):
         if body.echo and body.logprobs is not None:
             found.append(("echo", "echo with logprobs (the prompt's logprobs)"))
@@ -109,11 +157,6 @@ def unsupported_fields(body: SamplingFields) -> list[tuple[str, str]]:
             found.append(("best_of", "best_of other than 1"))
         if body.suffix is not None:
             found.append(("suffix", "suffix"))
-    if isinstance(body, ChatCompletionRequest):
-        if body.tools or body.tool_choice not in (None, "none"):
-            found.append(("tools", "tools and tool_choice"))
-        if body.response_format and body.response_format.get("type") != "text":
-            found.append(("response_format", "response_format other than text"))
     if body.stream_options is not None and body.stream_options.continuous_usage_stats:
         found.append(("stream_options", "stream_options.continuous_usage_stats"))
     return found
@@ -176,9 +219,21 @@ class ChatLogprobs(Response):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(Response):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(Response):
@@ -201,6 +256,8 @@ class ChatCompletionResponse(Response):
 class Delta(Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    # Streamed calls: [{"index", "id", "type", "function": {"name", "arguments"}}]
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(Response):

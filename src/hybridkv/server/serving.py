@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from hybridkv.engine.outputs import RequestOutput
 from hybridkv.sched.sampling import SamplingParams, accepted_fields
+from hybridkv.sched.structured import StructuredOutput
 from hybridkv.server import protocol as p
 from hybridkv.server.async_engine import (
     AsyncEngine,
@@ -31,6 +32,15 @@ from hybridkv.server.async_engine import (
 from hybridkv.server.chat import NO_TEMPLATE, ChatTemplate, ChatTemplateError
 from hybridkv.server.errors import APIError, bad_request, error_body
 from hybridkv.server.metrics import ServerMetrics
+from hybridkv.server.structured import compile_or_400, request_spec
+from hybridkv.server.tools import (
+    CallStream,
+    ToolUse,
+    describe,
+    parse_calls,
+    parse_tools,
+    render_call,
+)
 
 RETRY_AFTER_S = "1"
 
@@ -57,12 +67,12 @@ class ServerState:
             raise bad_request("this model has no tokenizer: send token ids", param)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def encode_chat(self, messages: list[p.ChatMessage], add_generation_prompt: bool
-                    ) -> list[int]:
+    def encode_chat(self, messages: list[p.ChatMessage], add_generation_prompt: bool,
+                    use: ToolUse | None = None) -> list[int]:
         """The rendered chat's tokens as transformers' `apply_chat_template(tokenize=True)`
         gives them: templates print their own special tokens (`{{ bos_token }}`), so the
         tokenizer adds none (its post-processor would add a second BOS)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), "messages",
+        return self.encode(self.render_chat(messages, add_generation_prompt, use), "messages",
                            add_special_tokens=False)
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -76,13 +86,23 @@ class ServerState:
                               f"context length is {self.max_model_len} tokens (prompt + at "
                               f"least one generated token)", param)
 
-    def render_chat(self, messages: list[p.ChatMessage], add_generation_prompt: bool) -> str:
+    def render_chat(self, messages: list[p.ChatMessage], add_generation_prompt: bool,
+                    use: ToolUse | None = None) -> str:
         if self.chat_template is None:
             raise bad_request(NO_TEMPLATE, "messages")
-        plain = [{"role": m.role, "content": m.text, **({"name": m.name} if m.name else {})}
-                 for m in messages]
+        native = self.chat_template.reads_tools
+        plain = [plain_message(m, native) for m in messages]
+        tools = use.tools if use is not None and use.choice != "none" else ()
+        if tools and not native:  # the template cannot show them: a system message does
+            if plain and plain[0]["role"] == "system":
+                plain[0] = {**plain[0], "content": plain[0]["content"] + "\n\n" +
+                            describe(tools)}
+            else:
+                plain.insert(0, {"role": "system", "content": describe(tools)})
         try:
-            return self.chat_template.render(plain, add_generation_prompt=add_generation_prompt)
+            return self.chat_template.render(
+                plain, add_generation_prompt=add_generation_prompt,
+                tools=[t.as_openai() for t in tools] if tools and native else None)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
 
@@ -119,8 +139,25 @@ class ServerState:
                 self.metrics.finish(stream.request_id, "abort", stream)
 
 
-def sampling_params(body: p.SamplingFields, *, max_tokens: int, logprobs: int | None
-                    ) -> SamplingParams:
+def plain_message(m: p.ChatMessage, native_tools: bool) -> dict[str, Any]:
+    """A message as templates read it. Earlier tool calls go to a template with tool support
+    as OpenAI's `tool_calls`; to one without, as the JSON the model was asked to write."""
+    message: dict[str, Any] = {"role": m.role, "content": m.text}
+    if m.name:
+        message["name"] = m.name
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        if native_tools:
+            message["tool_calls"] = m.tool_calls
+        else:
+            message["content"] = "\n".join([m.text] * bool(m.text) +
+                                           [render_call(c) for c in m.tool_calls])
+    return message
+
+
+def sampling_params(body: p.SamplingFields, *, max_tokens: int, logprobs: int | None,
+                    structured_output: StructuredOutput | None = None) -> SamplingParams:
     """The engine's params; a bad value is a 400 naming its field."""
     unsupported = p.unsupported_fields(body)
     if unsupported:
@@ -128,7 +165,8 @@ def sampling_params(body: p.SamplingFields, *, max_tokens: int, logprobs: int | 
         raise bad_request(f"{what} is not supported yet", name)
     values: dict[str, Any] = dict(
         max_tokens=max_tokens, temperature=1.0 if body.temperature is None
-        else body.temperature, ignore_eos=body.ignore_eos, logprobs=logprobs)
+        else body.temperature, ignore_eos=body.ignore_eos, logprobs=logprobs,
+        structured_output=structured_output)
     for name in ("top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "n",
                  "presence_penalty", "frequency_penalty", "repetition_penalty",
                  "logit_bias"):
@@ -331,9 +369,13 @@ def completion_logprobs(state: ServerState, out: RequestOutput, token_ids: Seque
 async def create_completion(state: ServerState, body: p.CompletionRequest,
                             request: Request) -> Response:
     state.check_model(body.model)
+    spec, spec_param = request_spec(body)
     prompts = completion_prompts(state, body.prompt)
     params = [sampling_params(body, logprobs=body.logprobs, max_tokens=max_tokens_for(
-        body.max_tokens, ids, state.max_model_len, "max_tokens")) for ids in prompts]
+        body.max_tokens, ids, state.max_model_len, "max_tokens"), structured_output=spec)
+        for ids in prompts]
+    if spec is not None:
+        await compile_or_400(state.engine.engine, spec, spec_param)
     # echo: the prompt's text before each choice's (a prompt of token ids, decoded).
     echoes = [prompt_text(state, body.prompt, i, ids) if body.echo else ""
               for i, ids in enumerate(prompts)]
@@ -434,7 +476,15 @@ async def create_chat_completion(state: ServerState, body: p.ChatCompletionReque
     state.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    prompt = state.encode_chat(body.messages, body.add_generation_prompt)
+    use = parse_tools(body.tools, body.tool_choice)
+    spec, spec_param = request_spec(body)
+    if use.constrained:
+        if spec is not None:
+            raise bad_request(f"tool_choice {use.choice!r} constrains the reply to a tool "
+                              f"call: {spec_param.split('.')[0]} cannot be set with it",
+                              "tool_choice")
+        spec, spec_param = StructuredOutput(json_schema=use.call_schema()), "tools"
+    prompt = state.encode_chat(body.messages, body.add_generation_prompt, use)
     state.check_prompt(prompt, "messages")
     requested = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
@@ -442,27 +492,39 @@ async def create_chat_completion(state: ServerState, body: p.ChatCompletionReque
     k = body.top_logprobs or 0
     params = sampling_params(body, logprobs=k if body.logprobs else None,
                              max_tokens=max_tokens_for(requested, prompt,
-                                                       state.max_model_len, param))
+                                                       state.max_model_len, param),
+                             structured_output=spec)
+    if spec is not None:
+        await compile_or_400(state.engine.engine, spec, spec_param)
     base_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await state.submit(base_id, [prompt], [params])
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return streaming(state, streams, chat_chunks(state, body, base_id, streams,
-                                                     include_usage))
+                                                     include_usage, use))
     finals = await finished_outputs(state, request, streams)
     if finals is None:
         return Response(status_code=499)  # the client went away: nobody to answer
-    choices = [p.ChatChoice(index=out.index, message=p.AssistantMessage(content=out.text),
-                            finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                            logprobs=chat_logprobs(state, out, out.token_ids, 0, k)
-                            if body.logprobs else None) for out in finals]
+    choices = [chat_choice(state, body, out, use, k) for out in finals]
     response = p.ChatCompletionResponse(id=base_id, model=state.model_name, choices=choices,
                                         usage=usage_of(streams, finals))
     return JSONResponse(response.model_dump())
 
 
+def chat_choice(state: ServerState, body: p.ChatCompletionRequest, out: RequestOutput,
+                use: ToolUse, k: int) -> p.ChatChoice:
+    calls = parse_calls(out.text, use) if use.parses_calls else None
+    message = p.AssistantMessage(content=None, tool_calls=[p.ToolCall(**c) for c in calls]) \
+        if calls else p.AssistantMessage(content=out.text)
+    return p.ChatChoice(index=out.index, message=message,
+                        finish_reason=use.finish_reason(out.finish_reason, bool(calls)),
+                        stop_reason=out.stop_reason,
+                        logprobs=chat_logprobs(state, out, out.token_ids, 0, k)
+                        if body.logprobs else None)
+
+
 async def chat_chunks(state: ServerState, body: p.ChatCompletionRequest, base_id: str,
-                      streams: list[RequestStream], include_usage: bool
+                      streams: list[RequestStream], include_usage: bool, use: ToolUse
                       ) -> AsyncIterator[str]:
     def chunk(index: int, delta: p.Delta, reason: str | None = None,
               logprobs: p.ChatLogprobs | None = None) -> str:
@@ -472,6 +534,8 @@ async def chat_chunks(state: ServerState, body: p.ChatCompletionRequest, base_id
 
     for index in range(streams[0].n):
         yield chunk(index, p.Delta(role="assistant", content=""))
+    # Per choice: text that could be a tool call is held back until the choice ends.
+    calls = [CallStream(use) for _ in range(streams[0].n)]
     finals: list[RequestOutput] = []
     batch: list[str] = []
     async for _, out, more in merged(streams):
@@ -483,11 +547,18 @@ async def chat_chunks(state: ServerState, body: p.ChatCompletionRequest, base_id
                 first = len(out.token_ids) - len(out.new_token_ids)
                 logprobs = chat_logprobs(state, out, out.new_token_ids, first,
                                          body.top_logprobs or 0)
+            text = calls[out.index].feed(out.new_text)
+            reason = finish_reason(out)
             if out.finished:
                 finals.append(out)
-            if out.new_text or out.finished or logprobs is not None:
-                batch.append(chunk(out.index, p.Delta(content=out.new_text),
-                                   finish_reason(out), logprobs))
+                rest, found = calls[out.index].finish()
+                text += rest
+                reason = use.finish_reason(reason, bool(found))
+                if found:  # each call whole in one delta; clients join deltas by index
+                    batch.append(chunk(out.index, p.Delta(tool_calls=[
+                        {"index": i, **call} for i, call in enumerate(found)])))
+            if text or out.finished or logprobs is not None:
+                batch.append(chunk(out.index, p.Delta(content=text), reason, logprobs))
         if batch and not more:  # outputs already waiting go out in one write
             yield "".join(batch)
             batch.clear()

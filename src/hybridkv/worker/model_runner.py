@@ -263,5 +263,5 @@ class ModelRunner:
             self.logits_hook(inputs.sample_ids, logits)
         sampled = self.sampler.sample(logits, inputs.sample_ids,
                                       [self.params[r] for r in inputs.sample_ids],
-                                      self._history)
+                                      self._history, out.grammar_bitmask)
         return RunnerOutput(sampled.tokens, sampled.logprobs, sampled.errors)

@@ -1,15 +1,17 @@
-"""Sampling: logit bias and penalties, then greedy or temperature with top-k, min-p and
-top-p, with per-request seeds. Top logprobs are those of the model's own logits (before any
-of this), as vLLM returns them by default."""
+"""Sampling: the grammar mask of structured-output rows, logit bias and penalties, then
+greedy or temperature with top-k, min-p and top-p, with per-request seeds. Top logprobs are
+those of the model's own logits (before any of this), as vLLM returns them by default."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hybridkv.sched.sampling import SamplingParams
+from hybridkv.sched.structured.manager import GrammarBitmask
 
 
 @dataclass
@@ -33,15 +35,18 @@ class Sampler:
         self.generators.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, request_ids: list[str],
-               params: list[SamplingParams], history: History | None = None
-               ) -> SamplerOutput:
+               params: list[SamplingParams], history: History | None = None,
+               bitmask: GrammarBitmask | None = None) -> SamplerOutput:
         """logits [R, V] -> one token per row, plus top logprobs where asked. `history`
-        gives a request's tokens (needed by penalties only). A row that fails is reported in
-        `errors` and gets no token: one request's failure must not take its batch-mates
-        down."""
+        gives a request's tokens (needed by penalties only); `bitmask` the tokens that
+        structured-output rows may sample (the others get -inf before anything else). A
+        row that fails is reported in `errors` and gets no token: one request's failure
+        must not take its batch-mates down."""
         logits = logits.float()
+        allowed = _allowed_tokens(bitmask, request_ids, logits) \
+            if bitmask is not None else {}
         out = SamplerOutput({}, {}, {})
-        plain = [p.plain_argmax for p in params]
+        plain = [p.plain_argmax and row not in allowed for row, p in enumerate(params)]
         if any(plain):  # rows with nothing to apply share one argmax (commonly: all)
             for rid, is_plain, token in zip(request_ids, plain,
                                             torch.argmax(logits, dim=-1).tolist(),
@@ -51,7 +56,10 @@ class Sampler:
         for row, (rid, p) in enumerate(zip(request_ids, params, strict=True)):
             try:
                 if rid not in out.tokens:
-                    row_logits = self._adjust(logits[row], rid, p, history)
+                    row_logits = logits[row]
+                    if row in allowed:  # first: a bias cannot bring back a masked token
+                        row_logits = row_logits.masked_fill(~allowed[row], float("-inf"))
+                    row_logits = self._adjust(row_logits, rid, p, history)
                     out.tokens[rid] = self._sample_row(row_logits, rid, p)
                 if p.logprobs is not None:
                     out.logprobs[rid] = self._logprobs(logits[row], out.tokens[rid],
@@ -127,3 +135,20 @@ class Sampler:
                 generator = torch.Generator(device=logits.device).manual_seed(p.seed)
                 self.generators[rid] = generator
         return int(torch.multinomial(probs, 1, generator=generator))
+
+
+
+def _allowed_tokens(bitmask: GrammarBitmask, request_ids: list[str], logits: torch.Tensor
+                    ) -> dict[int, torch.Tensor]:
+    """Row -> which tokens it may sample ([V] bool, on the logits' device). Ids past the
+    mask (logits padded wider than the vocabulary) are never allowed."""
+    vocab = logits.shape[-1]
+    # [rows, words] int32 -> [rows, 32 * words] bool: bit t of the little-endian words is
+    # token t.
+    bits = np.unpackbits(bitmask.words.view(np.uint8), axis=-1, bitorder="little")
+    allowed = torch.from_numpy(bits).view(torch.bool)[:, :vocab]
+    if allowed.shape[-1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[-1]))
+    allowed = allowed.to(logits.device)
+    row_of = {rid: i for i, rid in enumerate(request_ids)}
+    return {row_of[rid]: allowed[i] for i, rid in enumerate(bitmask.request_ids)}

@@ -144,7 +144,8 @@ class SingleTypeManager:
         if num_full <= start:
             return
         self.pool.cache_run(self.group_id, self.req_blocks[rid], start, num_full,
-                            request.block_hashes, self.stride, block_size=self.block_size)
+                            request.block_hashes, self.stride, block_size=self.block_size,
+                            token_ids=request.token_ids)
         self.num_cached[rid] = num_full
 
     def free(self, request: KVRequest) -> None:

@@ -150,10 +150,14 @@ class MambaManager(SingleTypeManager):
             return []
         num_live = len(new) - len(positions)
         live, checkpoints = new[:num_live], new[num_live:]
+        hashes, bs, stride = request.block_hashes, self.block_size, self.stride
         for position, block in zip(positions, checkpoints, strict=True):
-            # A checkpoint spares recomputing its whole prefix.
-            self.pool.cache(block, request.block_hashes[position // self.block_size
-                                                        * self.stride - 1], value=position)
+            # A checkpoint spares recomputing its whole prefix. Announced (KV events) as the
+            # group block ending at `position`: the only point a hit on it can end.
+            index = position // bs - 1
+            self.pool.cache(block, hashes[(index + 1) * stride - 1], value=position,
+                            parent_hash=hashes[index * stride - 1] if index else None,
+                            token_ids=request.token_ids[position - bs:position])
         if checkpoints:
             self._pending[rid] = checkpoints
             self._handed_out[rid] = list(zip(positions, checkpoints, strict=True))

@@ -1,0 +1,146 @@
+"""KV events from a running engine, read by a tiny indexer that knows only the events, the
+documented hash and each group's hit rule: it predicts every next request's device hit
+exactly, for full attention, sliding window + full attention, and Mamba + attention, while
+the cache evicts."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("msgpack")
+pytest.importorskip("msgspec")
+pytest.importorskip("zmq")
+
+from hybridkv import LLM, SamplingParams  # noqa: E402
+from hybridkv.kv.hashing import BlockHasher  # noqa: E402
+from tests.connector.vllm_events import (  # noqa: E402
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    Subscriber,
+    free_port,
+)
+
+SEED = "replicas-share-this"
+
+
+class Indexer:
+    """Per group: the hashes stored and not removed, the group's kind and block size."""
+
+    def __init__(self, hash_block_size: int) -> None:
+        self.hasher = BlockHasher(SEED)  # the documented hash: seed, xxh3, chained
+        self.hash_block_size = hash_block_size
+        self.cached: dict[int, set[int]] = {}
+        self.kind: dict[int, tuple[str, int | None, int]] = {}
+        self.num_removed = {0: 0, 1: 0}
+
+    def apply(self, batch: KVEventBatch) -> None:
+        for e in batch.events:
+            if isinstance(e, BlockStored):
+                assert e.medium == "GPU" and e.group_idx is not None
+                assert len(e.token_ids) == e.block_size * len(e.block_hashes)
+                self.kind[e.group_idx] = (str(e.kv_cache_spec_kind),
+                                          e.kv_cache_spec_sliding_window, e.block_size)
+                self.cached.setdefault(e.group_idx, set()).update(
+                    int(h) for h in e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                assert e.group_idx is not None
+                self.num_removed[e.group_idx] = self.num_removed.get(e.group_idx, 0) + 1
+                for h in e.block_hashes:
+                    self.cached[e.group_idx].remove(int(h))  # never removes an unknown hash
+            else:
+                assert isinstance(e, AllBlocksCleared)
+                self.cached.clear()
+
+    def group_hashes(self, token_ids: list[int], block_size: int) -> list[int]:
+        hashes: list[bytes] = []
+        self.hasher.extend_block_hashes(hashes, token_ids, self.hash_block_size)
+        stride = block_size // self.hash_block_size
+        return [int.from_bytes(h[-8:], "big") for h in hashes[stride - 1::stride]]
+
+    def valid(self, group: int, hashes: list[int], num_blocks: int) -> bool:
+        kind, window, block_size = self.kind[group]
+        cached = self.cached.get(group, set())
+        if kind == "full_attention":
+            need = range(num_blocks)
+        elif kind == "sliding_window":
+            assert window is not None
+            need = range(max(0, num_blocks - math.ceil((window - 1) / block_size)), num_blocks)
+        else:
+            assert kind == "mamba"
+            need = range(num_blocks - 1, num_blocks) if num_blocks else range(0)
+        return all(hashes[i] in cached for i in need)
+
+    def predict(self, token_ids: list[int], groups: list[int]) -> int:
+        """The longest prefix every group can serve, ending on every group's block boundary,
+        before the last token (its logits are needed)."""
+        sizes = {g: self.kind[g][2] for g in groups}
+        align = math.lcm(*sizes.values())
+        hashes = {g: self.group_hashes(token_ids, sizes[g]) for g in groups}
+        for end in range((len(token_ids) - 1) // align * align, 0, -align):
+            if all(self.valid(g, hashes[g], end // sizes[g]) for g in groups):
+                return end
+        return 0
+
+
+def run_workload(model_dir: Path, *, kv_cache_memory: str, num_requests: int = 24
+                 ) -> tuple[Indexer, list[tuple[int, int]]]:
+    port = free_port()
+    sub = Subscriber(port)
+    llm = LLM(str(model_dir), max_model_len=256, kv_cache_memory=kv_cache_memory,
+              block_hash_seed=SEED, kv_events_endpoint=f"tcp://*:{port}")
+    engine: Any = llm.engine
+    time.sleep(0.5)  # the SUB socket (re)connects to the endpoint just bound
+    config = engine.plan.config
+    indexer = Indexer(config.hash_block_size)
+    groups = list(range(len(config.groups)))
+    rng = random.Random(0)
+    # Conversations sharing system prompts, growing turn by turn; users interleaved.
+    systems = [[rng.randrange(3, 250) for _ in range(40 + 13 * s)] for s in range(3)]
+    histories = [list(systems[u % 3]) for u in range(6)]
+    results = []
+    try:
+        for i in range(num_requests):
+            user = rng.randrange(6)
+            if len(histories[user]) > 190:  # the conversation ends; the user starts again
+                histories[user] = list(systems[user % 3])
+            histories[user] += [rng.randrange(3, 250) for _ in range(rng.randrange(5, 40))]
+            prompt = histories[user]
+            if engine.kv_events.next_seq:  # every batch so far has arrived
+                sub.drain(engine.kv_events.next_seq - 1)
+            for batch in sub.batches:
+                indexer.apply(batch)
+            sub.batches.clear()
+            predicted = indexer.predict(prompt, groups) if indexer.kind else 0
+            [out] = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0),
+                                 use_tqdm=False)
+            histories[user] = prompt + out.token_ids
+            results.append((predicted, out.num_cached_tokens))
+            if i == num_requests // 2:
+                assert llm.reset_prefix_cache()
+    finally:
+        llm.close()
+        sub.close()
+    assert engine.kv_events.num_dropped == 0
+    assert sub.seqs == list(range(len(sub.seqs))), "no sequence number skipped"
+    return indexer, results
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "nemotron_h"])
+def test_an_indexer_fed_by_events_predicts_every_hit(tmp_path: Path, arch: str) -> None:
+    from hybridkv.models.demo import demo_shape, write_demo_model
+
+    model = write_demo_model(tmp_path / arch, arch, demo_shape("small", layers=6, window=32))
+    # A small cache: conversations evict each other's blocks.
+    indexer, results = run_workload(model, kv_cache_memory="1MiB")
+    assert [p for p, _ in results] == [hit for _, hit in results]
+    assert sum(hit for _, hit in results) > 0, "the workload has prefix hits"
+    assert sum(indexer.num_removed.values()) > 0, "the workload evicts"

@@ -1,0 +1,115 @@
+"""What routers and schedulers written for vLLM see: vLLM's gauge names, the fields routers
+add to requests, KV events from a live server, and replicas from one command."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import LiveServer, live_server
+
+
+def test_vllm_gauges_and_cache_config_info(server: LiveServer) -> None:
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"prompt": "hello hello", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert c.get("/v1/models").json()["data"][0]["owned_by"] == "hybridkv"
+        assert c.get("/health").status_code == 200
+        assert "version" in c.get("/version").json()
+    m = server.metrics()
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running",
+                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total"):
+        assert name in m, name
+    assert m["vllm:prefix_cache_queries_total"] == m["hybridkv:prefix_cache_queries_total"] > 0
+    [info] = [k for k in m if k.startswith("vllm:cache_config_info{")]
+    assert "block_size=16" in info and "num_gpu_blocks=" in info
+
+
+def test_router_fields_are_accepted_and_meaning_changes_refused(server: LiveServer) -> None:
+    # What vllm-router / SGLang's gateway add to a chat request by default.
+    router = {"skip_special_tokens": True, "no_stop_trim": False, "include_reasoning": True,
+              "separate_reasoning": True, "stream_reasoning": True,
+              "return_hidden_states": False, "continue_final_message": False,
+              "rid": "r-1"}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with server.client() as c:
+        assert c.post("/v1/chat/completions", json={**body, **router}).status_code == 200
+        for field, value in (("no_stop_trim", True), ("lora_path", "adapter"),
+                             ("skip_special_tokens", False)):
+            r = c.post("/v1/chat/completions", json={**body, field: value})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        r = c.post("/v1/chat/completions", json={**body, "bogus_field": 1})
+        assert r.status_code == 400 and "bogus_field" in r.text
+
+
+def test_a_live_server_publishes_kv_events(demo_dir: Path) -> None:
+    from tests.connector.vllm_events import BlockStored, Subscriber, free_port
+
+    port = free_port()
+    sub = Subscriber(port)
+    with live_server(demo_dir, engine={"kv_events_endpoint": f"tcp://*:{port}"}) as live:
+        time.sleep(0.5)  # the SUB socket connects to the bound endpoint
+        with live.client() as c:
+            r = c.post("/v1/completions", json={"prompt": [5] * 40, "max_tokens": 2})
+            assert r.status_code == 200
+        publisher = live.app.state.server.engine.engine.kv_events
+        batches = sub.drain(publisher.next_seq - 1)
+        assert "hybridkv:kv_events_dropped_total" in live.metrics()
+    sub.close()
+    stored = [e for b in batches for e in b.events if isinstance(e, BlockStored)]
+    assert stored and stored[0].token_ids[:16] == [5] * 16 and stored[0].medium == "GPU"
+
+
+def test_data_parallel_size_starts_replicas_on_consecutive_ports(demo_dir: Path) -> None:
+    from tests.connector.vllm_events import free_port
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores")
+    port = free_port()
+    while True:  # two consecutive free ports
+        try:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            break
+        except OSError:
+            port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hybridkv.cli", "serve", str(demo_dir), "--port", str(port),
+         "--data-parallel-size", "2", "--kv-cache-memory", "8MiB", "--max-model-len", "256",
+         "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        for p in (port, port + 1):
+            deadline = time.monotonic() + 120
+            while True:
+                assert proc.poll() is None, proc.stdout.read().decode()  # type: ignore[union-attr]
+                try:
+                    r = httpx.post(f"http://127.0.0.1:{p}/v1/completions",
+                                   json={"prompt": [7, 8, 9], "max_tokens": 3,
+                                         "temperature": 0}, timeout=30)
+                    break
+                except httpx.TransportError:
+                    assert time.monotonic() < deadline, f"replica on {p} never answered"
+                    time.sleep(0.3)
+            assert r.status_code == 200, r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
+def test_a_replica_count_beyond_the_cores_is_one_line() -> None:
+    r = subprocess.run([sys.executable, "-m", "hybridkv.cli", "serve", "--data-parallel-size",
+                        str(len(os.sched_getaffinity(0)) + 1), "--port", "8000"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "needs at least one core per replica" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
