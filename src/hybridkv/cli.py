@@ -643,19 +643,22 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-events-endpoint", default=None, metavar="ENDPOINT",
                         help="publish KV events in vLLM's ZMQ format: tcp://*:PORT binds, "
                              "tcp://HOST:PORT connects to a subscriber that binds "
-                             "(docs/deployment.md)")
-    parser.add_argument("--kv-events-topic", default="kv-events", help="the events' topic")
+                             "(docs/deployment.md; default: none)")
+    parser.add_argument("--kv-events-topic", default="kv-events",
+                        help="the events' topic (default: kv-events)")
     parser.add_argument("--kv-events-replay-endpoint", default=None, metavar="ENDPOINT",
-                        help="a ROUTER socket answering replay requests for missed batches")
+                        help="a ROUTER socket answering replay requests for missed batches "
+                             "(default: none)")
     parser.add_argument("--kv-events-queue", type=positive_int, default=10_000,
                         help="event batches waiting for the publisher at most; beyond it "
-                             "they are dropped and counted")
+                             "they are dropped and counted (default: 10000)")
     parser.add_argument("--data-parallel-size", type=positive_int, default=1,
                         help="start N replicas on N consecutive ports (--port .. --port+N-1) "
-                             "on disjoint cores, with one block hash seed, for a router")
+                             "on disjoint cores, with one block hash seed, for a router "
+                             "(default: 1)")
     parser.add_argument("--data-parallel-rank", type=non_negative_int, default=0,
                         help="this replica's rank (set by --data-parallel-size): KV events "
-                             "carry it and their ports are offset by it")
+                             "carry it and their ports are offset by it (default: 0)")
 
 
 def replica_options(args: argparse.Namespace) -> dict[str, object]:

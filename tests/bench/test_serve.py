@@ -101,3 +101,19 @@ def test_bench_serve_counts_refused_and_short_requests(model_dir, capsys):
 def test_compare_offline_with_a_url_needs_the_model(capsys):
     assert main(["bench", "serve", "--url", "http://127.0.0.1:1", "--compare-offline"]) == 2
     assert "needs --model" in capsys.readouterr().err
+
+
+def test_bench_serve_structured_runs_each_setting_free_and_constrained(model_dir, capsys):
+    """--structured: the same setting twice, the second with every request held to the JSON
+    schema; both decode every token asked (the schema cannot end first)."""
+    pytest.importorskip("llguidance")
+    assert main(["bench", "serve", "--model", model_dir, "--num-prompts", "3",
+                 "--input-len", "12", "--output-len", "6", "--structured", "--json",
+                 *ENGINE]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert [r["structured"] for r in figures["runs"]] == [False, True]
+    for run in figures["runs"]:
+        assert run["completed"] == 3 and run["errors"] == []
+        assert run["output_tokens"] == [6, 6, 6]
+    assert main(["bench", "serve", "--workload", "conversations", "--structured"]) == 2
+    assert "for the random workload only" in capsys.readouterr().err

@@ -4,6 +4,7 @@ those of the model's own logits (before any of this), as vLLM returns them by de
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -43,22 +44,28 @@ class Sampler:
         row that fails is reported in `errors` and gets no token: one request's failure
         must not take its batch-mates down."""
         logits = logits.float()
-        allowed = _allowed_tokens(bitmask, request_ids, logits) \
-            if bitmask is not None else {}
+        # Constrained rows get a masked copy (logprobs stay those of the model's logits);
+        # the mask goes first: a bias cannot bring back a masked token.
+        masked_at, masked = _masked_rows(bitmask, request_ids, logits) \
+            if bitmask is not None else ({}, logits)
         out = SamplerOutput({}, {}, {})
-        plain = [p.plain_argmax and row not in allowed for row, p in enumerate(params)]
+        plain = [p.plain_argmax and row not in masked_at for row, p in enumerate(params)]
         if any(plain):  # rows with nothing to apply share one argmax (commonly: all)
             for rid, is_plain, token in zip(request_ids, plain,
                                             torch.argmax(logits, dim=-1).tolist(),
                                             strict=True):
                 if is_plain:
                     out.tokens[rid] = token
+        greedy = [row for row in masked_at if params[row].plain_argmax]
+        if greedy:  # constrained greedy rows: one argmax over their masked copies too
+            index = torch.tensor([masked_at[row] for row in greedy], device=logits.device)
+            for row, token in zip(greedy, masked.index_select(0, index).argmax(-1).tolist(),
+                                  strict=True):
+                out.tokens[request_ids[row]] = token
         for row, (rid, p) in enumerate(zip(request_ids, params, strict=True)):
             try:
                 if rid not in out.tokens:
-                    row_logits = logits[row]
-                    if row in allowed:  # first: a bias cannot bring back a masked token
-                        row_logits = row_logits.masked_fill(~allowed[row], float("-inf"))
+                    row_logits = masked[masked_at[row]] if row in masked_at else logits[row]
                     row_logits = self._adjust(row_logits, rid, p, history)
                     out.tokens[rid] = self._sample_row(row_logits, rid, p)
                 if p.logprobs is not None:
@@ -138,17 +145,47 @@ class Sampler:
 
 
 
-def _allowed_tokens(bitmask: GrammarBitmask, request_ids: list[str], logits: torch.Tensor
-                    ) -> dict[int, torch.Tensor]:
-    """Row -> which tokens it may sample ([V] bool, on the logits' device). Ids past the
-    mask (logits padded wider than the vocabulary) are never allowed."""
-    vocab = logits.shape[-1]
-    # [rows, words] int32 -> [rows, 32 * words] bool: bit t of the little-endian words is
-    # token t.
-    bits = np.unpackbits(bitmask.words.view(np.uint8), axis=-1, bitorder="little")
-    allowed = torch.from_numpy(bits).view(torch.bool)[:, :vocab]
-    if allowed.shape[-1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[-1]))
-    allowed = allowed.to(logits.device)
+def _masked_rows(bitmask: GrammarBitmask, request_ids: list[str], logits: torch.Tensor
+                 ) -> tuple[dict[int, int], torch.Tensor]:
+    """(row -> its index in the copy, a copy of the constrained rows with every token the
+    mask forbids at -inf). Ids past the mask (logits padded wider than the vocabulary) are
+    never allowed."""
     row_of = {rid: i for i, rid in enumerate(request_ids)}
-    return {row_of[rid]: allowed[i] for i, rid in enumerate(bitmask.request_ids)}
+    rows = [row_of[rid] for rid in bitmask.request_ids]
+    masked = logits[torch.tensor(rows, device=logits.device)]  # a copy
+    words = bitmask.words
+    kernel = _mask_kernel() if masked.device.type == "cpu" else None
+    if kernel is not None:
+        words = np.ascontiguousarray(words)
+        kernel(masked.data_ptr(), masked.stride(0), words.ctypes.data, words.shape[1],
+               words.shape[1], masked.shape[0], masked.shape[1])
+    else:
+        # Bit t of word t // 32, on the logits' device.
+        vocab = masked.shape[1]
+        w = torch.from_numpy(words.astype(np.int32)).to(masked.device)
+        shifts = torch.arange(32, dtype=torch.int32, device=masked.device)
+        allowed = ((w.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()[:, :vocab]
+        if allowed.shape[1] < vocab:
+            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+        masked.masked_fill_(~allowed, float("-inf"))
+    return {row: i for i, row in enumerate(rows)}, masked
+
+
+_mask_fn: list[Callable[..., None] | None] = []
+
+
+def _mask_kernel() -> Callable[..., None] | None:
+    """The C masking kernel (worker/native/token_mask.c), None where it cannot be built."""
+    if not _mask_fn:
+        from hybridkv.worker import native
+
+        try:
+            fn = native.load("token_mask").hkv_mask_logits
+        except native.NativeBuildError:
+            _mask_fn.append(None)
+        else:
+            i64, ptr = ctypes.c_int64, ctypes.c_void_p
+            fn.argtypes = [ptr, i64, ptr, i64, i64, i64, i64]
+            fn.restype = None
+            _mask_fn.append(fn)
+    return _mask_fn[0]
