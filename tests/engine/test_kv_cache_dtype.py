@@ -184,3 +184,20 @@ def test_q4_and_skip_run_a_sliding_model(model):
     dtypes = {g.spec.kind: g.spec.cache_dtype for g in llm.engine.plan.config.groups}
     assert dtypes == {"sliding_window": None, "full": "q4"}
     assert all(len(o.token_ids) == NUM_NEW for o in outs)
+
+
+def test_bf16_states_beside_int8_pages(model):
+    """--state-dtype bf16: a hybrid's states are stored in bf16 (half the state bytes) while
+    its attention pages are int8; the run stays close to float32 states, and prefix hits
+    (state checkpoints in bf16) change no token."""
+    ps = prompts(11)
+    _, base = run(model("nemotron_h"), ps, enable_prefix_caching=False)
+    llm, outs = run(model("nemotron_h"), ps, enable_prefix_caching=False, state_dtype="bf16")
+    states = [v for v in llm.engine.runner.kv_caches.values() if isinstance(v, tuple)]
+    assert states and all(t.dtype == torch.bfloat16 for v in states for t in v)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    cached = LLM(str(model("nemotron_h")), **COMMON, state_dtype="bf16", kv_cache_dtype="int8")
+    first = cached.generate(ps, SamplingParams(max_tokens=NUM_NEW))
+    again = cached.generate(ps, SamplingParams(max_tokens=NUM_NEW))
+    assert sum(o.num_cached_tokens for o in again) > 0
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]
