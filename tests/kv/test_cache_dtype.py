@@ -35,7 +35,7 @@ def test_page_bytes_include_the_scales():
     assert spec.page_size_bytes == 16 * spec.bytes_per_token
     q4 = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype="float32",
                            cache_dtype="q4")
-    assert q4.bytes_per_token == 2 * 8 * (64 + 8)
+    assert q4.bytes_per_token == 2 * 8 * (64 + 16)  # a scale and a minimum per group
     odd = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=65, dtype="float32",
                             cache_dtype="int8")
     assert odd.row_bytes == 72  # 3 scales, 65 values, 1 byte of padding keeps rows aligned

@@ -1,6 +1,7 @@
 """Quantized KV rows (`kv_cache_dtype`): the bytes the pages hold, checked against a numpy
-reference of the layout (scales first, fp16, one per 32 values; int8 values; q4 nibbles with
-value i low and value i + 16 high in byte i of a group, after a Hadamard rotation), and the
+reference of the layout (scales first, fp16, one per 32 values, for q4 a scale and a minimum;
+int8 values; q4 nibbles with value i low and value i + 16 high in byte i of a group, after a
+Hadamard rotation), and the
 in-place CPU kernel reading those bytes against the torch path (dequantize, then SDPA)."""
 
 from __future__ import annotations
@@ -31,18 +32,19 @@ def hadamard32() -> np.ndarray:
 def reference_decode(row: np.ndarray, dtype: str, dim: int) -> np.ndarray:
     """One row's values from its bytes, written from the layout's description."""
     groups = -(-dim // 32)
-    scales = row[:2 * groups].view(np.float16).astype(np.float64)
-    body = row[2 * groups:]
+    per_group = 2 if dtype == "q4" else 1
+    scales = row[:2 * per_group * groups].view(np.float16).astype(np.float64)
+    body = row[2 * per_group * groups:]
     out = np.zeros(dim)
     for g in range(groups):
         lo, n = 32 * g, min(32, dim - 32 * g)
         if dtype == "int8":
-            vals = body[lo:lo + n].view(np.int8).astype(np.float64)
+            out[lo:lo + n] = body[lo:lo + n].view(np.int8).astype(np.float64) * scales[g]
         else:
             half = -(-n // 2)
             b = body[lo // 2:lo // 2 + half]
-            vals = np.concatenate([b & 15, b >> 4])[:n].astype(np.float64) - 8
-        out[lo:lo + n] = vals * scales[g]
+            vals = np.concatenate([b & 15, b >> 4])[:n].astype(np.float64)
+            out[lo:lo + n] = vals * scales[2 * g] + scales[2 * g + 1]
         if dtype == "q4" and n == 32:
             out[lo:lo + n] = hadamard32() @ out[lo:lo + n]
     return out
@@ -52,21 +54,25 @@ def reference_encode(x: np.ndarray, dtype: str) -> np.ndarray:
     """One row's bytes from its float32 values."""
     dim = x.shape[0]
     groups = -(-dim // 32)
-    qmax = 127 if dtype == "int8" else 7
     scales, values = [], []
     for g in range(groups):
         v = x[32 * g:32 * g + 32].astype(np.float32)
         if dtype == "q4" and v.shape[0] == 32:
             v = (hadamard32().astype(np.float32) @ v).astype(np.float32)
-        s = np.float16(np.abs(v).max() / np.float32(qmax))
-        q = np.clip(np.rint(v / np.float32(s)) if s > 0 else np.zeros_like(v), -qmax, qmax)
-        scales.append(s)
         if dtype == "int8":
+            s = np.float16(np.abs(v).max() / np.float32(127))
+            q = np.clip(np.rint(v / np.float32(s)) if s > 0 else np.zeros_like(v), -127, 127)
+            scales.append(s)
             values.append(q.astype(np.int8).view(np.uint8))
         else:
+            m = np.float16(v.min())
+            s = np.float16((v.max() - np.float32(m)) / np.float32(15))
+            q = np.clip(np.rint((v - np.float32(m)) / np.float32(s)) if s > 0
+                        else np.zeros_like(v), 0, 15)
+            scales += [s, m]
             n = q.shape[0]
             half = -(-n // 2)
-            u = (q + 8).astype(np.uint8)
+            u = q.astype(np.uint8)
             hi = np.zeros(half, np.uint8)
             hi[:n - half] = u[half:]
             values.append(u[:half] | (hi << 4))
@@ -116,10 +122,12 @@ def test_the_rotation_helps_q4_with_outliers():
     x = torch.randn(256, 128, generator=torch.Generator().manual_seed(1))
     x[:, 3] *= 30
     back = dequantize_rows(quantize_rows(x, "q4"), "q4", 128)
-    # Without the rotation a group's scale is the outlier's: its other 31 values round to 0.
+    # Without the rotation a group's step is the outlier's range / 15: its other 31 values
+    # round to one or two levels.
     plain = x.unflatten(-1, (4, 32))
-    scale = plain.abs().amax(-1, keepdim=True) / 7
-    unrotated = ((plain / scale).round().clamp(-7, 7) * scale).flatten(-2)
+    low = plain.amin(-1, keepdim=True)
+    step = (plain.amax(-1, keepdim=True) - low) / 15
+    unrotated = (((plain - low) / step).round().clamp(0, 15) * step + low).flatten(-2)
     assert (back - x).norm() < 0.7 * (unrotated - x).norm()
 
 
@@ -128,9 +136,9 @@ def test_a_shifted_scale_or_swapped_nibbles_change_the_values():
     rows = quantize_rows(x, "q4")
     good = dequantize_rows(rows, "q4", 64)
     swapped = rows.clone()
-    swapped[:, 4:] = (rows[:, 4:] >> 4) | ((rows[:, 4:] & 15) << 4)
+    swapped[:, 8:] = (rows[:, 8:] >> 4) | ((rows[:, 8:] & 15) << 4)
     assert not torch.allclose(dequantize_rows(swapped, "q4", 64), good)
-    shifted = torch.cat([rows[:, 2:4], rows[:, 0:2], rows[:, 4:]], dim=1)
+    shifted = torch.cat([rows[:, 4:8], rows[:, 0:4], rows[:, 8:]], dim=1)
     assert not torch.allclose(dequantize_rows(shifted, "q4", 64), good)
 
 

@@ -41,25 +41,25 @@ def cdiv(a: int, b: int) -> int:
 # Quantized KV pages (`kv_cache_dtype`). A quantized page stores each token's K (or V, or
 # latent) row of one head as
 #
-#     [fp16 scale of each group of QUANT_GROUP values | the values]
+#     [fp16 scale (q4: scale and minimum) of each group of QUANT_GROUP values | the values]
 #
 # padded to an even length so that every row's scales stay 2-byte aligned. The scales live in
 # the page, next to their values: a block is self-contained, so every tier and the prefix
 # cache move quantized blocks as plain bytes. Values: int8 (x / scale, scale = max|x| / 127),
-# q4 (4-bit, scale = max|x| / 7, after a Hadamard rotation of each full group, which spreads
-# outliers over the group; in each group byte i holds value i in its low nibble and value
-# i + 16 in its high one), fp8 (e4m3 of x / scale, scale = max|x| / 448).
+# q4 (4-bit, (x - min) / scale with scale = (max - min) / 15, after a Hadamard rotation of each
+# full group, which spreads outliers over the group; in each group byte i holds value i in its
+# low nibble and value i + 16 in its high one), fp8 (e4m3 of x / scale, scale = max|x| / 448).
 QUANT_GROUP = 32
 CACHE_DTYPES = ("int8", "q4", "fp8")
 
 
 def quantized_row_bytes(cache_dtype: str, head_size: int) -> int:
     """Bytes of one quantized row of `head_size` values. E.g. int8, 256 -> 16 + 256 = 272
-    (float32: 1,024); q4, 256 -> 16 + 128 = 144; int8, 65 -> 6 + 65 + 1 pad = 72."""
+    (float32: 1,024); q4, 256 -> 32 + 128 = 160; int8, 65 -> 6 + 65 + 1 pad = 72."""
     if cache_dtype not in CACHE_DTYPES:
         raise ValueError(f"unknown KV cache dtype {cache_dtype!r}; accepted: auto, "
                          f"{', '.join(CACHE_DTYPES)}")
-    scales = 2 * cdiv(head_size, QUANT_GROUP)
+    scales = (4 if cache_dtype == "q4" else 2) * cdiv(head_size, QUANT_GROUP)
     values = cdiv(head_size, 2) if cache_dtype == "q4" else head_size
     return 2 * cdiv(scales + values, 2)
 

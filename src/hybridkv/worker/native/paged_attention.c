@@ -8,7 +8,8 @@
    a few lines per key scored.
 
    Pages hold float32 values or quantized rows (kv/spec.py: per token and head, an fp16
-   scale per group of 32 values, then int8 values or q4 nibbles). Quantized rows are decoded
+   scale per group of 32 values (q4: a scale and a minimum), then int8 values or q4
+   nibbles). Quantized rows are decoded
    a tile at a time into a small buffer that stays in L1 (TILE rows of one KV head), then
    scored and weighed like float rows: no float copy of the context is ever made. q4 rows
    hold Hadamard-rotated K and V, so the queries are rotated once and the output rotated
@@ -88,14 +89,17 @@ static inline v8 u8_to_v8(u8x8 x) { return __builtin_convertvector(x, v8); }
 #endif
 static inline void store8(float *p, v8 x) { memcpy(p, &x, sizeof x); }
 
-/* One quantized row of `dim` values into `dst`: [fp16 scale per GROUP | values]. */
+/* One quantized row of `dim` values into `dst`: [fp16 scale per GROUP (q4: scale and
+   minimum) | values]. */
 static inline void decode_row(int codec, const char *row, int64_t dim, float *restrict dst) {
     const int64_t groups = (dim + GROUP - 1) / GROUP;
-    const uint8_t *vals = (const uint8_t *)row + 2 * groups;
+    const int64_t per_group = codec == CODEC_Q4 ? 2 : 1;
+    const uint8_t *vals = (const uint8_t *)row + 2 * per_group * groups;
     for (int64_t g = 0; g < groups; g++) {
-        uint16_t bits;
-        memcpy(&bits, row + 2 * g, 2);
-        const float s = half_to_float(bits);
+        uint16_t bits[2];
+        memcpy(bits, row + 2 * per_group * g, 2 * per_group);
+        const float s = half_to_float(bits[0]);
+        const float m = codec == CODEC_Q4 ? half_to_float(bits[1]) : 0.f;
         const int64_t d0 = g * GROUP, n = dim - d0 < GROUP ? dim - d0 : GROUP;
         if (codec == CODEC_INT8) {
             const uint8_t *v = vals + d0;
@@ -110,14 +114,14 @@ static inline void decode_row(int codec, const char *row, int64_t dim, float *re
                 for (int k = 0; k < 16; k += 8) {
                     u8x8 b;
                     memcpy(&b, v + k, 8);
-                    store8(dst + d0 + k, (u8_to_v8(b & 15) - 8.f) * s);
-                    store8(dst + d0 + 16 + k, (u8_to_v8(b >> 4) - 8.f) * s);
+                    store8(dst + d0 + k, u8_to_v8(b & 15) * s + m);
+                    store8(dst + d0 + 16 + k, u8_to_v8(b >> 4) * s + m);
                 }
             } else {
                 const int64_t half = (n + 1) / 2;
-                for (int64_t d = 0; d < half; d++) dst[d0 + d] = ((float)(v[d] & 15) - 8.f) * s;
+                for (int64_t d = 0; d < half; d++) dst[d0 + d] = (float)(v[d] & 15) * s + m;
                 for (int64_t d = half; d < n; d++)
-                    dst[d0 + d] = ((float)(v[d - half] >> 4) - 8.f) * s;
+                    dst[d0 + d] = (float)(v[d - half] >> 4) * s + m;
             }
         }
     }
