@@ -58,7 +58,7 @@ SAMPLING = [
     ({"temperature": -0.5}, "temperature"),
     ({"temperature": "0.5"}, "temperature"),
     ({"top_k": 2.5}, "top_k"),
-    ({"top_k": -1}, "top_k"),
+    ({"top_k": -2}, "top_k"),  # -1: vLLM's "all tokens" (test_vllm_compat.py)
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"top_p": float("nan")}, "top_p"),

@@ -32,3 +32,14 @@ def test_the_manifests_parse_and_serve_accepts_their_flags() -> None:
         assert args.kv_remote and args.kv_events_endpoint == "tcp://*:5557"
     kinds = {yaml.safe_load_all(p.read_text()).__next__()["kind"] for p in K8S.glob("*.yaml")}
     assert kinds == {"Deployment"}
+
+
+def test_the_router_accepts_its_flags() -> None:
+    launch = pytest.importorskip("smg.launch_router")
+    [router] = [c for c in containers() if c.get("command") == ["smg", "launch"]]
+    # Kubernetes fills $(POD_NAMESPACE) in from the container's env.
+    argv = [str(a).replace("$(POD_NAMESPACE)", "default") for a in router["args"]]  # type: ignore[attr-defined]
+    args = launch.parse_router_args(argv)  # smg's own parser: an unknown flag exits
+    assert args.policy == "cache_aware" and args.service_discovery
+    assert args.selector == {"app": "hybridkv"}  # the replicas' pod label
+    assert args.service_discovery_port == 8000 and args.service_discovery_namespace == "default"

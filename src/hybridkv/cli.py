@@ -642,7 +642,8 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
     """KV events and replicas: what routers and indexers in front of `serve` read."""
     parser.add_argument("--kv-events-endpoint", default=None, metavar="ENDPOINT",
                         help="publish KV events in vLLM's ZMQ format: tcp://*:PORT binds, "
-                             "tcp://HOST:PORT connects to a subscriber that binds "
+                             "tcp://HOST:PORT binds if it can, else connects to the "
+                             "subscriber that bound it "
                              "(docs/deployment.md; default: none)")
     parser.add_argument("--kv-events-topic", default="kv-events",
                         help="the events' topic (default: kv-events)")

@@ -126,8 +126,8 @@ class EngineConfig:
     kv_remote_queue: int | str = "256MiB"  # stores waiting to be sent; beyond it, dropped
 
     # KV events for routers and indexers, in vLLM's ZMQ wire format (connector/events.py):
-    # a PUB socket at this endpoint (tcp://*:PORT binds, tcp://HOST:PORT connects to a
-    # subscriber that binds, as vLLM's publisher does), the topic, an optional replay
+    # a PUB socket at this endpoint (tcp://*:PORT binds, tcp://HOST:PORT binds where it can
+    # and connects to a subscriber that bound it otherwise), the topic, an optional replay
     # (ROUTER) endpoint, and how many steps' batches may wait for the publisher thread.
     kv_events_endpoint: str | None = None
     kv_events_topic: str = "kv-events"

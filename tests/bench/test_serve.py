@@ -76,7 +76,7 @@ def test_bench_serve_against_a_url_with_poisson_arrivals(model_dir, capsys):
     out = capsys.readouterr().out
     assert url in out and "out tok/s" in out
     row = out.splitlines()[3].split()
-    assert row[:4] == ["-", "50.0", "2", "0"]
+    assert row[:5] == ["-", "50.0", "no", "2", "0"]  # conc, rate, json, ok, failed
 
 
 def test_bench_serve_counts_refused_and_short_requests(model_dir, capsys):

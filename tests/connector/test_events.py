@@ -109,6 +109,22 @@ def test_a_full_queue_drops_and_counts_and_never_blocks() -> None:
         pub.close()
 
 
+def test_a_loopback_endpoint_binds_for_subscribers_that_connect() -> None:
+    """`tcp://127.0.0.1:PORT` (the interface outside checks use): the port is free, so the
+    publisher binds it and a SUB socket connecting there receives the stream."""
+    port = free_port()
+    pub = KVEventPublisher(f"tcp://127.0.0.1:{port}", groups=GROUPS)
+    sub = Subscriber(port)
+    try:
+        time.sleep(0.3)  # the subscription reaches the PUB socket
+        pub.publish([AllBlocksCleared()])
+        [batch] = sub.drain(0)
+        assert [type(e) for e in batch.events] == [WireCleared]
+    finally:
+        pub.close()
+        sub.sub.close(0)
+
+
 def test_endpoints_bind_or_connect_as_vllm_and_bad_ones_are_one_line() -> None:
     assert binds("tcp://*:5557") and binds("tcp://[::]:5557") and binds("ipc:///tmp/x")
     assert not binds("tcp://127.0.0.1:5557") and not binds("tcp://indexer:5557")

@@ -144,3 +144,91 @@ def test_an_indexer_fed_by_events_predicts_every_hit(tmp_path: Path, arch: str) 
     assert [p for p, _ in results] == [hit for _, hit in results]
     assert sum(hit for _, hit in results) > 0, "the workload has prefix hits"
     assert sum(indexer.num_removed.values()) > 0, "the workload evicts"
+
+
+def tier_events(batches: list[KVEventBatch]) -> dict[str, dict[int, int]]:
+    """Per medium, the blocks the events say it holds (hash -> group), after checking that
+    a medium only ever removes what it announced."""
+    held: dict[str, dict[int, int]] = {}
+    for batch in batches:
+        for e in batch.events:
+            if isinstance(e, AllBlocksCleared):  # the device's prefix cache reset
+                held["GPU"] = {}
+                continue
+            assert e.group_idx is not None and e.medium is not None
+            blocks = held.setdefault(e.medium, {})
+            if isinstance(e, BlockStored):
+                if e.medium != "GPU":  # a tier's stores carry hashes only, as in vLLM
+                    assert e.token_ids == [] and e.parent_block_hash is None
+                    assert e.block_size == 16
+                blocks.update((int(h), e.group_idx) for h in e.block_hashes)
+            else:
+                for h in e.block_hashes:
+                    assert blocks.pop(int(h)) == e.group_idx, f"{e.medium} removed {h}"
+    return held
+
+
+def tier_hashes(keys: list[bytes]) -> dict[int, int]:
+    from hybridkv.connector.offload.store import parse_key
+
+    out = {}
+    for key in keys:
+        _, group, block_hash = parse_key(key)
+        out[int.from_bytes(block_hash[-8:], "big")] = group
+    return out
+
+
+def test_offload_tiers_publish_their_stores_and_evictions(tmp_path: Path) -> None:
+    from tests.models.tiny import build_tiny_model
+
+    model = build_tiny_model("llama", tmp_path / "llama")
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (70, 90, 100)]
+    port = free_port()
+    sub = Subscriber(port)
+    disk = tmp_path / "kv"
+    # A block is 8 KiB (2 layers x K, V x 2 heads x 16 dims x 16 tokens x fp32): the CPU
+    # tier holds 8 and evicts, the disk tier holds them all.
+    llm = LLM(str(model), dtype="float32", device="cpu", max_model_len=256,
+              kv_cache_memory="4MiB", block_hash_seed=SEED, kv_events_endpoint=f"tcp://*:{port}",
+              kv_offload_cpu="64KiB", kv_offload_disk=f"{disk}:1MiB")
+    engine: Any = llm.engine
+    time.sleep(0.5)  # the SUB socket (re)connects to the endpoint just bound
+    try:
+        first = llm.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
+        assert llm.reset_prefix_cache()  # store policy "evict": the device cache goes to tiers
+        second = llm.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
+        assert [o.token_ids for o in first] == [o.token_ids for o in second]
+        assert sum(o.cached_tokens_by_tier["disk"] + o.cached_tokens_by_tier["cpu"]
+                   for o in second) > 0
+        chain = engine.connector.chain
+    finally:
+        llm.close()  # the tiers' last writes, then their events
+    sub.drain(engine.kv_events.next_seq - 1)
+    sub.close()
+    held = tier_events(sub.batches)
+    cpu, disk_tier = chain.tiers
+    assert cpu.stats.evictions > 0, "the CPU tier was full and evicted"
+    # What the events say each tier holds is what it holds.
+    assert held["CPU"] == tier_hashes(cpu.keys())
+    assert held["STORAGE"] == tier_hashes(disk_tier.live_keys())
+    # Every block the device computed reached the disk (write-through), and the CPU tier's
+    # removals were announced.
+    assert set(held["STORAGE"]) >= set(held["GPU"]) and held["GPU"]
+    assert any(isinstance(e, BlockRemoved) and e.medium == "CPU"
+               for b in sub.batches for e in b.events)
+
+    # A new engine on the same (warm) directory announces what the disk holds.
+    port = free_port()
+    sub = Subscriber(port)
+    again = LLM(str(model), dtype="float32", device="cpu", max_model_len=256,
+                kv_cache_memory="4MiB", block_hash_seed=SEED,
+                kv_events_endpoint=f"tcp://*:{port}", kv_offload_disk=f"{disk}:1MiB")
+    time.sleep(0.5)
+    try:
+        again.engine.step()  # an idle step publishes what is pending
+        sub.drain(0)
+    finally:
+        again.close()
+        sub.close()
+    assert tier_events(sub.batches[:1])["STORAGE"] == held["STORAGE"]

@@ -50,6 +50,24 @@ def test_router_fields_are_accepted_and_meaning_changes_refused(server: LiveServ
         assert r.status_code == 400 and "bogus_field" in r.text
 
 
+def test_top_k_minus_one_means_all_tokens(server: LiveServer) -> None:
+    """SGLang-era routers send `top_k: -1`, vLLM's "no top-k": sampled with the same seed, it
+    gives what top_k 0 (all tokens) gives; below -1 is still refused."""
+    from hybridkv import SamplingParams
+
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
+    body = {"prompt": "hello hello", "max_tokens": 8, "temperature": 1.0, "seed": 7}
+    with server.client() as c:
+        texts = []
+        for top_k in (-1, 0, 1):
+            r = c.post("/v1/completions", json={**body, "top_k": top_k})
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        r = c.post("/v1/completions", json={**body, "top_k": -2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
+    assert texts[0] == texts[1] != texts[2]  # top_k 1 (greedy) draws otherwise
+
+
 def test_a_live_server_publishes_kv_events(demo_dir: Path) -> None:
     from tests.connector.vllm_events import BlockStored, Subscriber, free_port
 

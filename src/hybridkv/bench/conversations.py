@@ -16,6 +16,12 @@ same on every server. Variants (`--variant`):
 - branch: from turn 3 on, every turn restarts from turn 3's state (the system prompt and the
   first two exchanges, answers included) with a different new message.
 
+Behind a router (`--url` the router's), `--replica-urls` names the replicas: each one's
+/metrics before and after a run give its requests, prompt tokens, prefix-cache hit tokens
+and hit rate, and its mean TTFT (vLLM's metric names, which hybridkv also serves), so
+cache-aware and round-robin routing can be compared; the first replica answers /tokenize,
+which routers do not forward.
+
 `--endpoint completions` (the default) renders the conversation as plain text
 ("System: ...\\n\\nUser: ...\\nAssistant: ...") so models without a chat template run it;
 `chat` sends the messages to /v1/chat/completions.
@@ -40,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -229,14 +236,58 @@ async def words_per_token(tokenizer: Tokenizer, rng: random.Random) -> float:
     return min(4.0, max(0.1, per))
 
 
+# Per replica, summed over labels: (name, the other server's name for it).
+REPLICA_METRICS = {"queries": ("vllm:prefix_cache_queries_total",),
+                   "hits": ("vllm:prefix_cache_hits_total",),
+                   "ttft_sum": ("hybridkv:time_to_first_token_seconds_sum",
+                                "vllm:time_to_first_token_seconds_sum"),
+                   "ttft_count": ("hybridkv:time_to_first_token_seconds_count",
+                                  "vllm:time_to_first_token_seconds_count")}
+
+
+async def scrape(client: Any, url: str) -> dict[str, float] | None:
+    """The REPLICA_METRICS of one server's /metrics (None: it has none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        response = await client.get(f"{url}/metrics")
+    except Exception:
+        return None
+    if response.status_code != 200:
+        return None
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+    out = {}
+    for key, names in REPLICA_METRICS.items():
+        found = [samples[n] for n in names if n in samples]
+        out[key] = found[0] if found else 0.0
+    return out
+
+
+def replica_figures(url: str, before: dict[str, float] | None,
+                    after: dict[str, float] | None) -> dict[str, Any]:
+    if before is None or after is None:
+        return {"url": url, "requests": None, "prompt_tokens": None, "hit_tokens": None,
+                "hit_rate": None, "ttft_mean_ms": None}
+    d = {k: after[k] - before[k] for k in REPLICA_METRICS}
+    return {"url": url, "requests": int(d["ttft_count"]), "prompt_tokens": int(d["queries"]),
+            "hit_tokens": int(d["hits"]),
+            "hit_rate": d["hits"] / d["queries"] if d["queries"] else None,
+            "ttft_mean_ms": 1000 * d["ttft_sum"] / d["ttft_count"] if d["ttft_count"] else None}
+
+
 async def run_conversations(url: str, variant: str, users: int, turns: int,
                             system_tokens: int, answer_tokens: int, endpoint: str,
-                            seed: int, model: str | None = None) -> dict[str, Any]:
+                            seed: int, model: str | None = None,
+                            replica_urls: Sequence[str] = ()) -> dict[str, Any]:
     import httpx
 
     limits = httpx.Limits(max_connections=users + 1, max_keepalive_connections=users + 1)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
-        tokenizer = Tokenizer(client, url, endpoint, model)
+        tokenizer = Tokenizer(client, replica_urls[0] if replica_urls else url, endpoint,
+                              model)
         wpt = await words_per_token(tokenizer, random.Random(seed))
         # A fresh system prompt per (seed, variant): one run must not warm the next.
         rng = random.Random(f"{seed}-{variant}-system")
@@ -253,9 +304,12 @@ async def run_conversations(url: str, variant: str, users: int, turns: int,
                 log[u].append(turn)
                 convs[u].answered(turn.answer)
 
+        before = [await scrape(client, r) for r in replica_urls]
         start = time.perf_counter()
         await asyncio.gather(*(user(u) for u in range(users)))
         elapsed = time.perf_counter() - start
+        replicas = [replica_figures(r, b, await scrape(client, r))
+                    for r, b in zip(replica_urls, before, strict=True)]
         # The server's tokens of every prompt and prompt + answer, after the timed part.
         for u in range(users):
             seen: list[list[int]] = []
@@ -274,7 +328,7 @@ async def run_conversations(url: str, variant: str, users: int, turns: int,
                     [*turn.messages, {"role": "assistant", "content": turn.answer}], False)
                 seen += [prompt] + ([full] if full is not None else [])
                 prompts_seen.append(prompt)
-    return summarize(variant, log, elapsed, answer_tokens, wpt)
+    return {**summarize(variant, log, elapsed, answer_tokens, wpt), "replicas": replicas}
 
 
 def summarize(variant: str, log: list[list[Turn]], elapsed: float, answer_tokens: int,
@@ -368,6 +422,13 @@ def format_conversations(f: dict[str, Any]) -> str:
                          f"{_n(t['ttft_ms']['p50'], 1):>9}")
         lines.append(f"max excess over turns 2+: {_n(r['max_excess'])} (vs earlier prompts "
                      f"only: {_n(r['max_excess_vs_prompts'])}); one block is {BLOCK}")
+        for rep in r.get("replicas", []):
+            rate = rep["hit_rate"]
+            lines.append(f"replica {rep['url']}: {_n(rep['requests'])} requests, "
+                         f"{_n(rep['prompt_tokens'])} prompt tokens, {_n(rep['hit_tokens'])} "
+                         f"from its prefix cache ("
+                         + ("-" if rate is None else f"{100 * rate:.1f}%")
+                         + f"), TTFT mean {_n(rep['ttft_mean_ms'], 1)} ms")
         lines += [f"error: {e}" for e in r["errors"]]
         if r["short_outputs"]:
             lines.append(f"warning: {r['short_outputs']} answers got fewer than "

@@ -119,11 +119,20 @@ def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float |
 
 # ---------------------------------------------------------------- the client
 
+# `--structured`: a JSON schema whose replies run past any output length (at least 1,024
+# short strings), so that constrained requests decode as many tokens as the free ones and
+# the difference in output tok/s is the grammar's cost per token.
+STRUCTURED_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["items"], "properties": {"items": {
+        "type": "array", "minItems": 1024,
+        "items": {"type": "string", "maxLength": 12}}}}
+
+
 async def send_one(client: Any, url: str, prompt: list[int], output_len: int,
-                   model: str | None) -> RequestResult:
+                   model: str | None, extra: dict[str, Any] | None = None) -> RequestResult:
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
                             "ignore_eos": True, "stream": True,
-                            "stream_options": {"include_usage": True}}
+                            "stream_options": {"include_usage": True}, **(extra or {})}
     if model is not None:
         body["model"] = model
     result, _ = await stream_request(client, f"{url}/v1/completions", body,
@@ -192,7 +201,8 @@ async def stream_request(client: Any, url: str, body: dict[str, Any], result: Re
 
 async def run_load(url: str, prompts: list[list[int]], output_len: int,
                    concurrency: int | None, rate: float, seed: int,
-                   model: str | None = None) -> tuple[list[RequestResult], float]:
+                   model: str | None = None, extra: dict[str, Any] | None = None
+                   ) -> tuple[list[RequestResult], float]:
     """Every prompt once, at most `concurrency` in flight (None: no limit), arrivals a
     Poisson process of `rate` per second (inf: all at once). (results in prompt order,
     seconds from the first send to the last answer)."""
@@ -205,7 +215,7 @@ async def run_load(url: str, prompts: list[list[int]], output_len: int,
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
         async def gated(prompt: list[int]) -> RequestResult:
             async with gate:
-                return await send_one(client, url, prompt, output_len, model)
+                return await send_one(client, url, prompt, output_len, model, extra)
 
         start = time.perf_counter()
         tasks = []
@@ -312,6 +322,19 @@ def offline_throughput(model_dir: str, options: dict[str, Any], prompts: list[li
 
 # ---------------------------------------------------------------- the suite
 
+def served_model(url: str) -> str | None:
+    """The one model a server (or a router) lists at /v1/models; None if it lists none or
+    several, or cannot say."""
+    import httpx
+
+    try:
+        data = httpx.get(f"{url}/v1/models", timeout=30).json().get("data")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    ids = [m.get("id") for m in data or [] if isinstance(m, dict)]
+    return ids[0] if len(ids) == 1 and isinstance(ids[0], str) else None
+
+
 def bench_conversations(args: argparse.Namespace) -> dict[str, Any]:
     """--workload conversations: one run per --variant (see bench/conversations.py)."""
     from hybridkv.bench.conversations import run_conversations, send_turn
@@ -327,20 +350,27 @@ def bench_conversations(args: argparse.Namespace) -> dict[str, Any]:
     options = engine_options(args)
     runs: list[dict[str, Any]] = []
 
+    replica_urls = [u.rstrip("/") for u in args.replica_urls or ()]
+    if replica_urls and not args.url:
+        raise CLIError("--replica-urls needs --url (the router in front of them)")
+    model = args.served_model_name
+
     async def warm_up(url: str) -> None:
         import httpx
 
         async with httpx.AsyncClient(timeout=httpx.Timeout(None)) as client:
             await send_turn(client, url, args.endpoint,
-                            [{"role": "user", "content": "warm up"}], 2,
-                            args.served_model_name)
+                            [{"role": "user", "content": "warm up"}], 2, model)
 
     def run_all(url: str) -> None:
+        nonlocal model
+        if model is None and args.url:
+            model = served_model(url)  # routers require the field
         asyncio.run(warm_up(url))
         for variant in args.variant:
             runs.append(asyncio.run(run_conversations(
                 url, variant, args.users, args.turns, args.system_tokens, args.answer_tokens,
-                args.endpoint, args.seed, args.served_model_name)))
+                args.endpoint, args.seed, model, replica_urls)))
 
     if args.url:
         run_all(args.url.rstrip("/"))
@@ -359,9 +389,12 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     from hybridkv.cli import demo_model_dir
 
     if args.workload == "conversations":
-        if args.compare_offline:
-            raise CLIError("--compare-offline is for the random workload only")
+        if args.compare_offline or args.structured:
+            raise CLIError("--compare-offline and --structured are for the random workload "
+                           "only")
         return bench_conversations(args)
+    if args.replica_urls:
+        raise CLIError("--replica-urls is for --workload conversations only")
 
     if args.compare_offline and args.url and not args.model:
         raise CLIError("--compare-offline with --url needs --model: the server's model "
@@ -387,15 +420,22 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
         warm = make_prompts(1, min(args.input_len, 16), 0, vocab, args.seed + 10_000)
         asyncio.run(run_load(url, warm, min(args.output_len, 2), 1, math.inf, args.seed,
                              args.served_model_name))
+        # With --structured each setting runs free, then with the JSON schema.
+        modes = [None, {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "bench", "schema": STRUCTURED_SCHEMA}}}] if args.structured else [None]
         for i, (concurrency, rate) in enumerate(pairs):
-            # Fresh prompts per run: an earlier run must not fill the prefix cache.
-            prompts = make_prompts(args.num_prompts, args.input_len, args.shared_prefix_len,
-                                   vocab, args.seed * 1000 + i)
-            results, elapsed = asyncio.run(run_load(url, prompts, args.output_len,
-                                                    concurrency, rate, args.seed + i,
-                                                    args.served_model_name))
-            runs.append(summarize(results, elapsed, concurrency, rate, args.output_len))
-            prompts_of.append(prompts)
+            for j, extra in enumerate(modes):
+                # Fresh prompts per run: an earlier run must not fill the prefix cache.
+                prompts = make_prompts(args.num_prompts, args.input_len,
+                                       args.shared_prefix_len, vocab,
+                                       args.seed * 1000 + i * len(modes) + j)
+                results, elapsed = asyncio.run(run_load(url, prompts, args.output_len,
+                                                        concurrency, rate, args.seed + i,
+                                                        args.served_model_name, extra))
+                run = summarize(results, elapsed, concurrency, rate, args.output_len)
+                run["structured"] = extra is not None
+                runs.append(run)
+                prompts_of.append(prompts)
 
     if args.url:
         run_all(args.url.rstrip("/"))
@@ -451,20 +491,30 @@ def format_figures(f: dict[str, Any]) -> str:
     lines = [f"{target}: {f['num_prompts']} prompts of {f['input_len']} tokens "
              f"({f['shared_prefix_len']} shared), {f['output_len']} output tokens each"
              + (f", {f['threads']} torch threads" if f["threads"] else ""), "",
-             f"{'conc':>5} {'rate':>6} {'ok':>4} {'fail':>4} {'time s':>7} {'req/s':>7} "
+             f"{'conc':>5} {'rate':>6} {'json':>4} {'ok':>4} {'fail':>4} {'time s':>7} "
+             f"{'req/s':>7} "
              f"{'out tok/s':>9} {'TTFT p50':>8} {'p99':>7} {'ITL p50':>7} {'p99':>7} "
              f"{'E2E p50':>8} {'p99':>8} {'cached':>7}"]
     for r in f["runs"]:
         rate = f"{r['request_rate']:.1f}" if r["request_rate"] is not None else "inf"
         conc = str(r["concurrency"]) if r["concurrency"] is not None else "-"
+        json_mode = "yes" if r.get("structured") else "no"
         lines.append(
-            f"{conc:>5} {rate:>6} {r['completed']:>4} {r['failed']:>4} "
+            f"{conc:>5} {rate:>6} {json_mode:>4} {r['completed']:>4} {r['failed']:>4} "
             f"{r['total_time_s']:>7.2f} {r['request_throughput'] or 0:>7.2f} "
             f"{r['output_throughput'] or 0:>9.1f} {_ms(r['ttft_ms']['p50']):>8} "
             f"{_ms(r['ttft_ms']['p99']):>7} {_ms(r['itl_ms']['p50']):>7} "
             f"{_ms(r['itl_ms']['p99']):>7} {_ms(r['e2e_ms']['p50']):>8} "
             f"{_ms(r['e2e_ms']['p99']):>8} {r['cached_tokens']:>7}")
-    lines.append("(latencies in ms; conc -: no limit; rate inf: all at once)")
+    lines.append("(latencies in ms; conc -: no limit; rate inf: all at once; json yes: "
+                 "every request constrained to a JSON schema)")
+    free = [r for r in f["runs"] if not r.get("structured")]
+    constrained = [r for r in f["runs"] if r.get("structured")]
+    for a, b in zip(free, constrained, strict=False):
+        if a["output_throughput"] and b["output_throughput"]:
+            lines.append(f"structured output at concurrency {a['concurrency'] or '-'}: "
+                         f"{b['output_throughput']:.1f} vs {a['output_throughput']:.1f} output "
+                         f"tok/s free ({b['output_throughput'] / a['output_throughput']:.3f}x)")
     for r in f["runs"]:
         lines += [f"error (conc {r['concurrency']}): {e}" for e in r["errors"]]
         if r["short_outputs"]:
@@ -534,9 +584,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="resend: append a message each turn; edit: replace the last user "
                             "message by an edited one; branch: from turn 3 on, restart from "
                             "turn 3's state with a different message; several: one run each")
+    group.add_argument("--replica-urls", nargs="+", default=None, metavar="URL",
+                       help="with --url a router: the replicas behind it, whose /metrics give "
+                            "per-replica requests, prefix-cache hit rate and TTFT (default: none)")
     group.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                        help="completions: the conversation as plain text (no chat template "
                             "needed); chat: /v1/chat/completions with the messages")
+    parser.add_argument("--structured", action="store_true",
+                        help="random workload: run each setting twice, free and with every "
+                             "request constrained to a JSON schema (response_format), and "
+                             "report the output tok/s of both")
     parser.add_argument("--compare-offline", action="store_true",
                         help="also time the busiest run's prompts through offline "
                              "LLM.generate with the same engine options (after the server "

@@ -64,8 +64,10 @@ def check_endpoint(endpoint: object, flag: str = "kv_events_endpoint") -> str:
 
 
 def binds(endpoint: str) -> bool:
-    """vLLM's rule: a wildcard host (`*`, `::`), ipc:// and inproc:// bind; tcp://HOST:PORT
-    connects (to a subscriber that binds)."""
+    """vLLM's rule: a wildcard host (`*`, `::`), ipc:// and inproc:// always bind. Another
+    tcp://HOST:PORT binds where it can (a local address whose port is free: subscribers
+    connect to it, the usual layout) and connects where it cannot (a subscriber bound it, as
+    vLLM's publisher expects there, or HOST is another machine)."""
     return ("*" in endpoint or "::" in endpoint
             or endpoint.startswith(("ipc://", "inproc://")))
 
@@ -167,7 +169,10 @@ class KVEventPublisher:
             if binds(self.endpoint):
                 self._pub.bind(self.endpoint)
             else:
-                self._pub.connect(self.endpoint)
+                try:
+                    self._pub.bind(self.endpoint)
+                except zmq.ZMQError:
+                    self._pub.connect(self.endpoint)
             if self.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.bind(self.replay_endpoint)

@@ -41,9 +41,17 @@ import time
 from dataclasses import dataclass, field
 
 from hybridkv.connector.base import BlockCopy, ConnectorMeta, LoadDone, LoadJob, StoreDone
-from hybridkv.connector.offload.chain import TierChain
-from hybridkv.connector.offload.store import make_key
+from hybridkv.connector.offload.chain import STORED, TierChain
+from hybridkv.connector.offload.store import make_key, parse_key
 from hybridkv.kv.block_pool import Block, BlockStored
+from hybridkv.kv.events import (
+    MEDIUM_CPU,
+    MEDIUM_DISK,
+    MEDIUM_REMOTE,
+    BlocksRemoved,
+    BlocksStored,
+    KVCacheEvent,
+)
 from hybridkv.kv.hashing import BlockHash
 from hybridkv.kv.manager import KVCacheManager
 from hybridkv.kv.request import KVRequest
@@ -55,6 +63,7 @@ DURABLE_TIERS = ("disk",)  # tiers that outlive the process: written through as 
 WRITE_THROUGH_BYTES = 128 << 20  # write-through copies waiting for the disk, at most
 MAX_LOAD_ROUNDS = 2  # per admission: a request whose loaded blocks got evicted again retries once
 DEVICE = -2  # `source` of a block already in the device prefix cache
+TIER_MEDIA = {"cpu": MEDIUM_CPU, "disk": MEDIUM_DISK, "remote": MEDIUM_REMOTE}  # KV events
 
 
 @dataclass
@@ -472,6 +481,44 @@ class OffloadConnectorScheduler:
                 if block is not None and block.block_id == block_id:
                     filled.append((event.group_id, block_id, block_hash))
         return filled
+
+    # ------------------------------------------------------------ KV events
+    def enable_kv_events(self) -> None:
+        """Log the tiers' stores and removals for `take_kv_events` (what a warm tier holds
+        already comes first)."""
+        self.chain.enable_events()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The tiers' stores and removals since the last call, as KV events with each tier's
+        medium (CPU, STORAGE, EXTERNAL); consecutive ones of one tier, kind and group in one
+        event. Stored events carry the hashes only (no tokens, no parent), as vLLM's
+        offloading connector sends them: the device announced the tokens when it computed
+        the block."""
+        out: list[KVCacheEvent] = []
+        run: tuple[int, int, int] | None = None  # (tier, kind, group) of `hashes`
+        hashes: list[BlockHash] = []
+
+        def close_run() -> None:
+            if run is None or not hashes:
+                return
+            tier, kind, group = run
+            medium = TIER_MEDIA.get(self.chain.names[tier], self.chain.names[tier].upper())
+            if kind == STORED:
+                out.append(BlocksStored(group, tuple(hashes), None, (),
+                                        self.managers[group].block_size, medium))
+            else:
+                out.append(BlocksRemoved(group, tuple(hashes), medium))
+
+        for tier, kind, key in self.chain.take_events():
+            fingerprint, group, block_hash = parse_key(key)
+            if fingerprint != self.layout_fingerprint or group >= len(self.managers):
+                continue  # another layout's entry (a shared directory): not ours to announce
+            if run != (tier, kind, group):
+                close_run()
+                run, hashes = (tier, kind, group), []
+            hashes.append(block_hash)
+        close_run()
+        return out
 
     def stats_summary(self) -> dict[str, object]:
         s = self.stats

@@ -269,12 +269,19 @@ class LLMEngine:
             topic=config.kv_events_topic, replay_endpoint=config.kv_events_replay_endpoint,
             data_parallel_rank=config.data_parallel_rank, max_queue=config.kv_events_queue)
         self.kv_manager.pool.kv_events = []
+        if self.connector is not None:
+            self.connector.enable_kv_events()  # the tiers' stores and removals too
         return publisher
 
     def _publish_kv_events(self) -> None:
         """Hand the events since the last call to the publisher (it never blocks)."""
         pool = self.kv_manager.pool
-        if self.kv_events is not None and pool.kv_events:
+        if self.kv_events is None or pool.kv_events is None:
+            return
+        if self.connector is not None:
+            # The offload thread logged these; taking them never waits on it.
+            pool.kv_events.extend(self.connector.take_kv_events())
+        if pool.kv_events:
             events, pool.kv_events = pool.kv_events, []
             self.kv_events.publish(events)
 
@@ -414,10 +421,13 @@ class LLMEngine:
         cache goes away now), finish queued tier writes and stop the offload thread."""
         if self.structured is not None:
             self.structured.close()  # compiles still queued are dropped
-        if self.kv_events is not None:
+        self._close_connector()
+        if self.kv_events is not None:  # after the tiers' last writes: those are announced
             self._publish_kv_events()
             self.kv_events.close()
             self.kv_manager.pool.kv_events = None  # nobody drains it any more
+
+    def _close_connector(self) -> None:
         worker = getattr(self.runner, "connector", None)
         if self._closed or self.connector is None or worker is None:
             return

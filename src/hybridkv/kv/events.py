@@ -39,7 +39,8 @@ SPEC_KINDS = {"full": "full_attention", "sliding_window": "sliding_window",
 class BlocksStored:
     """Consecutive blocks of one request in one group: block k's parent is block k-1, the
     first one's is `parent_hash` (None: it starts the sequence). `token_ids` holds
-    `block_size` tokens per block."""
+    `block_size` tokens per block. An offload tier's stores carry the hashes only (no
+    tokens, no parent), as vLLM's offloading connector sends them."""
 
     group_id: int
     block_hashes: tuple[BlockHash, ...]

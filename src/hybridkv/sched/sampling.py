@@ -24,7 +24,7 @@ MAX_REPETITION_PENALTY = 1e4
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = all tokens
+    top_k: int = 0  # 0 = all tokens (-1, vLLM's spelling, is read as 0)
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
@@ -58,7 +58,11 @@ class SamplingParams:
         temperature = check_number("temperature", self.temperature, low=0.0)
         object.__setattr__(self, "temperature", 0.0 if temperature < _MIN_TEMPERATURE
                            else temperature)
-        check_int("top_k", self.top_k, low=0, what="an integer >= 0 (0 = all tokens)")
+        # -1 is vLLM's (and the routers' SGLang-era default's) spelling of "all tokens".
+        check_int("top_k", self.top_k, low=-1,
+                  what="an integer >= 0 (0 or -1 = all tokens)")
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
         top_p = check_number("top_p", self.top_p, low=0.0)
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")

@@ -16,19 +16,28 @@ tier) is called without the lock: a slow network never holds up the local tiers.
 
 The `*_many` calls take a batch of keys and ask each tier once: a remote tier answers a
 batch in one round trip.
+
+KV events (`enable_events`): what each tier accepted and dropped is logged in `events`, from
+whichever thread made the call (a deque: appends never wait); the engine's thread drains it
+each step and publishes it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybridkv.connector.offload.store import KVStore, Payload, StoreStats
 
 TIER_NAMES = ("cpu", "disk", "remote")  # the tiers a user can configure, fastest first
+STORED, REMOVED = 0, 1  # kinds of `TierChain.events` entries
+TierEvent = tuple[int, int, bytes]  # (tier index, kind, store key)
 
 
 @dataclass
@@ -66,6 +75,35 @@ class TierChain:
                                                                  strict=True))
         self._lock = threading.Lock()
         self._unlocked = contextlib.nullcontext()
+        self.events: deque[TierEvent] | None = None
+
+    def enable_events(self) -> None:
+        """Log every key a tier accepts or drops in `events` from now on; the keys the
+        tiers hold already (a warm disk directory) are logged as stored first."""
+        events: deque[TierEvent] = deque()
+        for index, tier in enumerate(self.tiers):
+            with self._guard(index):
+                live = getattr(tier, "live_keys", None) or getattr(tier, "keys", None)
+                if live is not None:
+                    events.extend((index, STORED, key) for key in live())
+                if hasattr(tier, "on_removed"):  # not part of KVStore: optional
+                    hook: Any = tier
+                    hook.on_removed = functools.partial(self._removed, index)
+        self.events = events
+
+    def _removed(self, index: int, key: bytes) -> None:
+        if self.events is not None:
+            self.events.append((index, REMOVED, key))
+
+    def take_events(self) -> list[TierEvent]:
+        """The events logged since the last call, oldest first (any thread may log more
+        meanwhile: those come next time)."""
+        events, out = self.events, []
+        if events is not None:
+            with contextlib.suppress(IndexError):
+                for _ in range(len(events)):
+                    out.append(events.popleft())
+        return out
 
     def _guard(self, index: int) -> contextlib.AbstractContextManager[object]:
         """The chain's lock for a single-owner tier; nothing for a thread-safe one."""
@@ -156,8 +194,16 @@ class TierChain:
 
     def _put_many(self, index: int, items: Sequence[tuple[bytes, Payload]]) -> None:
         started = time.perf_counter()
+        events = self.events
         with self._guard(index):
-            self.tiers[index].put(items)
+            if events is None:
+                self.tiers[index].put(items)
+            else:
+                # One at a time: a put that evicts an entry stored earlier in the batch logs
+                # that entry's store before its removal.
+                for key, value in items:
+                    if self.tiers[index].put([(key, value)])[0]:
+                        events.append((index, STORED, key))
         self.stats[index].store_seconds += time.perf_counter() - started
 
     def flush(self, timeout_s: float = 60.0) -> None:
@@ -186,6 +232,8 @@ class TierChain:
         with self._guard(index):
             [ok] = self.tiers[index].put([(key, value)])
         self.stats[index].store_seconds += time.perf_counter() - started
+        if ok and self.events is not None:
+            self.events.append((index, STORED, key))
         return ok
 
     def buffer(self, nbytes: int) -> bytearray:
@@ -204,7 +252,7 @@ class TierChain:
         tier = self.tiers[index]
         clear = getattr(tier, "clear", None)
         if clear is not None:  # a shared tier: only what this chain's namespace holds
-            clear()
+            clear()  # (not announced as KV events: a benchmark's tool, not serving)
             return
         if not hasattr(tier, "keys"):
             raise NotImplementedError(f"the {self.names[index]} tier cannot list its keys")

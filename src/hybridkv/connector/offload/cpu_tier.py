@@ -14,7 +14,7 @@ memory is touched (3-30x the copy itself); a recycled buffer is already mapped.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hybridkv.connector.offload.store import Payload, StoreStats
 from hybridkv.kv.plan import format_bytes
@@ -30,6 +30,7 @@ class CPUTier:
         self._entries: OrderedDict[bytes, Payload] = OrderedDict()
         self._used = 0
         self._spare: dict[int, list[bytearray]] = {}
+        self.on_removed: Callable[[bytes], None] | None = None  # KV events (store.py)
 
     MAX_SPARE = 64  # per buffer size: a step's worth of stores
 
@@ -85,10 +86,12 @@ class CPUTier:
             if old is not value:
                 self._recycle(old)
         while self._used + len(value) > self.capacity_bytes:
-            _, dropped = self._entries.popitem(last=False)
+            dropped_key, dropped = self._entries.popitem(last=False)
             self._used -= len(dropped)
             self.stats.evictions += 1
             self._recycle(dropped)
+            if self.on_removed is not None:
+                self.on_removed(dropped_key)
         self._entries[key] = value
         self._used += len(value)
         self.stats.bytes_stored += len(value)
@@ -102,6 +105,8 @@ class CPUTier:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._used -= len(old)
+                if self.on_removed is not None:
+                    self.on_removed(key)
 
     def check_integrity(self) -> None:
         assert self._used == sum(len(v) for v in self._entries.values()), "used bytes drifted"

@@ -27,7 +27,7 @@ import logging
 import os
 import re
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +65,7 @@ def file_name(key: bytes) -> str:
 class _Entry:
     size: int  # file bytes, what the budget counts
     live: bool  # False: another layout's file, or a rejected file we could not remove
+    key: bytes = b""  # the store key (KV events name the block it holds)
 
 
 class DiskTier:
@@ -77,6 +78,7 @@ class DiskTier:
         self._faults = FaultLog(self.stats, logger, f"kv offload disk tier {self.directory}")
         self._index: OrderedDict[str, _Entry] = OrderedDict()
         self._used = 0
+        self.on_removed: Callable[[bytes], None] | None = None  # KV events (store.py)
         # The smallest file one block makes (a key adds a few dozen bytes more).
         smallest = HEADER.size + len(layout_fingerprint) + max(min_entry_bytes, 1)
         if capacity_bytes < smallest:
@@ -120,6 +122,10 @@ class DiskTier:
             name = file_name(key)
             if name in self._index:
                 self._drop(name)
+
+    def live_keys(self) -> list[bytes]:
+        """The keys of every entry that can be served, least recently used first."""
+        return [e.key for e in self._index.values() if e.live]
 
     def check_integrity(self) -> None:
         assert self._used == sum(e.size for e in self._index.values()), "used bytes drifted"
@@ -182,7 +188,7 @@ class DiskTier:
             self._fault(e)
             self._unlink_quietly(tmp)
             return False  # the old file, if any, is untouched: os.replace did not happen
-        self._index[name] = _Entry(size, live=True)
+        self._index[name] = _Entry(size, live=True, key=key)
         self._index.move_to_end(name)
         self._used += grow
         self.stats.bytes_stored += len(value)
@@ -214,13 +220,20 @@ class DiskTier:
         (read-only) it stays in the index as dead, still counted in the budget, first in line
         for eviction."""
         if not self._remove(name):
-            self._index[name].live = False
+            entry = self._index[name]
+            self._announce_removal(entry)
+            entry.live = False
             self._index.move_to_end(name, last=False)
 
     def _forget(self, name: str) -> None:
         entry = self._index.pop(name, None)
         if entry is not None:
             self._used -= entry.size
+            self._announce_removal(entry)
+
+    def _announce_removal(self, entry: _Entry) -> None:
+        if entry.live and self.on_removed is not None:
+            self.on_removed(entry.key)
 
     def _fault(self, e: OSError) -> None:
         kind = _FAULT_KINDS.get(e.errno or 0, "I/O error")
@@ -246,7 +259,8 @@ class DiskTier:
             raise ValueError(f"{where} is not writable: {e.strerror or e}") from None
 
     def _scan(self) -> None:
-        found: list[tuple[bool, int, str, int]] = []  # (live, mtime_ns, name, size)
+        # (live, mtime_ns, name, size, key)
+        found: list[tuple[bool, int, str, int, bytes]] = []
         try:
             dir_entries = list(os.scandir(self.directory))
         except OSError as e:
@@ -264,8 +278,8 @@ class DiskTier:
                     found.append(scanned)
             # Any other file is not ours: left alone and not counted.
         # Dead (other layout) first, then ours; each oldest first.
-        for live, _, name, size in sorted(found):
-            self._index[name] = _Entry(size, live)
+        for live, _, name, size, key in sorted(found):
+            self._index[name] = _Entry(size, live, key)
             self._used += size
         # A smaller budget than last run's: trim now rather than over budget until a put.
         if self._used > self.capacity_bytes and self._index:
@@ -274,7 +288,7 @@ class DiskTier:
             if self._used > self.capacity_bytes:
                 self._remove(keep)
 
-    def _scan_file(self, item: os.DirEntry[str]) -> tuple[bool, int, str, int] | None:
+    def _scan_file(self, item: os.DirEntry[str]) -> tuple[bool, int, str, int, bytes] | None:
         try:
             st = item.stat(follow_symlinks=False)
             with open(item.path, "rb") as f:
@@ -294,4 +308,4 @@ class DiskTier:
             self._unlink_quietly(Path(item.path))
             return None
         live = header.layout_fingerprint == self.layout_fingerprint
-        return live, st.st_mtime_ns, item.name, st.st_size
+        return live, st.st_mtime_ns, item.name, st.st_size, header.key

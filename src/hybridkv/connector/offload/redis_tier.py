@@ -200,6 +200,7 @@ class RedisTier:
         self.namespace = b"hybridkv:" + layout_fingerprint.hex().encode() + b":"
         self.ttl_s = ttl_s
         self.stats = StoreStats()
+        self.on_removed: Callable[[bytes], None] | None = None  # KV events (store.py)
         self._link = _Link(spec, timeout_s, queue_bytes, self.stats, hash_seed)
         self._thread = threading.Thread(target=self._link.serve, daemon=True,
                                         name="hybridkv-kv-remote")
@@ -258,6 +259,8 @@ class RedisTier:
             payload = None if value is None else open_entry(value, key, self.layout_fingerprint)
             if value is not None and payload is None:
                 rejected.append(name)
+                if self.on_removed is not None:
+                    self.on_removed(key)
             elif payload is not None:
                 hits += 1
                 loaded += len(payload)
@@ -281,6 +284,9 @@ class RedisTier:
         self._link.unqueue(names)
         if names:
             self._link.pipeline(lambda pipe: [pipe.unlink(n) for n in names])
+        if self.on_removed is not None:
+            for key in keys:
+                self.on_removed(key)
 
     # -- lifetime and tools -----------------------------------------------------------------
 

@@ -41,6 +41,14 @@ def make_key(layout_fingerprint: bytes, group_id: int, block_hash: bytes) -> byt
             + _GROUP.pack(group_id) + block_hash)
 
 
+def parse_key(key: bytes) -> tuple[bytes, int, bytes]:
+    """`make_key`'s inverse: (layout fingerprint, group id, block hash)."""
+    (fp_len,) = _KEY_PREFIX.unpack_from(key)
+    fp_end = _KEY_PREFIX.size + fp_len
+    (group_id,) = _GROUP.unpack_from(key, fp_end)
+    return key[_KEY_PREFIX.size:fp_end], group_id, key[fp_end + _GROUP.size:]
+
+
 @dataclass
 class StoreStats:
     """Counters of one tier since it was built. `lookups`/`hits` count keys passed to `get`
@@ -78,6 +86,8 @@ class KVStore(Protocol):
       `delete`/`exists`: they are counted in `stats.errors` and behave as a miss or a
       refused put.
     - Not thread-safe: one owner calls a tier at a time.
+    - A tier that can say which keys it dropped (evicted, deleted, found damaged) calls
+      its `on_removed` attribute, when set, with each such key (KV events).
     """
 
     stats: StoreStats
