@@ -12,6 +12,7 @@ from hybridkv.bench.conversations import (  # noqa: E402
     Conversation,
     common_prefix,
     render_text,
+    system_prompts,
 )
 from hybridkv.cli import main  # noqa: E402
 
@@ -51,6 +52,34 @@ def test_variants_build_the_conversations_they_name():
     assert text.startswith("System: sys\n\nUser: ") and text.endswith(
         "\nAssistant: answer 1\nUser: " + resend[1][3]["content"] + "\nAssistant:")
     assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([1], [1, 2]) == 1
+
+
+def test_per_user_system_prompts_share_no_prefix():
+    shared = system_prompts(0, "resend", 3, 40, 1.0)
+    assert len(set(shared)) == 1 and len(shared[0].split()) == 40
+    own = system_prompts(0, "resend", 3, 40, 1.0, per_user=True)
+    assert [len(s.split()) for s in own] == [40, 40, 40]
+    # No two users' prompts share more than a word or two (a random coincidence).
+    assert all(common_prefix(a.split(), b.split()) <= 2
+               for i, a in enumerate(own) for b in own[i + 1:])
+    assert system_prompts(0, "resend", 3, 40, 1.0, per_user=True) == own  # deterministic
+    assert system_prompts(1, "resend", 3, 40, 1.0, per_user=True) != own
+
+
+def test_per_user_system_runs_and_is_reported(model_dir, capsys):
+    assert main(["bench", "serve", "--model", model_dir, "--workload", "conversations",
+                 "--users", "2", "--turns", "2", "--system-tokens", "48", "--per-user-system",
+                 "--answer-tokens", "2", "--max-model-len", "512"]) == 0
+    assert "2 users x 2 turns, per-user system prompts ~48 tokens" in capsys.readouterr().out
+    assert main(["bench", "serve", "--model", model_dir, "--workload", "conversations",
+                 "--users", "2", "--turns", "1", "--system-tokens", "48", "--per-user-system",
+                 "--answer-tokens", "2", "--max-model-len", "512", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["per_user_system"] is True
+    [run] = figures["runs"]
+    # Nothing is shared: each user's first turn is recomputed past its first block at most.
+    assert run["completed"] == 2 and all(
+        r["recomputed"] >= r["prompt_tokens"] - BLOCK for r in run["requests"])
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])

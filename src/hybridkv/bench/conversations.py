@@ -1,7 +1,9 @@
 """`hybridkv bench serve --workload conversations`: multi-turn chats, where prefix caching
 across requests is what saves the prefill.
 
-A system prompt of about `--system-tokens` tokens shared by `--users` users; each user runs
+A system prompt of about `--system-tokens` tokens shared by `--users` users (with
+`--per-user-system`, one of that length per user instead: conversations that share no prefix,
+as when every user brings their own document or history); each user runs
 `--turns` turns in order (a turn is sent when the previous answer has arrived), the users
 concurrently. Every turn resends the conversation, as chat clients do, plus a new user
 message of about 30-60 tokens; answers are `--answer-tokens` long (temperature 0,
@@ -84,6 +86,18 @@ WORDS = tuple(_WORDS.split())
 
 def words(rng: random.Random, n: int) -> list[str]:
     return [rng.choice(WORDS) for _ in range(n)]
+
+
+def system_prompts(seed: int, variant: str, users: int, system_tokens: int,
+                   words_per_token: float, per_user: bool = False) -> list[str]:
+    """Each user's system prompt: one shared by all, or (per_user) a different one each.
+    Fresh per (seed, variant): one run must not warm the next."""
+    n = max(1, round(system_tokens * words_per_token))
+    if not per_user:
+        shared = " ".join(words(random.Random(f"{seed}-{variant}-system"), n))
+        return [shared] * users
+    return [" ".join(words(random.Random(f"{seed}-{variant}-system-{u}"), n))
+            for u in range(users)]
 
 
 @dataclass
@@ -281,7 +295,8 @@ def replica_figures(url: str, before: dict[str, float] | None,
 async def run_conversations(url: str, variant: str, users: int, turns: int,
                             system_tokens: int, answer_tokens: int, endpoint: str,
                             seed: int, model: str | None = None,
-                            replica_urls: Sequence[str] = ()) -> dict[str, Any]:
+                            replica_urls: Sequence[str] = (),
+                            per_user_system: bool = False) -> dict[str, Any]:
     import httpx
 
     limits = httpx.Limits(max_connections=users + 1, max_keepalive_connections=users + 1)
@@ -289,10 +304,8 @@ async def run_conversations(url: str, variant: str, users: int, turns: int,
         tokenizer = Tokenizer(client, replica_urls[0] if replica_urls else url, endpoint,
                               model)
         wpt = await words_per_token(tokenizer, random.Random(seed))
-        # A fresh system prompt per (seed, variant): one run must not warm the next.
-        rng = random.Random(f"{seed}-{variant}-system")
-        system = " ".join(words(rng, max(1, round(system_tokens * wpt))))
-        convs = [Conversation(system, variant, random.Random(f"{seed}-{variant}-{u}"), wpt)
+        systems = system_prompts(seed, variant, users, system_tokens, wpt, per_user_system)
+        convs = [Conversation(systems[u], variant, random.Random(f"{seed}-{variant}-{u}"), wpt)
                  for u in range(users)]
         log: list[list[Turn]] = [[] for _ in range(users)]
 
@@ -402,8 +415,9 @@ def _n(value: float | None, digits: int = 0) -> str:
 
 def format_conversations(f: dict[str, Any]) -> str:
     target = f["url"] or f"in-process server on {f['model']}"
-    lines = [f"{target}: conversations, {f['users']} users x {f['turns']} turns, system "
-             f"prompt ~{f['system_tokens']} tokens, {f['answer_tokens']}-token answers, "
+    system = "per-user system prompts" if f.get("per_user_system") else "system prompt"
+    lines = [f"{target}: conversations, {f['users']} users x {f['turns']} turns, {system} "
+             f"~{f['system_tokens']} tokens, {f['answer_tokens']}-token answers, "
              f"/v1/{'chat/' if f['endpoint'] == 'chat' else ''}completions"]
     for r in f["runs"]:
         lines += ["", f"{r['variant']}: {r['completed']} ok, {r['failed']} failed, "

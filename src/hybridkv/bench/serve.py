@@ -370,7 +370,7 @@ def bench_conversations(args: argparse.Namespace) -> dict[str, Any]:
         for variant in args.variant:
             runs.append(asyncio.run(run_conversations(
                 url, variant, args.users, args.turns, args.system_tokens, args.answer_tokens,
-                args.endpoint, args.seed, model, replica_urls)))
+                args.endpoint, args.seed, model, replica_urls, args.per_user_system)))
 
     if args.url:
         run_all(args.url.rstrip("/"))
@@ -380,6 +380,7 @@ def bench_conversations(args: argparse.Namespace) -> dict[str, Any]:
             run_all(url)
     return {"workload": "conversations", "model": model_dir, "url": args.url,
             "users": args.users, "turns": args.turns, "system_tokens": args.system_tokens,
+            "per_user_system": args.per_user_system,
             "answer_tokens": args.answer_tokens, "endpoint": args.endpoint, "seed": args.seed,
             "engine_options": options if not args.url else None, "runs": runs}
 
@@ -577,6 +578,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="turns per user, in order")
     group.add_argument("--system-tokens", type=positive_int, default=1000,
                        help="the shared system prompt's length (about)")
+    group.add_argument("--per-user-system", action="store_true",
+                       help="a different system prompt of --system-tokens per user: no prefix "
+                            "shared across users, so only routing that keeps a conversation "
+                            "on one replica reuses it")
     group.add_argument("--answer-tokens", type=positive_int, default=32,
                        help="tokens per answer (ignore_eos, greedy)")
     group.add_argument("--variant", nargs="+", choices=["resend", "edit", "branch"],
