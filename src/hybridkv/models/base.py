@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import ClassVar
 
 import torch
@@ -12,8 +12,10 @@ from hybridkv.models.layer_mix import kv_shared_from
 from hybridkv.models.layers.norms import RMSNorm
 from hybridkv.models.text_config import TextConfig
 from hybridkv.models.weights import load_named_weights
+from hybridkv.worker import quant_linear
 from hybridkv.worker.forward_context import ForwardContext
 from hybridkv.worker.linear import Linear
+from hybridkv.worker.quantized import QuantizedLinear
 
 
 class CausalLM(nn.Module):
@@ -124,7 +126,59 @@ class CausalLM(nn.Module):
                 and weight.numel() * weight.element_size() <= self.TIED_HEAD_COPY_BYTES):
             self.lm_head = Linear([self.lm_head], kernel)
 
+    # Heads of at least this many weights, on the CPU in float32, are computed a block of
+    # vocabulary rows at a time as W_block h^T (see _head_blocks); smaller heads whole.
+    BLOCKED_HEAD_WEIGHTS = 1 << 24
+    HEAD_BLOCK_ROWS = 2048  # 5 MiB of float32 weights at a 640-wide head
+
+    def _head_blocks(self, hidden: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]] | None:
+        """The head's logits a block of vocabulary rows at a time: (r0, [n, N] float32, a
+        buffer reused per block, the multiplier and soft cap applied), or None where the
+        head is computed whole (small heads, one row, other devices and dtypes, packed or
+        biased heads). A 262k x 640 head at 32 rows runs ~1.3-1.5x faster this way than
+        as one h W^T (torch's GEMM with the vocabulary as its rows; measured on an AVX2
+        core), and a greedy step reduces each block as it comes (greedy_tokens)."""
+        head, n = self.lm_head, hidden.shape[0]
+        if (n < 2 or hidden.dim() != 2 or hidden.device.type != "cpu"
+                or hidden.dtype != torch.float32):
+            return None
+        x = hidden.contiguous()
+        blocks: Iterator[tuple[int, torch.Tensor]]
+        if isinstance(head, QuantizedLinear):
+            w = head.qweight
+            # Below LARGE_M rows the quantized kernels read the blocks directly (faster).
+            if (head.bias is not None or w.rows * w.cols < self.BLOCKED_HEAD_WEIGHTS
+                    or n < quant_linear.LARGE_M):
+                return None
+            blocks = quant_linear.transposed_chunks(x, w.data, w.qtype, w.cols,
+                                                    self.HEAD_BLOCK_ROWS)
+        elif isinstance(head, nn.Linear):
+            weight = head.weight
+            if (head.bias is not None or weight.dtype != torch.float32
+                    or weight.numel() < self.BLOCKED_HEAD_WEIGHTS or weight.stride(1) != 1):
+                return None
+            blocks = _float_blocks(weight, x, self.HEAD_BLOCK_ROWS)
+        else:
+            return None
+        return self._scaled(blocks)
+
+    def _scaled(self, blocks: Iterator[tuple[int, torch.Tensor]]
+                ) -> Iterator[tuple[int, torch.Tensor]]:
+        mult, cap = self.cfg.logits_multiplier, self.cfg.final_logit_softcap
+        for r0, y in blocks:
+            if mult != 1.0:
+                y.mul_(mult)
+            if cap is not None:
+                y.div_(cap).tanh_().mul_(cap)
+            yield r0, y
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        blocks = self._head_blocks(hidden)
+        if blocks is not None:
+            logits = hidden.new_empty((hidden.shape[0], self.lm_head.out_features))
+            for r0, y in blocks:
+                logits[:, r0:r0 + y.shape[0]].copy_(y.T)
+            return logits
         logits = self.lm_head(hidden)
         if self.cfg.logits_multiplier != 1.0:
             logits = logits * self.cfg.logits_multiplier
@@ -133,6 +187,45 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits  # type: ignore[no-any-return]
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """argmax of compute_logits(hidden) per row (int64 [N]; the first index of the
+        maximum, a NaN counting as the maximum, as torch.argmax), reduced a block of the
+        vocabulary at a time so the [N, vocab] logits are never written; None where the
+        head is computed whole or a family changes compute_logits (the caller then samples
+        from the full logits). The blocks are the ones compute_logits copies out, so the
+        tokens are those an argmax of its logits gives."""
+        if type(self).compute_logits is not CausalLM.compute_logits:
+            return None
+        blocks = self._head_blocks(hidden)
+        if blocks is None:
+            return None
+        n = hidden.shape[0]
+        best = torch.full((n,), float("-inf"))
+        best_at = torch.zeros(n, dtype=torch.int64)
+        cols = torch.arange(n)
+        for r0, y in blocks:
+            at = torch.argmax(y, dim=0)
+            val = y[at, cols]
+            # Strictly greater (an earlier block keeps a tie), or the first NaN.
+            take = (val > best) | (val.isnan() & ~best.isnan())
+            best = torch.where(take, val, best)
+            best_at = torch.where(take, at + r0, best_at)
+        return best_at
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named_weights(self, weights, model_type=self.cfg.model_type,
                            tied=self.cfg.tie_word_embeddings, unused=self.unused_weights)
+
+
+def _float_blocks(weight: torch.Tensor, x: torch.Tensor, block_rows: int
+                  ) -> Iterator[tuple[int, torch.Tensor]]:
+    """(r0, weight[r0:r0 + n] x^T as [n, N]), one reused buffer."""
+    rows = weight.shape[0]
+    block = max(1, min(block_rows, rows))
+    buf = x.new_empty((block, x.shape[0]))
+    xt = x.T
+    for r0 in range(0, rows, block):
+        n = min(block, rows - r0)
+        y = buf[:n]
+        torch.mm(weight[r0:r0 + n].detach(), xt, out=y)  # no autograd: out= refuses it
+        yield r0, y

@@ -230,6 +230,14 @@ class ModelRunner:
             self.connector.after_forward(meta, ok)
         return result
 
+    def _all_plain_greedy(self, sample_ids: list[str], out: SchedulerOutput) -> bool:
+        """Whether the sampler would take a plain argmax of every row's logits and return
+        nothing else (no logprobs, bias, penalties or grammar mask; no hook reading them)."""
+        if self.logits_hook is not None or out.grammar_bitmask is not None:
+            return False
+        return all(self.params[r].plain_argmax and self.params[r].logprobs is None
+                   for r in sample_ids)
+
     @torch.inference_mode()
     def _execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._apply(out)
@@ -257,8 +265,17 @@ class ModelRunner:
         if not inputs.sample_ids:
             return RunnerOutput({}, {})
         # Cut down to the sampled tokens, the model returns only their rows, in order.
-        logits = self.model.compute_logits(  # type: ignore[operator]
-            hidden if reduced else hidden[sample_t])
+        sampled_hidden = hidden if reduced else hidden[sample_t]
+        if self._all_plain_greedy(inputs.sample_ids, out):
+            # Every row takes the argmax of the model's own logits and nothing reads them:
+            # the model may reduce its head a block at a time (a [rows, 262k] float32
+            # tensor is 1 MiB a row, written and read again by the argmax otherwise).
+            greedy = getattr(self.model, "greedy_tokens", None)
+            tokens = greedy(sampled_hidden) if greedy is not None else None
+            if tokens is not None:
+                return RunnerOutput(dict(zip(inputs.sample_ids, tokens.tolist(), strict=True)),
+                                    {})
+        logits = self.model.compute_logits(sampled_hidden)  # type: ignore[operator]
         if self.logits_hook is not None:
             self.logits_hook(inputs.sample_ids, logits)
         sampled = self.sampler.sample(logits, inputs.sample_ids,

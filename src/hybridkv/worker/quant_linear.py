@@ -39,6 +39,7 @@ from __future__ import annotations
 import ctypes
 import os
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -265,6 +266,36 @@ def _product(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
     if rc != 0:
         raise MemoryError("the quantized matmul could not allocate its panel buffers")
     return out
+
+
+def transposed_chunks(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
+                      chunk_rows: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """W x^T a block of W's rows at a time: yields (r0, y) with y = W[r0:r0 + n] x^T, float32
+    [n, M] (a buffer reused for the next block: read it before asking for the next).
+
+    For a matrix far taller than x (a 262k-vocabulary LM head against a batch of 32 rows),
+    torch's GEMM runs ~1.3x faster with the tall side as its rows than as x W^T (measured on
+    an AVX2 core), and a block of rows stays in the caches between its dequantization and
+    the product. The caller may reduce each block as it comes (a greedy argmax) without
+    ever writing the whole [M, rows] product. x: float32 [M, cols], contiguous."""
+    data = _check(data, qtype, cols)
+    rows, m = data.shape[0], x.shape[0]
+    chunk = max(1, min(chunk_rows, rows))
+    wbuf = torch.empty((chunk, cols), dtype=torch.float32)
+    ybuf = torch.empty((chunk, m), dtype=torch.float32)
+    lib = library() if available() else None
+    xt = x.T
+    for r0 in range(0, rows, chunk):
+        n = min(chunk, rows - r0)
+        if lib is not None:
+            lib.hkv_quant_dequantize(data[r0].data_ptr(), data.stride(0), qtype, cols, None, n,
+                                     wbuf.data_ptr(), cols)
+            w = wbuf[:n]
+        else:
+            w = _reference(data[r0:r0 + n], qtype, cols)
+        y = ybuf[:n]
+        torch.mm(w, xt, out=y)
+        yield r0, y
 
 
 @dataclass
