@@ -22,8 +22,14 @@ def _prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]
 
 
 def model_vocab(model_dir: str) -> int:
-    """The vocabulary size in a model directory's config.json."""
+    """The vocabulary size in a model directory's config.json (or of a GGUF file, or of a
+    real model's short name)."""
     path = Path(model_dir) / "config.json"
+    if not path.exists():
+        from hybridkv.models.layer_mix import load_hf_config
+
+        config = load_hf_config(model_dir)
+        return int((config.get("text_config") or config)["vocab_size"])
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
         return int((config.get("text_config") or config)["vocab_size"])
