@@ -424,6 +424,11 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
         # With --structured each setting runs free, then with the JSON schema.
         modes = [None, {"response_format": {"type": "json_schema", "json_schema": {
             "name": "bench", "schema": STRUCTURED_SCHEMA}}}] if args.structured else [None]
+        if args.structured:
+            # The grammar engine's vocabulary table and the schema's compile are built once
+            # per server: warm them too, so the runs compare steady-state decoding.
+            asyncio.run(run_load(url, warm, min(args.output_len, 2), 1, math.inf, args.seed,
+                                 args.served_model_name, modes[1]))
         for i, (concurrency, rate) in enumerate(pairs):
             for j, extra in enumerate(modes):
                 # Fresh prompts per run: an earlier run must not fill the prefix cache.
