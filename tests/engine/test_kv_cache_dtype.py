@@ -17,7 +17,7 @@ from hybridkv import LLM, SamplingParams  # noqa: E402
 from hybridkv.engine.offload import layout_fingerprint  # noqa: E402
 from tests.hooks import record_logits  # noqa: E402
 from tests.models.test_against_transformers import hf_reference  # noqa: E402
-from tests.models.tiny import build_tiny_model  # noqa: E402
+from tests.models.tiny import build_tiny_model, planner_minimum  # noqa: E402
 
 # A family each: plain, sliding (+ global), sinks, chunked, Mamba hybrid, linear-attention
 # hybrid, K-only pages, MLA.
@@ -46,24 +46,6 @@ def model(tmp_path_factory):
             built[name] = build_tiny_model(name, tmp_path_factory.mktemp(name))
         return built[name]
     return get
-
-
-def int8_minimum(model_dir, *, max_model_len: int, batch: int) -> int:
-    """The smallest KV budget (to 1 KiB) the planner accepts for the model's int8 pages."""
-    from hybridkv.kv.cache_dtype import apply_cache_dtype
-    from hybridkv.kv.plan import plan_kv_cache
-    from hybridkv.models.layer_mix import kv_layout_from_config, load_hf_config
-
-    layout = kv_layout_from_config(load_hf_config(str(model_dir)), kv_dtype="float32")
-    specs = apply_cache_dtype(layout.layer_specs, "int8")
-    for kib in range(1, 4096):
-        try:
-            plan_kv_cache(specs, kib * 1024, max_model_len=max_model_len,
-                          max_num_batched_tokens=batch, kv_sharing=layout.kv_sharing)
-        except ValueError:
-            continue
-        return kib * 1024
-    raise AssertionError("no budget up to 4 MiB plans")
 
 
 def run(model_dir, prompts_, **options):
@@ -112,7 +94,8 @@ def test_caching_chunking_and_preemption_change_no_token(arch, model):
     _, plain = run(model(arch), many, enable_prefix_caching=False, max_model_len=128, **q)
     # (A state group's block is most of a hybrid's minimum: it needs the minimum itself.)
     scale = 1.0 if arch == "nemotron_h" else 1.25
-    budget = int(int8_minimum(model(arch), max_model_len=128, batch=32) * scale)
+    budget = int(planner_minimum(model(arch), max_model_len=128, batch=32,
+                                 kv_cache_dtype="int8", kv_sharing=True) * scale)
     small = LLM(str(model(arch)), **{**COMMON, "kv_cache_memory": budget, "max_model_len": 128,
                                      "max_num_batched_tokens": 32}, **q)
     out = small.generate(many, SamplingParams(max_tokens=NUM_NEW))

@@ -124,17 +124,22 @@ ARCHS["gemma4_text"] = ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
 
 
 def planner_minimum(model_dir: Path, *, max_model_len: int, batch: int,
-                    caching: bool = True) -> int:
+                    caching: bool = True, kv_cache_dtype: str = "auto",
+                    kv_sharing: bool = False) -> int:
     """The smallest KV budget (to 1 KiB) the planner accepts for a saved model: tests that
-    want memory pressure scale it."""
+    want memory pressure scale it. `kv_cache_dtype`: its pages so stored; `kv_sharing`:
+    layers reading another's KV own no pages (as the engine plans them)."""
+    from hybridkv.kv.cache_dtype import apply_cache_dtype
     from hybridkv.kv.plan import plan_kv_cache
     from hybridkv.models.layer_mix import kv_layout_from_config, load_hf_config
 
     layout = kv_layout_from_config(load_hf_config(str(model_dir)), kv_dtype="float32")
+    specs = apply_cache_dtype(layout.layer_specs, kv_cache_dtype)
     for kib in range(1, 4096):
         try:
-            plan_kv_cache(layout.layer_specs, kib * 1024, max_model_len=max_model_len,
-                          max_num_batched_tokens=batch, enable_caching=caching)
+            plan_kv_cache(specs, kib * 1024, max_model_len=max_model_len,
+                          max_num_batched_tokens=batch, enable_caching=caching,
+                          kv_sharing=layout.kv_sharing if kv_sharing else None)
         except ValueError:
             continue
         return kib * 1024

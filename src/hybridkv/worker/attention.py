@@ -369,12 +369,13 @@ def to_page(x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) ->
     return quantize_rows(x, meta.cache_dtype)
 
 
-def from_page(rows: torch.Tensor, meta: AttentionMetadata, like: torch.Tensor
-              ) -> torch.Tensor:
-    """Rows read from pages as values of `like`'s head size and dtype."""
+def from_page(rows: torch.Tensor, meta: AttentionMetadata, head_size: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """Rows read from pages as `head_size` values of `dtype` (quantized pages), or as they
+    are (pages in the model's dtype)."""
     if meta.cache_dtype is None:
         return rows
-    return dequantize_rows(rows, meta.cache_dtype, like.shape[-1], like.dtype)
+    return dequantize_rows(rows, meta.cache_dtype, head_size, dtype)
 
 
 def _context_kv(kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -387,9 +388,10 @@ def _context_kv(kv_cache: torch.Tensor, meta: AttentionMetadata,
     as values of `like`'s (the queries') head size and dtype."""
     if params.derive_kv is None:
         keys, values = _gather_padded(kv_cache, meta, index)
-        return (from_page(keys[:, :length], meta, like),
-                from_page(values[:, :length], meta, like))
-    raw = from_page(_gather_raw_keys(kv_cache, meta, index)[:, :length], meta, like)
+        return (from_page(keys[:, :length], meta, like.shape[-1], like.dtype),
+                from_page(values[:, :length], meta, like.shape[-1], like.dtype))
+    raw = from_page(_gather_raw_keys(kv_cache, meta, index)[:, :length], meta,
+                    like.shape[-1], like.dtype)
     return params.derive_kv(raw, torch.arange(raw.shape[1], device=raw.device))
 
 

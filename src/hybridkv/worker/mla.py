@@ -49,9 +49,9 @@ def mla_forward(q: torch.Tensor, latent: torch.Tensor | None, kv_cache: torch.Te
     out = q.new_empty(q.shape[0], params.num_heads, params.v_head_dim)
     for batch in batches:
         latents = gather_latents(kv_cache, meta, batch.gather)  # [P, L, rank + rope]
-        if meta.cache_dtype is not None:  # quantized rows of the latent's width
-            width = params.kv_lora_rank + q.shape[-1] - params.qk_nope_head_dim
-            latents = from_page(latents, meta, q.new_empty(0, width))
+        # Quantized pages: rows of the latent's width (rank + rope).
+        latents = from_page(latents, meta,
+                            params.kv_lora_rank + q.shape[-1] - params.qk_nope_head_dim, q.dtype)
         keys, values = expand_latents(latents.to(q.dtype), kv_b_weight, params)
         allowed = batch.mask(None, None, meta.kernel_block_size)  # [P, Qm, L]
         res = nn.functional.scaled_dot_product_attention(
