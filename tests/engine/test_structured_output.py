@@ -165,3 +165,54 @@ def test_a_slow_compile_holds_only_its_own_request(llm):
     assert finished["slow"].text == "slow!"
     with engine.structured._lock:
         del engine.structured._cache[spec.key]
+
+
+@pytest.fixture
+def counted_masks(monkeypatch):
+    """Rows whose mask was computed, over every step."""
+    from hybridkv.sched.structured.manager import StepGrammars
+
+    rows: list[str] = []
+    bitmask = StepGrammars.bitmask
+
+    def counting(self, request_ids=None):
+        rows.extend(self.request_ids if request_ids is None else request_ids)
+        return bitmask(self, request_ids)
+
+    monkeypatch.setattr(StepGrammars, "bitmask", counting)
+    return rows
+
+
+@pytest.mark.parametrize("path", ["blocked_head", "full_logits"])
+def test_greedy_rows_compute_a_mask_only_when_their_best_token_is_refused(
+        demo_dir, counted_masks, monkeypatch, path):
+    # The masked argmax is the unmasked one whenever the grammar allows that token, so a
+    # greedy row skips its mask then; the tokens are those of masking every row.
+    from hybridkv.models.base import CausalLM
+    from hybridkv.sched.structured.manager import StepGrammars
+    from tests.hooks import record_logits
+
+    if path == "blocked_head":  # the tiny head takes the blocked path (top candidates)
+        monkeypatch.setattr(CausalLM, "BLOCKED_HEAD_WEIGHTS", 1)
+        monkeypatch.setattr(CausalLM, "HEAD_BLOCK_ROWS", 48)
+    options = dict(dtype="float32", max_model_len=256, kv_cache_memory="8MiB",
+                   linear_kernel="torch")
+    lazy = LLM(str(demo_dir), **options)
+    if path == "full_logits":
+        record_logits(lazy)  # a logits hook: the sampler gets every row's full logits
+    specs = [dict(json_schema=SCHEMA), dict(regex=r"[0-9]{3}-[a-z]{2,4}"),
+             dict(choice=["yes", "no", "maybe so"])]
+    params = [constrained(**s) for s in specs] + [SamplingParams(max_tokens=12)]
+    prompts = PROMPTS + PROMPTS[:1]
+    got = lazy.generate(prompts, params)
+    lazily_masked = len(counted_masks)
+    sampled = sum(len(o.token_ids) for o in got[:3])
+    assert 0 < lazily_masked < sampled
+
+    counted_masks.clear()
+    monkeypatch.setattr(StepGrammars, "allows", lambda self, rid, token: False)
+    masked = LLM(str(demo_dir), **options).generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in masked]
+    assert len(counted_masks) == sampled  # every constrained row's mask, every step
+    assert got[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(got[0].text), SCHEMA)

@@ -62,8 +62,9 @@ def test_the_greedy_fast_path_gives_the_sampled_tokens(tmp_path, blocked):
     record_logits(slow)  # a logits hook: every step takes the full logits and the sampler
     params = SamplingParams(max_tokens=8)
     calls = []
-    greedy = fast.engine.runner.model.greedy_tokens
-    fast.engine.runner.model.greedy_tokens = lambda h: calls.append(1) or greedy(h)
+    candidates = fast.engine.runner.model.head_candidates
+    fast.engine.runner.model.head_candidates = \
+        lambda h, k: calls.append(k) or candidates(h, k)
     assert [o.token_ids for o in fast.generate(prompts, params)] == \
         [o.token_ids for o in slow.generate(prompts, params)]
-    assert calls  # the fast path ran
+    assert calls and set(calls) == {1}  # the fast path ran, one candidate a row

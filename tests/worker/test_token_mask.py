@@ -23,9 +23,9 @@ def test_kernel_and_torch_path_mask_alike(vocab, words, monkeypatch):
     mask = GrammarBitmask(["b", "c", "a"], bits.view(np.int32))
     logits = torch.randn(4, vocab)
     before = logits.clone()
-    at_c, masked_c = sampler._masked_rows(mask, ["a", "b", "c", "d"], logits)
+    at_c, masked_c = sampler.masked_rows(mask, ["a", "b", "c", "d"], logits)
     monkeypatch.setattr(sampler, "_mask_kernel", lambda: None)
-    at_t, masked_t = sampler._masked_rows(mask, ["a", "b", "c", "d"], logits)
+    at_t, masked_t = sampler.masked_rows(mask, ["a", "b", "c", "d"], logits)
     assert at_c == at_t == {1: 0, 2: 1, 0: 2}
     assert torch.equal(masked_c, masked_t)
     assert torch.equal(logits, before)

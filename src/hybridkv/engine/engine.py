@@ -232,9 +232,9 @@ class LLMEngine:
         if pending:
             wait_futures(pending, timeout=timeout, return_when=FIRST_COMPLETED)
 
-    def _grammar_bitmask(self, out: SchedulerOutput) -> None:
-        """The allowed tokens of each constrained request that samples in this step (its
-        scheduled tokens reach its last known token)."""
+    def _step_grammars(self, out: SchedulerOutput) -> None:
+        """The grammars of the constrained requests that sample in this step (their
+        scheduled tokens reach their last known token); masks are computed where needed."""
         rows = []
         for rid, num in out.num_scheduled_tokens.items():
             request = self.scheduler.requests[rid]
@@ -242,9 +242,11 @@ class LLMEngine:
                     request.num_computed_tokens + num == request.num_tokens:
                 rows.append((rid, request.grammar))
         if rows:
+            from hybridkv.sched.structured.manager import StepGrammars
+
             assert self.structured is not None
-            out.grammar_bitmask = self.structured.fill_bitmask(
-                [rid for rid, _ in rows], [grammar for _, grammar in rows])
+            out.grammars = StepGrammars(self.structured, [rid for rid, _ in rows],
+                                        [grammar for _, grammar in rows])
 
     def _advance_grammar(self, request: Request) -> RequestStatus | None:
         """Feed the sampled token to the request's grammar; STOPPED once the grammar has
@@ -312,7 +314,7 @@ class LLMEngine:
             return outputs
         try:
             if self.structured is not None:
-                self._grammar_bitmask(out)
+                self._step_grammars(out)
             result = self.runner.execute(out)
         except Exception as e:
             # The forward itself failed: no request can be blamed, so the step's requests

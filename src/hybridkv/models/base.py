@@ -14,6 +14,7 @@ from hybridkv.models.text_config import TextConfig
 from hybridkv.models.weights import load_named_weights
 from hybridkv.worker import quant_linear
 from hybridkv.worker.forward_context import ForwardContext
+from hybridkv.worker.head_topk import HeadCandidates, HeadTopK
 from hybridkv.worker.linear import Linear
 from hybridkv.worker.quantized import QuantizedLinear
 
@@ -189,28 +190,50 @@ class CausalLM(nn.Module):
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """argmax of compute_logits(hidden) per row (int64 [N]; the first index of the
-        maximum, a NaN counting as the maximum, as torch.argmax), reduced a block of the
-        vocabulary at a time so the [N, vocab] logits are never written; None where the
-        head is computed whole or a family changes compute_logits (the caller then samples
+        maximum, as torch.argmax), reduced a block of the vocabulary at a time so the
+        [N, vocab] logits are never written; None where the head is computed whole, a
+        family changes compute_logits, or a row has a NaN logit (the caller then samples
         from the full logits). The blocks are the ones compute_logits copies out, so the
         tokens are those an argmax of its logits gives."""
+        found = self.head_candidates(hidden, 1)
+        if found is None or bool(found.nan.any()):
+            return None
+        return found.ids[:, 0]
+
+    def head_candidates(self, hidden: torch.Tensor, k: int) -> HeadCandidates | None:
+        """The k largest logits of compute_logits(hidden) per row, in order, from the
+        blocked head (see greedy_tokens); None where it does not apply."""
         if type(self).compute_logits is not CausalLM.compute_logits:
             return None
         blocks = self._head_blocks(hidden)
         if blocks is None:
             return None
-        n = hidden.shape[0]
-        best = torch.full((n,), float("-inf"))
-        best_at = torch.zeros(n, dtype=torch.int64)
-        cols = torch.arange(n)
+        top = HeadTopK(hidden.shape[0], k)
         for r0, y in blocks:
-            at = torch.argmax(y, dim=0)
-            val = y[at, cols]
-            # Strictly greater (an earlier block keeps a tie), or the first NaN.
-            take = (val > best) | (val.isnan() & ~best.isnan())
-            best = torch.where(take, val, best)
-            best_at = torch.where(take, at + r0, best_at)
-        return best_at
+            top.update(r0, y)
+        return top.result()
+
+    def logits_at(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+        """compute_logits(hidden [H])[ids] from the head rows of `ids` alone (structured
+        output's rows that allow a few tokens); None where the head is not a plain row
+        lookup (packed or biased heads, families that change compute_logits). The values
+        are the same dot products, summed in another order: equal to ~1e-6."""
+        if type(self).compute_logits is not CausalLM.compute_logits:
+            return None
+        head = self.lm_head
+        if isinstance(head, QuantizedLinear) and head.bias is None:
+            rows = head.qweight.rows_of(ids)
+        elif isinstance(head, nn.Linear) and head.bias is None:
+            rows = head.weight.detach().index_select(0, ids)
+        else:
+            return None
+        logits = rows.to(hidden.dtype) @ hidden
+        if self.cfg.logits_multiplier != 1.0:
+            logits = logits * self.cfg.logits_multiplier
+        cap = self.cfg.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named_weights(self, weights, model_type=self.cfg.model_type,

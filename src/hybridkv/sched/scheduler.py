@@ -22,7 +22,7 @@ from hybridkv.sched.request import Request, RequestStatus
 from hybridkv.sched.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from hybridkv.sched.structured.manager import GrammarBitmask
+    from hybridkv.sched.structured.manager import StepGrammars
 
 
 @dataclass(frozen=True)
@@ -78,9 +78,9 @@ class SchedulerOutput:
         default_factory=dict)
     # The KV connector's loads and stores of this step (None: no connector).
     kv_connector_meta: ConnectorMeta | None = None
-    # The tokens each structured-output request that samples this step may sample (set
-    # by the engine after `schedule`; None: no such request).
-    grammar_bitmask: GrammarBitmask | None = None
+    # The grammars of the structured-output requests that sample this step, which give
+    # their token masks (set by the engine after `schedule`; None: no such request).
+    grammars: StepGrammars | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

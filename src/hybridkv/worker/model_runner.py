@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -18,12 +19,13 @@ from hybridkv.kv.plan import KVCacheConfig
 from hybridkv.kv.spec import cdiv
 from hybridkv.sched.sampling import SamplingParams
 from hybridkv.sched.scheduler import SchedulerOutput
+from hybridkv.sched.structured.manager import GrammarBitmask, StepGrammars
 from hybridkv.worker.attention import AttentionMetadata, get_backend
 from hybridkv.worker.block_table import BlockTable
 from hybridkv.worker.config import RunnerConfig
 from hybridkv.worker.forward_context import ForwardContext, RopeTables
 from hybridkv.worker.kv_cache import allocate_kv_caches
-from hybridkv.worker.sampler import Sampler
+from hybridkv.worker.sampler import Sampler, masked_rows
 from hybridkv.worker.state import StateMetadata
 
 # Called with (request ids, their logits [R, V]) every step that samples; tests compare the
@@ -230,13 +232,79 @@ class ModelRunner:
             self.connector.after_forward(meta, ok)
         return result
 
-    def _all_plain_greedy(self, sample_ids: list[str], out: SchedulerOutput) -> bool:
-        """Whether the sampler would take a plain argmax of every row's logits and return
-        nothing else (no logprobs, bias, penalties or grammar mask; no hook reading them)."""
-        if self.logits_hook is not None or out.grammar_bitmask is not None:
+    def _all_plain_greedy(self, sample_ids: list[str]) -> bool:
+        """Whether the sampler would take a plain argmax of every row's logits (masked, for
+        structured-output rows) and return nothing else (no logprobs, bias or penalties; no
+        hook reading the logits)."""
+        if self.logits_hook is not None:
             return False
         return all(self.params[r].plain_argmax and self.params[r].logprobs is None
                    for r in sample_ids)
+
+    # A constrained greedy row takes the first of its head's top candidates that its
+    # grammar allows. With 8, ~93% of Gemma 3 270M's rows under a JSON schema need no mask;
+    # the others mostly have few allowed tokens (after `[` only `"` may come).
+    GRAMMAR_CANDIDATES = 8
+
+    def _greedy_step(self, hidden: torch.Tensor, sample_ids: list[str],
+                     grammars: StepGrammars | None) -> dict[str, int] | None:
+        """Every row greedy: tokens from the blocked head's top candidates, the [rows,
+        vocab] logits never written; None where the model cannot (the caller then takes
+        the full logits). A constrained row whose candidates the grammar all refuses gets
+        its mask, and the logits of the tokens the mask allows (or its whole row's, when
+        the mask allows many)."""
+        find = getattr(self.model, "head_candidates", None)
+        if find is None:
+            return None
+        found = find(hidden, self.GRAMMAR_CANDIDATES if grammars is not None else 1)
+        if found is None or bool(found.nan.any()):
+            return None
+        ids = found.ids.tolist()
+        tokens: dict[str, int] = {}
+        rest: list[int] = []  # rows that need their mask
+        for row, rid in enumerate(sample_ids):
+            if grammars is None or rid not in grammars:
+                tokens[rid] = ids[row][0]
+                continue
+            for j, token in enumerate(ids[row]):
+                if token >= 0 and grammars.allows(rid, token):
+                    if found.complete(row, j):
+                        tokens[rid] = token
+                    break
+            if rid not in tokens:
+                rest.append(row)
+        if rest:
+            assert grammars is not None
+            tokens.update(self._masked_greedy(hidden, [sample_ids[r] for r in rest], rest,
+                                              grammars))
+        return tokens
+
+    # A row allowing at most this many tokens gets their logits from their head rows alone.
+    GATHER_MAX_TOKENS = 4096
+
+    def _masked_greedy(self, hidden: torch.Tensor, rids: list[str], rows: list[int],
+                       grammars: StepGrammars) -> dict[str, int]:
+        """argmax over each row's allowed tokens, from the head rows of those tokens alone
+        where the model can compute them (a handful of 262k, typically), else from the
+        row's full logits masked. The first allowed index wins a tie, as in the sampler."""
+        bitmask = grammars.bitmask(rids)
+        tokens: dict[str, int] = {}
+        logits_at = getattr(self.model, "logits_at", None)
+        for i, (rid, row) in enumerate(zip(rids, rows, strict=True)):
+            allowed = np.flatnonzero(np.unpackbits(bitmask.words[i].view(np.uint8),
+                                                   bitorder="little"))
+            if logits_at is not None and 0 < len(allowed) <= self.GATHER_MAX_TOKENS:
+                ids = torch.from_numpy(allowed).to(hidden.device)
+                values = logits_at(hidden[row], ids)
+                if values is not None:
+                    tokens[rid] = int(ids[int(torch.argmax(values))])
+                    continue
+            logits = self.model.compute_logits(  # type: ignore[operator]
+                hidden[row:row + 1]).float()
+            _, masked = masked_rows(GrammarBitmask([rid], bitmask.words[i:i + 1]), [rid],
+                                     logits)
+            tokens[rid] = int(torch.argmax(masked[0]))
+        return tokens
 
     @torch.inference_mode()
     def _execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -266,19 +334,18 @@ class ModelRunner:
             return RunnerOutput({}, {})
         # Cut down to the sampled tokens, the model returns only their rows, in order.
         sampled_hidden = hidden if reduced else hidden[sample_t]
-        if self._all_plain_greedy(inputs.sample_ids, out):
-            # Every row takes the argmax of the model's own logits and nothing reads them:
-            # the model may reduce its head a block at a time (a [rows, 262k] float32
-            # tensor is 1 MiB a row, written and read again by the argmax otherwise).
-            greedy = getattr(self.model, "greedy_tokens", None)
-            tokens = greedy(sampled_hidden) if greedy is not None else None
+        if self._all_plain_greedy(inputs.sample_ids):
+            # Every row takes the argmax of the model's own logits (masked, where a grammar
+            # holds it) and nothing reads them: the model may reduce its head a block at a
+            # time (a [rows, 262k] float32 tensor is 1 MiB a row, written and read again by
+            # the argmax otherwise).
+            tokens = self._greedy_step(sampled_hidden, inputs.sample_ids, out.grammars)
             if tokens is not None:
-                return RunnerOutput(dict(zip(inputs.sample_ids, tokens.tolist(), strict=True)),
-                                    {})
+                return RunnerOutput(tokens, {})
         logits = self.model.compute_logits(sampled_hidden)  # type: ignore[operator]
         if self.logits_hook is not None:
             self.logits_hook(inputs.sample_ids, logits)
         sampled = self.sampler.sample(logits, inputs.sample_ids,
                                       [self.params[r] for r in inputs.sample_ids],
-                                      self._history, out.grammar_bitmask)
+                                      self._history, out.grammars)
         return RunnerOutput(sampled.tokens, sampled.logprobs, sampled.errors)

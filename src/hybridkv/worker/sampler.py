@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from hybridkv.sched.sampling import SamplingParams
-from hybridkv.sched.structured.manager import GrammarBitmask
+from hybridkv.sched.structured.manager import GrammarBitmask, StepGrammars
 
 
 @dataclass
@@ -37,25 +37,35 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, request_ids: list[str],
                params: list[SamplingParams], history: History | None = None,
-               bitmask: GrammarBitmask | None = None) -> SamplerOutput:
+               grammars: StepGrammars | None = None) -> SamplerOutput:
         """logits [R, V] -> one token per row, plus top logprobs where asked. `history`
-        gives a request's tokens (needed by penalties only); `bitmask` the tokens that
-        structured-output rows may sample (the others get -inf before anything else). A
+        gives a request's tokens (needed by penalties only); `grammars` the structured-
+        output rows' grammars (a row's forbidden tokens get -inf before anything else). A
         row that fails is reported in `errors` and gets no token: one request's failure
         must not take its batch-mates down."""
         logits = logits.float()
-        # Constrained rows get a masked copy (logprobs stay those of the model's logits);
-        # the mask goes first: a bias cannot bring back a masked token.
-        masked_at, masked = _masked_rows(bitmask, request_ids, logits) \
-            if bitmask is not None else ({}, logits)
         out = SamplerOutput({}, {}, {})
-        plain = [p.plain_argmax and row not in masked_at for row, p in enumerate(params)]
-        if any(plain):  # rows with nothing to apply share one argmax (commonly: all)
-            for rid, is_plain, token in zip(request_ids, plain,
-                                            torch.argmax(logits, dim=-1).tolist(),
-                                            strict=True):
-                if is_plain:
+        constrained = [rid in grammars for rid in request_ids] if grammars is not None \
+            else [False] * len(request_ids)
+        if any(p.plain_argmax for p in params):
+            # Rows with nothing to apply share one argmax (commonly: all). A constrained
+            # greedy row keeps it when its grammar allows it: the masked argmax is the same
+            # token, so no mask is computed for it.
+            for row, (rid, p, token) in enumerate(zip(
+                    request_ids, params, torch.argmax(logits, dim=-1).tolist(), strict=True)):
+                if p.plain_argmax and (not constrained[row]
+                                       or (grammars is not None
+                                           and grammars.allows(rid, token))):
                     out.tokens[rid] = token
+        # The other constrained rows get a masked copy (logprobs stay those of the model's
+        # logits); the mask goes first: a bias cannot bring back a masked token.
+        masked_at: dict[int, int] = {}
+        masked = logits
+        need = [rid for row, rid in enumerate(request_ids)
+                if constrained[row] and rid not in out.tokens]
+        if need:
+            assert grammars is not None
+            masked_at, masked = masked_rows(grammars.bitmask(need), request_ids, logits)
         greedy = [row for row in masked_at if params[row].plain_argmax]
         if greedy:  # constrained greedy rows: one argmax over their masked copies too
             index = torch.tensor([masked_at[row] for row in greedy], device=logits.device)
@@ -145,7 +155,7 @@ class Sampler:
 
 
 
-def _masked_rows(bitmask: GrammarBitmask, request_ids: list[str], logits: torch.Tensor
+def masked_rows(bitmask: GrammarBitmask, request_ids: list[str], logits: torch.Tensor
                  ) -> tuple[dict[int, int], torch.Tensor]:
     """(row -> its index in the copy, a copy of the constrained rows with every token the
     mask forbids at -inf). Ids past the mask (logits padded wider than the vocabulary) are

@@ -3,7 +3,10 @@
     add_request ──> grammar_for(spec) ──> compile(spec): cached Future ──> pool thread
                                             (the token table is built there once, lazily)
     each step   ──> poll(): ready, or failed (the request fails alone with the one line)
-                ──> fill_bitmask(rows that sample) ──> the sampler masks their logits
+                ──> StepGrammars(rows that sample) ──> the runner and sampler ask it
+                      allows(row, token): a greedy row whose best token the grammar takes
+                                          needs no mask (the masked argmax is that token)
+                      bitmask(rows): masks for the rows that still need one
                 ──> accept(token) per constrained request that got one
 
 The engine thread never compiles: a request waits in the scheduler's queue until its
@@ -162,3 +165,34 @@ class StructuredOutputManager:
         if self.on_mask is not None:
             self.on_mask(time.perf_counter() - start)
         return GrammarBitmask(request_ids, words)
+
+
+class StepGrammars:
+    """The constrained requests that sample in one step, their masks computed only where
+    asked for. A mask costs ~0.02-1.5 ms a row at a 262k vocabulary (strings are the slow
+    case); checking one token against the grammar costs microseconds. A greedy row takes
+    the argmax of its masked logits, which is its unmasked argmax whenever the grammar
+    allows that token, the common case (~87% of rows on Gemma 3 270M's JSON), so such a row
+    never has its mask computed."""
+
+    def __init__(self, manager: StructuredOutputManager, request_ids: list[str],
+                 grammars: Sequence[RequestGrammar]) -> None:
+        self._manager = manager
+        self.request_ids = request_ids
+        self._grammar = dict(zip(request_ids, grammars, strict=True))
+        self.masks_computed = 0  # rows whose mask was asked for (tests read it)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._grammar
+
+    def allows(self, request_id: str, token: int) -> bool:
+        """Whether the request's grammar takes `token` next (nothing is consumed)."""
+        matcher = self._grammar[request_id].matcher
+        assert matcher is not None
+        return bool(matcher.validate_tokens([token]) == 1)
+
+    def bitmask(self, request_ids: Sequence[str] | None = None) -> GrammarBitmask:
+        """The masks of `request_ids` (default: every constrained row of the step)."""
+        ids = list(self.request_ids if request_ids is None else request_ids)
+        self.masks_computed += len(ids)
+        return self._manager.fill_bitmask(ids, [self._grammar[rid] for rid in ids])
