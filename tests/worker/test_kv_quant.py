@@ -108,6 +108,59 @@ def test_rows_encode_as_the_reference_does(dtype, dim):
         assert np.abs(rows.astype(int) - ref.astype(int)).max() <= 16 + 1
 
 
+@pytest.mark.parametrize("dim", HEAD_SIZES)
+def test_the_c_int8_writer_writes_torchs_bytes(dim, monkeypatch):
+    # Both write paths must give one block the same bytes (a prefix hit or a tier cannot
+    # tell which wrote it): ties at .5, zero groups, scales that round in fp16, huge values.
+    from hybridkv.worker import kv_quant
+
+    if kv_quant._int8_kernel() is None:
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(dim)
+    x = torch.randn(4, 3, 40, dim, generator=gen) * 3
+    x[0, 0, 0] = 0.0
+    x[0, 1, :, :] = torch.arange(dim) * 0.5 - dim / 4  # halves: ties everywhere
+    x[1, 0, 0] = 1e6  # the scale clamps at fp16's largest
+    x = x[:, :, ::3]  # not contiguous
+    written = quantize_rows(x, "int8")
+    monkeypatch.setattr(kv_quant, "_int8_kernel", lambda: None)
+    assert torch.equal(written, quantize_rows(x, "int8"))
+
+
+def test_the_cpu_backend_writes_int8_pages_as_torch_does(monkeypatch):
+    # The C writer quantizes straight into the slots: the same bytes in the same places as
+    # quantize_rows and an index_put, the other slots untouched.
+    from hybridkv.worker import cpu_attention, native
+    from hybridkv.worker.attention import TorchReferenceBackend
+
+    try:
+        backend = cpu_attention.CPUPagedBackend()
+    except native.NativeBuildError as e:
+        pytest.skip(str(e))
+    gen = torch.Generator().manual_seed(7)
+    heads_kv, dim, block = 3, 72, 4
+    row = quantized_row_bytes("int8", dim)
+    # [pages, 2 blocks per page, 2, block, Hk, row], filled with junk to overwrite
+    cache = torch.randint(0, 256, (5, 2, 2, block, heads_kv, row), dtype=torch.uint8,
+                          generator=gen)
+    slots = torch.tensor([3, 17, 18, 36], dtype=torch.int64)
+    qkv = torch.randn(4, 3 * heads_kv, dim, generator=gen)
+    k, v = qkv[:, :heads_kv], qkv[:, heads_kv:2 * heads_kv]  # strided views, as projected
+    meta = AttentionMetadata(query_start_loc=[0, 4], seq_lens=[40],
+                             block_table=torch.zeros(1, 10, dtype=torch.int64),
+                             slot_mapping=slots, block_size=block, kernel_block_size=block,
+                             blocks_per_page=2, cache_dtype="int8")
+    params = AttentionParams(scale=1.0)
+    expected = cache.clone()
+    TorchReferenceBackend().write(k, v, expected, meta, params)
+    calls = []
+    writer = cpu_attention.write_int8_kv
+    monkeypatch.setattr(cpu_attention, "write_int8_kv",
+                        lambda *a: calls.append(1) or writer(*a))
+    backend.write(k, v, cache, meta, params)
+    assert calls and torch.equal(cache, expected)
+
+
 @pytest.mark.parametrize("dtype, bound", [("int8", 0.015), ("q4", 0.09), ("fp8", 0.02)])
 def test_round_trip_error_is_bounded(dtype, bound):
     x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
@@ -185,6 +238,8 @@ def test_the_kernel_reads_quantized_pages_as_the_torch_path(dtype, heads, heads_
     assert meta.query_lens == query_lens
     q = torch.randn(5, heads, dim, generator=gen)
     params = AttentionParams(scale=dim ** -0.5, sliding_window=window, softcap=softcap)
+    # With int8 pages and a head size of whole groups both paths read int8 queries (the
+    # kernel takes integer dot products): the same math, equal to float rounding.
     expected = TorchReferenceBackend().attend(q, cache, meta, params)
     out = backend.forward(q, None, None, cache, meta, params)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)

@@ -29,7 +29,12 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from hybridkv.worker.kv_quant import dequantize_rows, quantize_rows
+from hybridkv.worker.kv_quant import (
+    dequantize_rows,
+    quantize_queries,
+    quantize_rows,
+    quantizes_queries,
+)
 
 
 @dataclass
@@ -291,6 +296,8 @@ class TorchReferenceBackend:
                skip_short: int = 0) -> torch.Tensor:
         """Every request's queries over its context; with `skip_short`, requests of at most
         that many queries are left out (`out` then holds their rows already)."""
+        if params.derive_kv is None and quantizes_queries(meta.cache_dtype, q.shape[-1]):
+            q = quantize_queries(q, params.scale)  # as the CPU kernel reads int8 pages
         batches, alone = meta.plan(params.sliding_window, params.chunk_size, skip_short)
         if out is None and len(batches) == 1 and not alone and batches[0].all_valid and \
                 batches[0].tokens.numel() == q.shape[0]:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from hybridkv.kv.spec import quantized_row_bytes
 from hybridkv.worker import cpu_ops, native
 from hybridkv.worker.attention import (
     BACKENDS,
@@ -29,6 +30,7 @@ from hybridkv.worker.attention import (
     AttentionParams,
     TorchReferenceBackend,
 )
+from hybridkv.worker.kv_quant import write_int8_kv
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,18 @@ class CPUPagedBackend(TorchReferenceBackend):
             cpu_ops.write_kv(k, v, kv_cache, meta.slot_mapping, meta.block_size,
                              meta.blocks_per_page)
             return
+        if k is not None and v is not None and params.derive_kv is None and \
+                meta.cache_dtype == "int8" and kv_cache.dim() == 6 and \
+                kv_cache.dtype == torch.uint8 and kv_cache.stride(5) == 1 and \
+                k.dtype == v.dtype == torch.float32 and k.stride(2) == v.stride(2) == 1 and \
+                k.shape == v.shape and k.shape[:2] == (meta.slot_mapping.shape[0],
+                                                        kv_cache.shape[4]) and \
+                quantized_row_bytes("int8", k.shape[2]) == kv_cache.shape[5] and \
+                meta.slot_mapping.dtype == torch.int64 and \
+                meta.slot_mapping.is_contiguous() and \
+                write_int8_kv(k, v, kv_cache, meta.slot_mapping, meta.block_size,
+                              meta.blocks_per_page):
+            return  # quantized in C straight into the slots (torch's bytes)
         super().write(k, v, kv_cache, meta, params)
 
     def _attend_in_place(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,

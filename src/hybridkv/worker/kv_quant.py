@@ -10,7 +10,9 @@ bytes for the same K/V whatever path or tier a block later takes.
 
 from __future__ import annotations
 
+import ctypes
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -42,6 +44,17 @@ def quantize_rows(x: torch.Tensor, cache_dtype: str) -> torch.Tensor:
         raise ValueError(f"unknown KV cache dtype {cache_dtype!r}; accepted: "
                          f"{', '.join(CACHE_DTYPES)}")
     head_size = x.shape[-1]
+    if cache_dtype == "int8" and x.device.type == "cpu" and x.dtype == torch.float32:
+        kernel = _int8_kernel()
+        if kernel is not None:  # the same bytes, without torch's per-op cost
+            flat = x.reshape(-1, head_size)
+            if flat.stride(-1) != 1:
+                flat = flat.contiguous()
+            row_bytes = quantized_row_bytes(cache_dtype, head_size)
+            out = torch.empty((flat.shape[0], row_bytes), dtype=torch.uint8)
+            kernel(flat.data_ptr(), flat.shape[0], flat.stride(0), head_size, out.data_ptr(),
+                   row_bytes)
+            return out.view(*x.shape[:-1], row_bytes)
     groups = cdiv(head_size, QUANT_GROUP)
     full = head_size // QUANT_GROUP
     xp = x.float()
@@ -84,12 +97,80 @@ def quantize_rows(x: torch.Tensor, cache_dtype: str) -> torch.Tensor:
     return _with_pad([scale.view(torch.uint8), values], cache_dtype, head_size)
 
 
+_kernels: dict[str, Callable[..., None] | None] = {}
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_ARGTYPES = {
+    "hkv_quantize_int8_rows": [_PTR, _I64, _I64, _I64, _PTR, _I64],
+    # k, its strides, v, its strides, tokens, heads, head size, row bytes, slots, cache,
+    # its strides in bytes (page, slot, K->V, token, head), block size, blocks per page
+    "hkv_write_kv_int8": [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR,
+                          _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64],
+}
+
+
+def _native(name: str) -> Callable[..., None] | None:
+    """A C writer of int8 rows (worker/native/kv_quant.c), None where it cannot be built
+    (torch's operations write the same bytes)."""
+    if name not in _kernels:
+        from hybridkv.worker import native
+
+        try:
+            fn = getattr(native.load("kv_quant"), name)
+        except native.NativeBuildError:
+            _kernels[name] = None
+        else:
+            fn.argtypes = _ARGTYPES[name]
+            fn.restype = None
+            _kernels[name] = fn
+    return _kernels[name]
+
+
+def _int8_kernel() -> Callable[..., None] | None:
+    return _native("hkv_quantize_int8_rows")
+
+
+def write_int8_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, block_size: int, blocks_per_page: int) -> bool:
+    """k/v [T, Hk, D] float32 (unit stride along D) quantized into their slots of int8
+    pages [pages, per_page, 2, block, Hk, row_bytes] on the CPU; False where the C writer
+    cannot be built (the caller writes through quantize_rows: the same bytes)."""
+    kernel = _native("hkv_write_kv_int8")
+    if kernel is None:
+        return False
+    cs = kv_cache.stride()  # uint8: strides are bytes
+    kernel(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+           k.shape[0], k.shape[1], k.shape[2], kv_cache.shape[5], slot_mapping.data_ptr(),
+           kv_cache.data_ptr(), cs[0], cs[1], cs[2], cs[3], cs[4], block_size,
+           blocks_per_page)
+    return True
+
+
 def _with_pad(parts: list[torch.Tensor], cache_dtype: str, head_size: int) -> torch.Tensor:
     """The row's parts and its padding, as one uint8 row."""
     pad = quantized_row_bytes(cache_dtype, head_size) - sum(p.shape[-1] for p in parts)
     if pad:
         parts.append(parts[-1].new_zeros(*parts[-1].shape[:-1], pad))
     return torch.cat(parts, dim=-1)
+
+
+def quantize_queries(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [..., D] as attention over int8 pages reads it: q * scale through int8 per 32
+    values (scale max|.| / 127) and back, divided by scale again. Every path does this (the
+    CPU kernel takes integer dot products against int8 K rows, llama.cpp's q8_0 way), so a
+    token's logits do not depend on which path computed it (a prefix hit recomputes the
+    last prompt token on another path than the prefill did)."""
+    x = q.float() * scale
+    groups = x.unflatten(-1, (-1, QUANT_GROUP))
+    amax = groups.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    back = torch.round(groups * inv) * (amax / 127.0)
+    out: torch.Tensor = (back.flatten(-2) / scale).to(q.dtype)
+    return out
+
+
+def quantizes_queries(cache_dtype: str | None, head_size: int) -> bool:
+    """Whether attention over pages of `cache_dtype` reads quantize_queries(q)."""
+    return cache_dtype == "int8" and head_size % QUANT_GROUP == 0
 
 
 def dequantize_rows(rows: torch.Tensor, cache_dtype: str, head_size: int,

@@ -223,6 +223,157 @@ static inline void weigh_rows(float *restrict out, float c, const float *restric
     }
 }
 
+/* x through int8 per GROUP and back (scale max|x| / 127), as quantize_q8 below stores it. */
+static void __attribute__((unused)) q8_round_trip(float *x, int64_t dim) {
+    for (int64_t g = 0; g + GROUP <= dim; g += GROUP) {
+        float amax = 0.f;
+        for (int64_t d = 0; d < GROUP; d++) amax = fmaxf(amax, fabsf(x[g + d]));
+        const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        for (int64_t d = 0; d < GROUP; d++) x[g + d] = (float)lrintf(x[g + d] * inv) * s;
+    }
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+/* int8 pages without decoding them (head sizes a multiple of GROUP). The query is quantized
+   like a K row (int8 per GROUP with one scale, as llama.cpp's q8_0 dot products do; every
+   path does the same to queries over int8 pages, worker/kv_quant.py: quantize_queries), so
+   q.k is integer products summed exactly, times the two scales: 32 products in four
+   instructions, no float copy of the row. V rows are converted in registers, each
+   converted slice weighed into every query head of the KV head, with the row's scale
+   folded into the head's softmax weight. */
+#define I8_DOT 1
+
+static inline float half_at(const char *p) {
+    uint16_t bits;
+    memcpy(&bits, p, 2);
+    return _cvtsh_ss(bits);
+}
+
+/* x (dim values) -> int8 per GROUP with scale max|x| / 127 (values in [-127, 127]). */
+static void quantize_q8(const float *x, int64_t dim, int8_t *q8, float *scales) {
+    for (int64_t g = 0; g < dim / GROUP; g++) {
+        float amax = 0.f;
+        for (int64_t d = 0; d < GROUP; d++) amax = fmaxf(amax, fabsf(x[g * GROUP + d]));
+        const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        for (int64_t d = 0; d < GROUP; d++)
+            q8[g * GROUP + d] = (int8_t)lrintf(x[g * GROUP + d] * inv);
+        scales[g] = s;
+    }
+}
+
+/* The 8 int32 lanes of GROUP products q.k (k signed, |q|, |k| <= 127: no saturation). */
+static inline __m256i dot32(__m256i q, __m256i k) {
+    const __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(k, k), _mm256_sign_epi8(q, k));
+    return _mm256_madd_epi16(prod, _mm256_set1_epi16(1));
+}
+
+/* scores[t] = q . k_t for the n int8 rows at row0 + t * stride (bytes). Eight keys at a
+   time, their lanes reduced together. */
+static void score_rows_i8(const int8_t *q8, const float *qsc, const char *row0,
+                          int64_t stride, int64_t n, int64_t dim, float *scores) {
+    const int64_t groups = dim / GROUP, voff = 2 * groups;
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const char *r = row0 + t * stride;
+        __m256 res = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            const __m256i qv = _mm256_loadu_si256((const __m256i *)(q8 + g * GROUP));
+            __m256i d[8];
+            float ks[8];
+            for (int i = 0; i < 8; i++) {
+                const char *row = r + i * stride;
+                d[i] = dot32(qv, _mm256_loadu_si256((const __m256i *)(row + voff + g * GROUP)));
+                ks[i] = half_at(row + 2 * g);
+            }
+            const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]),
+                                                 _mm256_hadd_epi32(d[2], d[3]));
+            const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]),
+                                                 _mm256_hadd_epi32(d[6], d[7]));
+            const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20),
+                                                 _mm256_permute2x128_si256(h0, h1, 0x31));
+            const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(ks), _mm256_set1_ps(qsc[g]));
+            res = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, res);
+        }
+        _mm256_storeu_ps(scores + t, res);
+    }
+    for (; t < n; t++) {
+        const char *row = row0 + t * stride;
+        float acc = 0.f;
+        for (int64_t g = 0; g < groups; g++) {
+            const __m256i qv = _mm256_loadu_si256((const __m256i *)(q8 + g * GROUP));
+            const __m256i d = dot32(qv, _mm256_loadu_si256((const __m256i *)(row + voff + g * GROUP)));
+            const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(d),
+                                             _mm256_extracti128_si256(d, 1));
+            const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            const __m128i s1 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xb1));
+            acc += (float)_mm_cvtsi128_si32(s1) * half_at(row + 2 * g) * qsc[g];
+        }
+        scores[t] = acc;
+    }
+}
+
+/* out[h][d] = out[h][d] * corr[h] + sum_t p[h][t] * v_t[d] for the `heads` query heads of
+   one KV head (out rows dim apart, p rows TILE apart), v_t the n int8 rows at row0 +
+   t * stride. Sixteen values of a row are converted once and weighed into up to four heads
+   held in registers. */
+static void weigh_rows_i8(float *out, const float *corr, const float *p, int64_t heads,
+                          const char *row0, int64_t stride, int64_t n, int64_t dim) {
+    const int64_t groups = dim / GROUP, voff = 2 * groups;
+    float vs[TILE * (1024 / GROUP)]; /* [t][g] the rows' scales */
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t g = 0; g < groups; g++)
+            vs[t * groups + g] = half_at(row0 + t * stride + 2 * g);
+    for (int64_t h0 = 0; h0 < heads; h0 += 4) {
+        const int64_t hn = heads - h0 < 4 ? heads - h0 : 4;
+        for (int64_t d = 0; d < dim; d += 16) {
+            const int64_t g = d / GROUP;
+            __m256 a[4][2];
+            for (int64_t h = 0; h < hn; h++) {
+                const __m256 c = _mm256_set1_ps(corr[h0 + h]);
+                a[h][0] = _mm256_mul_ps(_mm256_loadu_ps(out + (h0 + h) * dim + d), c);
+                a[h][1] = _mm256_mul_ps(_mm256_loadu_ps(out + (h0 + h) * dim + d + 8), c);
+            }
+            for (int64_t t = 0; t < n; t++) {
+                const __m128i raw = _mm_loadu_si128((const __m128i *)(row0 + t * stride + voff + d));
+                const __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+                const __m256 v1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
+                const float s = vs[t * groups + g];
+                for (int64_t h = 0; h < hn; h++) {
+                    const __m256 w = _mm256_set1_ps(p[(h0 + h) * TILE + t] * s);
+                    a[h][0] = _mm256_fmadd_ps(w, v0, a[h][0]);
+                    a[h][1] = _mm256_fmadd_ps(w, v1, a[h][1]);
+                }
+            }
+            for (int64_t h = 0; h < hn; h++) {
+                _mm256_storeu_ps(out + (h0 + h) * dim + d, a[h][0]);
+                _mm256_storeu_ps(out + (h0 + h) * dim + d + 8, a[h][1]);
+            }
+        }
+    }
+}
+#endif
+
+/* One tile of scores into the running softmax of a head: scores become the tile's weights
+   exp(s - new max); returns the factor the head's running output is scaled by. */
+static inline float softmax_tile(float *scores, int64_t n, float softcap, float *run_max,
+                                 float *run_sum) {
+    if (softcap > 0.f)
+        for (int64_t t = 0; t < n; t++) scores[t] = tanhf(scores[t] / softcap) * softcap;
+    float tile_max = scores[0];
+    for (int64_t t = 1; t < n; t++) tile_max = scores[t] > tile_max ? scores[t] : tile_max;
+    const float new_max = tile_max > *run_max ? tile_max : *run_max;
+    const float correction = *run_max == -INFINITY ? 0.f : expf(*run_max - new_max);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; t++) {
+        scores[t] = exp_nonpositive(scores[t] - new_max);
+        sum += scores[t];
+    }
+    *run_sum = *run_sum * correction + sum;
+    *run_max = new_max;
+    return correction;
+}
+
 /* Returns 0, or a negative code for arguments it cannot take (checked by the caller too).
    Cache strides are in bytes; `codec` says what the rows hold (CODEC_*). */
 int hkv_paged_attention(
@@ -242,6 +393,11 @@ int hkv_paged_attention(
         codec > CODEC_Q4)
         return -1;
     const int quantized = codec != CODEC_F32;
+#ifdef I8_DOT
+    const int i8dot = codec == CODEC_INT8 && head_dim % GROUP == 0;
+#else
+    const int i8dot = 0;
+#endif
     const int64_t group = num_heads / num_kv_heads;
     kv_view kv = {cache, page_stride, slot_stride, kv_stride, token_stride, head_stride,
                   block_size, kernel_block_size, blocks_per_page};
@@ -262,6 +418,11 @@ int hkv_paged_attention(
         float scores[TILE];
         /* A tile's decoded K and V rows of one KV head (quantized pages only). */
         float kbuf[quantized ? TILE * head_dim : 1], vbuf[quantized ? TILE * head_dim : 1];
+        /* int8 pages read in place: the queries as int8 with their scales, and a KV head's
+           query heads' weights for a tile. */
+        int8_t q8[i8dot ? num_heads * head_dim : 1];
+        float qsc[i8dot ? num_heads * head_dim / GROUP : 1];
+        float probs[i8dot ? group * TILE : 1], corr[i8dot ? group : 1];
         float run_max[num_heads], run_sum[num_heads];
         const char *pf_k = NULL, *pf_v = NULL; /* the block being prefetched, K and V */
         int64_t pf_at = 0;                       /* its bytes prefetched so far */
@@ -280,6 +441,16 @@ int hkv_paged_attention(
                 const float *src = q + tok * q_token_stride + h * q_head_stride;
                 for (int64_t d = 0; d < head_dim; d++) qs[h * head_dim + d] = src[d] * scale;
                 if (codec == CODEC_Q4) rotate_groups(qs + h * head_dim, head_dim);
+#ifdef I8_DOT
+                if (i8dot)
+                    quantize_q8(qs + h * head_dim, head_dim, q8 + h * head_dim,
+                                qsc + h * (head_dim / GROUP));
+#else
+                /* int8 pages are read with int8 queries on every path (the torch one
+                   included): here the decoded rows meet the query's round trip. */
+                if (codec == CODEC_INT8 && head_dim % GROUP == 0)
+                    q8_round_trip(qs + h * head_dim, head_dim);
+#endif
                 run_max[h] = sinks ? sinks[h] : -INFINITY;
                 run_sum[h] = sinks ? 1.f : 0.f;
             }
@@ -309,6 +480,32 @@ int hkv_paged_attention(
                 }
                 t0 += n;
                 for (int64_t kh = 0; kh < num_kv_heads; kh++) {
+                    /* The prefetch spread over the block's work, a few lines per key and
+                       head: a burst of hundreds at the block's start fills the miss buffers
+                       and stalls the core instead of overlapping it (1.5x slower from DRAM). */
+                    const int64_t per_token = (pf_lines_per_head + n - 1) / n;
+#define PREFETCH_HEAD()                                                                  \
+    if (pf_k != NULL)                                                                    \
+        for (int64_t c = 0; c < per_token * n && pf_at < block_bytes; c++, pf_at += 64) { \
+            __builtin_prefetch(pf_k + pf_at, 0, 2);                                      \
+            __builtin_prefetch(pf_v + pf_at, 0, 2);                                      \
+        }
+#ifdef I8_DOT
+                    if (i8dot) {
+                        const char *krow = row0 + kh * head_stride;
+                        for (int64_t g = 0; g < group; g++) {
+                            const int64_t h = kh * group + g;
+                            PREFETCH_HEAD()
+                            float *w = probs + g * TILE;
+                            score_rows_i8(q8 + h * head_dim, qsc + h * (head_dim / GROUP),
+                                          krow, token_stride, n, head_dim, w);
+                            corr[g] = softmax_tile(w, n, softcap, &run_max[h], &run_sum[h]);
+                        }
+                        weigh_rows_i8(acc + kh * group * head_dim, corr, probs, group,
+                                      krow + kv_stride, token_stride, n, head_dim);
+                        continue;
+                    }
+#endif
                     /* The tile's rows as floats: in place, or decoded into the buffers. */
                     const float *k0, *v0;
                     int64_t stride;
@@ -326,39 +523,14 @@ int hkv_paged_attention(
                     }
                     for (int64_t g = 0; g < group; g++) {
                         const int64_t h = kh * group + g;
-                        /* The prefetch spread over the block's work, a few lines per key: a
-                           burst of hundreds at the block's start fills the miss buffers and
-                           stalls the core instead of overlapping it (1.5x slower from DRAM). */
-                        const int64_t per_token = (pf_lines_per_head + n - 1) / n;
-                        for (int64_t t = 0; t < n; t++) {
-                            if (pf_k != NULL)
-                                for (int64_t c = 0; c < per_token && pf_at < block_bytes;
-                                     c++, pf_at += 64) {
-                                    __builtin_prefetch(pf_k + pf_at, 0, 2);
-                                    __builtin_prefetch(pf_v + pf_at, 0, 2);
-                                }
-                        }
+                        PREFETCH_HEAD()
                         score_rows(qs + h * head_dim, k0, stride, n, head_dim, scores);
-                        if (softcap > 0.f)
-                            for (int64_t t = 0; t < n; t++)
-                                scores[t] = tanhf(scores[t] / softcap) * softcap;
-                        float tile_max = scores[0];
-                        for (int64_t t = 1; t < n; t++)
-                            tile_max = scores[t] > tile_max ? scores[t] : tile_max;
-                        const float new_max = tile_max > run_max[h] ? tile_max : run_max[h];
-                        const float correction = run_max[h] == -INFINITY ? 0.f
-                                                 : expf(run_max[h] - new_max);
-                        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-                        for (int64_t t = 0; t < n; t++) {
-                            scores[t] = exp_nonpositive(scores[t] - new_max);
-                            sum += scores[t];
-                        }
-                        run_sum[h] = run_sum[h] * correction + sum;
-                        run_max[h] = new_max;
+                        const float correction = softmax_tile(scores, n, softcap, &run_max[h],
+                                                              &run_sum[h]);
                         weigh_rows(acc + h * head_dim, correction, scores, v0, stride, n,
                                    head_dim);
                     }
+#undef PREFETCH_HEAD
                 }
             }
             for (int64_t h = 0; h < num_heads; h++) {
