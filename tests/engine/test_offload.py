@@ -452,6 +452,37 @@ def test_write_through_keeps_the_evict_policy_for_the_cpu_tier(model, reference,
     books_clean(llm)
 
 
+def test_an_evicted_block_reaches_the_cpu_tier_while_its_disk_write_is_pending(
+        model, reference, tmp_path):
+    """Policy evict over a slow disk: a block written through to the disk and evicted from
+    the device before that write is done still goes to the CPU tier (the pending disk
+    copy covers the disk only)."""
+    import threading
+
+    from hybridkv.connector.offload.disk_tier import DiskTier
+
+    arch = "llama"
+    prompts = make_prompts(14)
+    llm = offload_llm(model(arch), kv_offload_cpu="64MiB",
+                      kv_offload_disk=f"{tmp_path / 'kv'}:64MiB")
+    cpu, disk = llm.engine.connector.chain.tiers
+    assert isinstance(disk, DiskTier)
+    release = threading.Event()
+    put = disk.put
+    disk.put = lambda items: release.wait(60) and put(items)  # the disk is behind
+    try:
+        first = llm.generate(prompts, GREEDY)
+        assert llm.reset_prefix_cache()  # evicted while their disk writes are queued
+        llm.engine.step()  # copies the evicted blocks out
+    finally:
+        release.set()
+    flush(llm)
+    assert len(cpu) > 0
+    second = llm.generate(prompts, GREEDY)
+    check_cpu_round(first, second, reference(arch, prompts))
+    books_clean(llm)
+
+
 # ---------------------------------------------------------------- faults
 
 

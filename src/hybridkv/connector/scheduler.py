@@ -137,6 +137,10 @@ class OffloadConnectorScheduler:
         # slowest tier read), to say where its hit came from.
         self._served: dict[str, tuple[int, int]] = {}
         self._pending_store: dict[bytes, int] = {}  # keys queued for the tiers, not yet done
+        # The tiers those queued copies go to (None: every tier): a block written through to
+        # the disk while it is still on the device must still reach the CPU tier when the
+        # device evicts it before the disk write is done.
+        self._pending_tiers: dict[bytes, frozenset[int] | None] = {}
         # Store policy "evict": the durable tiers, written through as blocks fill, and the
         # bytes of those copies not written yet (by key).
         self.write_through = (tuple(i for i, name in enumerate(chain.names)
@@ -271,6 +275,7 @@ class OffloadConnectorScheduler:
                         self._pending_store[key] = left
                     else:
                         self._pending_store.pop(key, None)
+                        self._pending_tiers.pop(key, None)
                 continue
             load = self._jobs.pop(message.job_id)
             load.served = message.tiers
@@ -435,14 +440,17 @@ class OffloadConnectorScheduler:
         todo: dict[bytes, tuple[int, int]] = {}
         for group_id, block_id, block_hash in blocks:
             key = self.key(group_id, block_hash)
-            if key not in self._pending_store:
-                todo.setdefault(key, (group_id, block_id))
+            if key not in self._pending_store or self._pending_tiers.get(key) is not None:
+                todo.setdefault(key, (group_id, block_id))  # not on its way to every tier
         if not todo:
             return
         missing = self.chain.missing_many(list(todo), ask_remote=False)
         for (key, (group_id, block_id)), lacking in zip(todo.items(), missing, strict=True):
             if only is not None:
                 lacking = [t for t in lacking if t in only]
+            on_the_way = self._pending_tiers.get(key) or frozenset() \
+                if key in self._pending_store else frozenset()
+            lacking = [t for t in lacking if t not in on_the_way]
             if not lacking:
                 continue
             if only is not None:
@@ -453,8 +461,16 @@ class OffloadConnectorScheduler:
                 self._writing_through[key] = nbytes
                 self._write_through_queued += nbytes
                 self.stats.blocks_written_through += 1
-            self._pending_store[key] = 1
-            into.append(BlockCopy(group_id, block_id, key, only))
+            # Every lacking tier (None), unless part of them is already on its way.
+            tiers = only if only is not None else (tuple(lacking) if on_the_way else None)
+            if key in self._pending_store:
+                before = self._pending_tiers.get(key)
+                self._pending_tiers[key] = None if tiers is None or before is None \
+                    else before | frozenset(tiers)
+            else:
+                self._pending_tiers[key] = None if tiers is None else frozenset(tiers)
+            self._pending_store[key] = self._pending_store.get(key, 0) + 1
+            into.append(BlockCopy(group_id, block_id, key, tiers))
             self.stats.blocks_stored += 1
 
     def build_meta(self) -> ConnectorMeta:
