@@ -3,7 +3,7 @@ the vocabulary at a time (models/base.py: greedy_tokens, head_candidates).
 
 k = 1 is a greedy step's argmax; a larger k gives structured output's greedy rows their
 candidates in order, so a row whose best token the grammar allows never needs its mask
-(engine/lazy masks). The [rows, vocab] logits are never written."""
+(worker/model_runner.py, `_greedy_step`). The [rows, vocab] logits are never written."""
 
 from __future__ import annotations
 
