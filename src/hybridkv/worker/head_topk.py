@@ -64,19 +64,12 @@ class HeadTopK:
         return HeadCandidates(self.values, self.ids, self.nan.bool())
 
 
-_kernel_fn: list[Callable[..., None] | None] = []
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+# y, rows, cols, its row stride, r0, k, values, ids, nan flags, the last values
+_ARGTYPES = [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR]
 
 
 def _kernel() -> Callable[..., None] | None:
     """The C kernel (worker/native/head_topk.c), None where it cannot be built."""
-    if not _kernel_fn:
-        try:
-            fn = native.load("head_topk").hkv_head_topk
-        except native.NativeBuildError:
-            _kernel_fn.append(None)
-        else:
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            fn.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr]
-            fn.restype = None
-            _kernel_fn.append(fn)
-    return _kernel_fn[0]
+    fn: Callable[..., None] | None = native.function("head_topk", "hkv_head_topk", _ARGTYPES)
+    return fn

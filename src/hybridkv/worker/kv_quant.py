@@ -97,7 +97,6 @@ def quantize_rows(x: torch.Tensor, cache_dtype: str) -> torch.Tensor:
     return _with_pad([scale.view(torch.uint8), values], cache_dtype, head_size)
 
 
-_kernels: dict[str, Callable[..., None] | None] = {}
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = {
     "hkv_quantize_int8_rows": [_PTR, _I64, _I64, _I64, _PTR, _I64],
@@ -111,18 +110,10 @@ _ARGTYPES = {
 def _native(name: str) -> Callable[..., None] | None:
     """A C writer of int8 rows (worker/native/kv_quant.c), None where it cannot be built
     (torch's operations write the same bytes)."""
-    if name not in _kernels:
-        from hybridkv.worker import native
+    from hybridkv.worker import native
 
-        try:
-            fn = getattr(native.load("kv_quant"), name)
-        except native.NativeBuildError:
-            _kernels[name] = None
-        else:
-            fn.argtypes = _ARGTYPES[name]
-            fn.restype = None
-            _kernels[name] = fn
-    return _kernels[name]
+    fn: Callable[..., None] | None = native.function("kv_quant", name, _ARGTYPES[name])
+    return fn
 
 
 def _int8_kernel() -> Callable[..., None] | None:

@@ -181,21 +181,15 @@ def masked_rows(bitmask: GrammarBitmask, request_ids: list[str], logits: torch.T
     return {row: i for i, row in enumerate(rows)}, masked
 
 
-_mask_fn: list[Callable[..., None] | None] = []
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+# logits, their row stride, words, their row stride, words a row, rows, vocabulary
+_MASK_ARGTYPES = [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64]
 
 
 def _mask_kernel() -> Callable[..., None] | None:
     """The C masking kernel (worker/native/token_mask.c), None where it cannot be built."""
-    if not _mask_fn:
-        from hybridkv.worker import native
+    from hybridkv.worker import native
 
-        try:
-            fn = native.load("token_mask").hkv_mask_logits
-        except native.NativeBuildError:
-            _mask_fn.append(None)
-        else:
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            fn.argtypes = [ptr, i64, ptr, i64, i64, i64, i64]
-            fn.restype = None
-            _mask_fn.append(fn)
-    return _mask_fn[0]
+    fn: Callable[..., None] | None = native.function("token_mask", "hkv_mask_logits",
+                                                     _MASK_ARGTYPES)
+    return fn

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 SOURCES = Path(__file__).parent
 # -fopenmp: a library links libgomp.so.1, and torch has loaded its own copy under that name
@@ -34,6 +35,7 @@ class NativeBuildError(RuntimeError):
 
 
 _loaded: dict[str, ctypes.CDLL] = {}
+_functions: dict[tuple[str, str], Any] = {}
 
 
 def cache_dir() -> Path:
@@ -88,6 +90,21 @@ def load(name: str) -> ctypes.CDLL:
         raise NativeBuildError(f"cannot load {target}: {exc}") from None
     _loaded[name] = library
     return library
+
+
+def function(name: str, symbol: str, argtypes: list[Any], restype: Any = None) -> Any:
+    """`symbol` of `<name>.c`'s library with its ctypes signature, or None where the
+    library cannot be built (the caller then takes its torch path). Looked up once."""
+    key = (name, symbol)
+    if key not in _functions:
+        try:
+            fn = getattr(load(name), symbol)
+        except NativeBuildError:
+            fn = None
+        else:
+            fn.argtypes, fn.restype = argtypes, restype
+        _functions[key] = fn
+    return _functions[key]
 
 
 def _build(cc: str, source: Path, target: Path) -> None:
