@@ -138,7 +138,7 @@ class CausalLM(nn.Module):
         head is computed whole (small heads, one row, other devices and dtypes, packed or
         biased heads). A 262k x 640 head at 32 rows runs ~1.3-1.5x faster this way than
         as one h W^T (torch's GEMM with the vocabulary as its rows; measured on an AVX2
-        core), and a greedy step reduces each block as it comes (greedy_tokens)."""
+        core), and a greedy step reduces each block as it comes (head_candidates)."""
         head, n = self.lm_head, hidden.shape[0]
         if (n < 2 or hidden.dim() != 2 or hidden.device.type != "cpu"
                 or hidden.dtype != torch.float32):
@@ -180,29 +180,24 @@ class CausalLM(nn.Module):
             for r0, y in blocks:
                 logits[:, r0:r0 + y.shape[0]].copy_(y.T)
             return logits
-        logits = self.lm_head(hidden)
+        return self._scale(self.lm_head(hidden))
+
+    def _scale(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's output times the logits multiplier (µP), soft-capped (Gemma 2, 3n, 4)."""
         if self.cfg.logits_multiplier != 1.0:
             logits = logits * self.cfg.logits_multiplier
         cap = self.cfg.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits  # type: ignore[no-any-return]
-
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """argmax of compute_logits(hidden) per row (int64 [N]; the first index of the
-        maximum, as torch.argmax), reduced a block of the vocabulary at a time so the
-        [N, vocab] logits are never written; None where the head is computed whole, a
-        family changes compute_logits, or a row has a NaN logit (the caller then samples
-        from the full logits). The blocks are the ones compute_logits copies out, so the
-        tokens are those an argmax of its logits gives."""
-        found = self.head_candidates(hidden, 1)
-        if found is None or bool(found.nan.any()):
-            return None
-        return found.ids[:, 0]
+        return logits
 
     def head_candidates(self, hidden: torch.Tensor, k: int) -> HeadCandidates | None:
-        """The k largest logits of compute_logits(hidden) per row, in order, from the
-        blocked head (see greedy_tokens); None where it does not apply."""
+        """The k largest logits of compute_logits(hidden) per row, in order (k = 1: the
+        argmax, the first index of the maximum as torch.argmax), reduced a block of the
+        vocabulary at a time so the [N, vocab] logits are never written; None where the
+        head is computed whole or a family changes compute_logits (the caller then takes
+        the full logits). The blocks are the ones compute_logits copies out, so the
+        candidates are those of its logits; a row with a NaN logit is flagged."""
         if type(self).compute_logits is not CausalLM.compute_logits:
             return None
         blocks = self._head_blocks(hidden)
@@ -227,13 +222,7 @@ class CausalLM(nn.Module):
             rows = head.weight.detach().index_select(0, ids)
         else:
             return None
-        logits = rows.to(hidden.dtype) @ hidden
-        if self.cfg.logits_multiplier != 1.0:
-            logits = logits * self.cfg.logits_multiplier
-        cap = self.cfg.final_logit_softcap
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return self._scale(rows.to(hidden.dtype) @ hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named_weights(self, weights, model_type=self.cfg.model_type,

@@ -1,5 +1,5 @@
 """The k largest logits of each batch row, kept while the LM head is computed a block of
-the vocabulary at a time (models/base.py: greedy_tokens, head_candidates).
+the vocabulary at a time (models/base.py: head_candidates).
 
 k = 1 is a greedy step's argmax; a larger k gives structured output's greedy rows their
 candidates in order, so a row whose best token the grammar allows never needs its mask

@@ -156,7 +156,7 @@ class Sampler:
 
 
 def masked_rows(bitmask: GrammarBitmask, request_ids: list[str], logits: torch.Tensor
-                 ) -> tuple[dict[int, int], torch.Tensor]:
+                ) -> tuple[dict[int, int], torch.Tensor]:
     """(row -> its index in the copy, a copy of the constrained rows with every token the
     mask forbids at -inf). Ids past the mask (logits padded wider than the vocabulary) are
     never allowed."""

@@ -180,7 +180,6 @@ class StepGrammars:
         self._manager = manager
         self.request_ids = request_ids
         self._grammar = dict(zip(request_ids, grammars, strict=True))
-        self.masks_computed = 0  # rows whose mask was asked for (tests read it)
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._grammar
@@ -194,5 +193,4 @@ class StepGrammars:
     def bitmask(self, request_ids: Sequence[str] | None = None) -> GrammarBitmask:
         """The masks of `request_ids` (default: every constrained row of the step)."""
         ids = list(self.request_ids if request_ids is None else request_ids)
-        self.masks_computed += len(ids)
         return self._manager.fill_bitmask(ids, [self._grammar[rid] for rid in ids])
