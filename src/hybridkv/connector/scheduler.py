@@ -136,11 +136,11 @@ class OffloadConnectorScheduler:
         # Per request whose load was settled before its admission: (device tokens then,
         # slowest tier read), to say where its hit came from.
         self._served: dict[str, tuple[int, int]] = {}
-        self._pending_store: dict[bytes, int] = {}  # keys queued for the tiers, not yet done
-        # The tiers those queued copies go to (None: every tier): a block written through to
-        # the disk while it is still on the device must still reach the CPU tier when the
-        # device evicts it before the disk write is done.
-        self._pending_tiers: dict[bytes, frozenset[int] | None] = {}
+        # Keys queued for the tiers, not yet done: (copies queued, the tiers they go to, None
+        # for every tier). A block written through to the disk while it is still on the
+        # device must still reach the CPU tier when the device evicts it before the disk
+        # write is done.
+        self._pending_store: dict[bytes, tuple[int, frozenset[int] | None]] = {}
         # Store policy "evict": the durable tiers, written through as blocks fill, and the
         # bytes of those copies not written yet (by key).
         self.write_through = (tuple(i for i, name in enumerate(chain.names)
@@ -270,12 +270,9 @@ class OffloadConnectorScheduler:
             if isinstance(message, StoreDone):
                 for key in message.keys:
                     self._write_through_queued -= self._writing_through.pop(key, 0)
-                    left = self._pending_store.get(key, 0) - 1
-                    if left > 0:
-                        self._pending_store[key] = left
-                    else:
-                        self._pending_store.pop(key, None)
-                        self._pending_tiers.pop(key, None)
+                    count, tiers = self._pending_store.pop(key, (0, None))
+                    if count > 1:
+                        self._pending_store[key] = (count - 1, tiers)
                 continue
             load = self._jobs.pop(message.job_id)
             load.served = message.tiers
@@ -440,7 +437,8 @@ class OffloadConnectorScheduler:
         todo: dict[bytes, tuple[int, int]] = {}
         for group_id, block_id, block_hash in blocks:
             key = self.key(group_id, block_hash)
-            if key not in self._pending_store or self._pending_tiers.get(key) is not None:
+            pending = self._pending_store.get(key)
+            if pending is None or pending[1] is not None:
                 todo.setdefault(key, (group_id, block_id))  # not on its way to every tier
         if not todo:
             return
@@ -448,8 +446,8 @@ class OffloadConnectorScheduler:
         for (key, (group_id, block_id)), lacking in zip(todo.items(), missing, strict=True):
             if only is not None:
                 lacking = [t for t in lacking if t in only]
-            on_the_way = self._pending_tiers.get(key) or frozenset() \
-                if key in self._pending_store else frozenset()
+            count, on_the_way = self._pending_store.get(key, (0, frozenset()))
+            assert on_the_way is not None  # a copy to every tier left it out of `todo`
             lacking = [t for t in lacking if t not in on_the_way]
             if not lacking:
                 continue
@@ -463,13 +461,8 @@ class OffloadConnectorScheduler:
                 self.stats.blocks_written_through += 1
             # Every lacking tier (None), unless part of them is already on its way.
             tiers = only if only is not None else (tuple(lacking) if on_the_way else None)
-            if key in self._pending_store:
-                before = self._pending_tiers.get(key)
-                self._pending_tiers[key] = None if tiers is None or before is None \
-                    else before | frozenset(tiers)
-            else:
-                self._pending_tiers[key] = None if tiers is None else frozenset(tiers)
-            self._pending_store[key] = self._pending_store.get(key, 0) + 1
+            self._pending_store[key] = (count + 1, None if tiers is None
+                                        else on_the_way | frozenset(tiers))
             into.append(BlockCopy(group_id, block_id, key, tiers))
             self.stats.blocks_stored += 1
 

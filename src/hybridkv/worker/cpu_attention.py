@@ -90,17 +90,9 @@ class CPUPagedBackend(TorchReferenceBackend):
             cpu_ops.write_kv(k, v, kv_cache, meta.slot_mapping, meta.block_size,
                              meta.blocks_per_page)
             return
-        if k is not None and v is not None and params.derive_kv is None and \
-                meta.cache_dtype == "int8" and kv_cache.dim() == 6 and \
-                kv_cache.dtype == torch.uint8 and kv_cache.stride(5) == 1 and \
-                k.dtype == v.dtype == torch.float32 and k.stride(2) == v.stride(2) == 1 and \
-                k.shape == v.shape and k.shape[:2] == (meta.slot_mapping.shape[0],
-                                                        kv_cache.shape[4]) and \
-                quantized_row_bytes("int8", k.shape[2]) == kv_cache.shape[5] and \
-                meta.slot_mapping.dtype == torch.int64 and \
-                meta.slot_mapping.is_contiguous() and \
-                write_int8_kv(k, v, kv_cache, meta.slot_mapping, meta.block_size,
-                              meta.blocks_per_page):
+        if k is not None and v is not None and _int8_write_ok(k, v, kv_cache, meta, params) \
+                and write_int8_kv(k, v, kv_cache, meta.slot_mapping, meta.block_size,
+                                  meta.blocks_per_page):
             return  # quantized in C straight into the slots (torch's bytes)
         super().write(k, v, kv_cache, meta, params)
 
@@ -132,6 +124,19 @@ class CPUPagedBackend(TorchReferenceBackend):
             raise RuntimeError(f"paged attention kernel refused its arguments ({status}): "
                                f"{num_heads} heads, {kv_cache.shape[4]} KV heads, "
                                f"head dim {head_dim}")
+
+
+def _int8_write_ok(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                   meta: AttentionMetadata, params: AttentionParams) -> bool:
+    """float32 K/V rows of unit stride into int8 K/V pages [pages, per_page, 2, block, Hk,
+    row bytes] by int64 slots (the C writer's one layout)."""
+    return (params.derive_kv is None and meta.cache_dtype == "int8" and kv_cache.dim() == 6
+            and kv_cache.dtype == torch.uint8 and kv_cache.stride(5) == 1
+            and k.dtype == v.dtype == torch.float32 and k.stride(2) == v.stride(2) == 1
+            and k.shape == v.shape
+            and k.shape[:2] == (meta.slot_mapping.shape[0], kv_cache.shape[4])
+            and quantized_row_bytes("int8", k.shape[2]) == kv_cache.shape[5]
+            and meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.is_contiguous())
 
 
 def _in_place_ok(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
