@@ -223,13 +223,26 @@ static inline void weigh_rows(float *restrict out, float c, const float *restric
     }
 }
 
-/* x through int8 per GROUP and back (scale max|x| / 127), as quantize_q8 below stores it. */
-static void __attribute__((unused)) q8_round_trip(float *x, int64_t dim) {
-    for (int64_t g = 0; g + GROUP <= dim; g += GROUP) {
+/* x (dim values) -> int8 per GROUP with scale max|x| / 127 (values in [-127, 127]). */
+static void quantize_q8(const float *x, int64_t dim, int8_t *q8, float *scales) {
+    for (int64_t g = 0; g < dim / GROUP; g++) {
         float amax = 0.f;
-        for (int64_t d = 0; d < GROUP; d++) amax = fmaxf(amax, fabsf(x[g + d]));
+        for (int64_t d = 0; d < GROUP; d++) amax = fmaxf(amax, fabsf(x[g * GROUP + d]));
         const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        for (int64_t d = 0; d < GROUP; d++) x[g + d] = (float)lrintf(x[g + d] * inv) * s;
+        for (int64_t d = 0; d < GROUP; d++)
+            q8[g * GROUP + d] = (int8_t)lrintf(x[g * GROUP + d] * inv);
+        scales[g] = s;
+    }
+}
+
+/* x through int8 per GROUP and back, as quantize_q8 stores it (the decode path's queries
+   over int8 pages, where the integer dot products below are not compiled). */
+static void __attribute__((unused)) q8_round_trip(float *x, int64_t dim) {
+    int8_t q8[GROUP];
+    for (int64_t g = 0; g + GROUP <= dim; g += GROUP) {
+        float scale;
+        quantize_q8(x + g, GROUP, q8, &scale);
+        for (int64_t d = 0; d < GROUP; d++) x[g + d] = (float)q8[d] * scale;
     }
 }
 
@@ -247,18 +260,6 @@ static inline float half_at(const char *p) {
     uint16_t bits;
     memcpy(&bits, p, 2);
     return _cvtsh_ss(bits);
-}
-
-/* x (dim values) -> int8 per GROUP with scale max|x| / 127 (values in [-127, 127]). */
-static void quantize_q8(const float *x, int64_t dim, int8_t *q8, float *scales) {
-    for (int64_t g = 0; g < dim / GROUP; g++) {
-        float amax = 0.f;
-        for (int64_t d = 0; d < GROUP; d++) amax = fmaxf(amax, fabsf(x[g * GROUP + d]));
-        const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        for (int64_t d = 0; d < GROUP; d++)
-            q8[g * GROUP + d] = (int8_t)lrintf(x[g * GROUP + d] * inv);
-        scales[g] = s;
-    }
 }
 
 /* The 8 int32 lanes of GROUP products q.k (k signed, |q|, |k| <= 127: no saturation). */
@@ -395,8 +396,6 @@ int hkv_paged_attention(
     const int quantized = codec != CODEC_F32;
 #ifdef I8_DOT
     const int i8dot = codec == CODEC_INT8 && head_dim % GROUP == 0;
-#else
-    const int i8dot = 0;
 #endif
     const int64_t group = num_heads / num_kv_heads;
     kv_view kv = {cache, page_stride, slot_stride, kv_stride, token_stride, head_stride,
@@ -418,11 +417,13 @@ int hkv_paged_attention(
         float scores[TILE];
         /* A tile's decoded K and V rows of one KV head (quantized pages only). */
         float kbuf[quantized ? TILE * head_dim : 1], vbuf[quantized ? TILE * head_dim : 1];
+#ifdef I8_DOT
         /* int8 pages read in place: the queries as int8 with their scales, and a KV head's
            query heads' weights for a tile. */
         int8_t q8[i8dot ? num_heads * head_dim : 1];
         float qsc[i8dot ? num_heads * head_dim / GROUP : 1];
         float probs[i8dot ? group * TILE : 1], corr[i8dot ? group : 1];
+#endif
         float run_max[num_heads], run_sum[num_heads];
         const char *pf_k = NULL, *pf_v = NULL; /* the block being prefetched, K and V */
         int64_t pf_at = 0;                       /* its bytes prefetched so far */
