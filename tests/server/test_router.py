@@ -30,6 +30,7 @@ from tests.server.conftest import LiveServer
 openai = pytest.importorskip("openai")
 
 SMG = shutil.which("smg") or str(Path(sys.executable).with_name("smg"))
+VLLM_ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
 # The fields SGLang's gateway / vllm-router put into requests (their defaults).
 ROUTER_FIELDS = {"skip_special_tokens": True, "no_stop_trim": False, "include_reasoning": True,
                  "separate_reasoning": True, "stream_reasoning": True,
@@ -320,6 +321,73 @@ def test_a_killed_replica_is_routed_around_and_its_prefixes_come_from_redis(
             assert reply.status_code == 200, reply.text
             assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
         assert remote_hit_tokens(survivor) - before >= 3 * 32
+    finally:
+        for proc in reversed(procs):
+            stop(proc)
+
+
+def block_size(replica: LiveServer) -> int:
+    """The block size a replica's KV events use (vllm:cache_config_info's label)."""
+    import re
+
+    found = re.search(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"',
+                      httpx.get(f"{replica.url}/metrics", timeout=10).text)
+    assert found is not None
+    return int(found.group(1))
+
+
+def router_counter(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name))
+
+
+def test_vllm_routers_kv_aware_policy_routes_by_hybridkvs_kv_events(demo_dir: Path) -> None:
+    """vllm-router's `kv_aware` policy knows nothing of a replica's cache but what its KV
+    events say (it recomputes block keys from the events' token ids, and tokenizes requests
+    through each replica's /tokenize): every prompt lands where its blocks are."""
+    if not Path(VLLM_ROUTER).exists():
+        pytest.skip("vllm-router is not installed (pip install 'vllm-router>=0.1.17,<0.2')")
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        event_ports = [free_port(), free_port()]
+        # vllm-router subscribes with the empty topic; each replica binds its own endpoint.
+        replicas = [start_replicas(demo_dir, procs, "--kv-events-endpoint",
+                                   f"tcp://127.0.0.1:{port}", "--kv-events-topic", "",
+                                   n=1)[0] for port in event_ports]
+        [model] = [m["id"] for m in
+                   httpx.get(f"{replicas[0].url}/v1/models", timeout=10).json()["data"]]
+        port, metrics_port = free_port(), free_port()
+        sources = [arg for r, p in zip(replicas, event_ports, strict=True)
+                   for arg in ("--kv-event-source", f"{r.url}=tcp://127.0.0.1:{p}")]
+        procs.append(subprocess.Popen(
+            [VLLM_ROUTER, "--host", "127.0.0.1", "--port", str(port),
+             "--worker-urls", *[r.url for r in replicas], "--policy", "kv_aware", *sources,
+             "--kv-event-model", model, "--kv-event-block-size", str(block_size(replicas[0])),
+             "--prometheus-port", str(metrics_port)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        router = f"http://127.0.0.1:{port}"
+        wait_for(f"{router}/v1/models", procs[-1], "vllm-router", timeout=60)
+        time.sleep(1)  # the router's subscribers connect after it serves
+
+        topics = ["apples", "rivers", "engines", "violins", "glaciers", "lanterns"]
+        prompts = [f"{t}: " + " ".join(f"{t[:3]}{i}" for i in range(40)) for t in topics]
+        # Each prefix computed on one replica, sent to it directly (the router sees only
+        # the events), alternating: a router without them would send each prompt to the
+        # same replica and miss half.
+        for i, prompt in enumerate(prompts):
+            greedy_answer(replicas[i % 2].url, model, prompt, 2)
+        time.sleep(0.5)  # the steps' events reach the router
+        cached = []
+        for prompt in prompts:
+            reply = httpx.post(f"{router}/v1/completions", timeout=60, json={
+                "model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0})
+            assert reply.status_code == 200, reply.text
+            cached.append(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert all(c >= 32 for c in cached), cached
+        # The router found those blocks in the index it built from the events.
+        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+        hits = router_counter(text, 'vllm_router_kv_placement_lookups_total{result="hit"}')
+        assert hits >= len(prompts), text[-3000:]
     finally:
         for proc in reversed(procs):
             stop(proc)

@@ -33,6 +33,26 @@ def test_vllm_gauges_and_cache_config_info(server: LiveServer) -> None:
     assert "block_size=16" in info and "num_gpu_blocks=" in info
 
 
+def test_sglang_load_report_for_its_gateway(server: LiveServer) -> None:
+    """`GET /v1/loads`, SGLang's load report: smg polls it to balance load under cache-aware
+    routing (without it, a burst of new conversations can all go to one replica)."""
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"prompt": "hello hello", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        report = c.get("/v1/loads", params={"include": "core,disagg,queues,memory"}).json()
+    m = server.metrics()
+    [info] = [k for k in m if k.startswith("vllm:cache_config_info{")]
+    blocks = int(info.split("num_gpu_blocks=")[1].split(",")[0].rstrip("}"))
+    assert report["dp_rank_count"] == 1 and report["timestamp"]
+    [rank] = report["loads"]
+    assert rank["dp_rank"] == 0 and rank["max_total_num_tokens"] == 16 * blocks > 0
+    assert rank["num_running_reqs"] == rank["num_waiting_reqs"] == rank["num_total_reqs"] == 0
+    assert rank["max_running_requests"] > 0
+    assert rank["token_usage"] == m["vllm:kv_cache_usage_perc"]
+    assert 0 <= rank["num_used_tokens"] <= rank["max_total_num_tokens"]
+    assert 0 < rank["cache_hit_rate"] <= 1 or m["vllm:prefix_cache_hits_total"] == 0
+
+
 def test_router_fields_are_accepted_and_meaning_changes_refused(server: LiveServer) -> None:
     # What vllm-router / SGLang's gateway add to a chat request by default.
     router = {"skip_special_tokens": True, "no_stop_trim": False, "include_reasoning": True,

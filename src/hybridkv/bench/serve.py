@@ -366,7 +366,11 @@ def bench_conversations(args: argparse.Namespace) -> dict[str, Any]:
         nonlocal model
         if model is None and args.url:
             model = served_model(url)  # routers require the field
-        asyncio.run(warm_up(url))
+        # Behind a router, each replica is warmed directly: a warm-up sent through the
+        # router reaches one replica only, and a router that estimates each replica's wait
+        # from the latencies it has seen then sends every new conversation to the other.
+        for target in replica_urls or [url]:
+            asyncio.run(warm_up(target))
         for variant in args.variant:
             runs.append(asyncio.run(run_conversations(
                 url, variant, args.users, args.turns, args.system_tokens, args.answer_tokens,

@@ -26,7 +26,7 @@ from hybridkv.server import protocol as p
 from hybridkv.server.async_engine import AsyncEngine, EngineDeadError
 from hybridkv.server.chat import ChatTemplate, find_chat_template, special_tokens
 from hybridkv.server.errors import bad_request, error_response, install_error_handlers
-from hybridkv.server.metrics import ServerMetrics
+from hybridkv.server.metrics import ServerMetrics, scheduler_loads
 from hybridkv.server.serving import ServerState, create_chat_completion, create_completion
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,9 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     holder["engine"] = async_engine
     state = ServerState(engine=async_engine, metrics=metrics, model_name=config.model_name,
                         model_dir=config.model_dir, tokenizer=engine.tokenizer,
-                        max_model_len=engine.max_model_len, chat_template=chat_template)
+                        max_model_len=engine.max_model_len, chat_template=chat_template,
+                        capacity_tokens=engine.plan.capacity_tokens,
+                        max_num_seqs=engine.config.max_num_seqs)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -148,6 +150,12 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         if state.engine.alive:
             return Response(status_code=200)
         return error_response(503, state.engine.dead_reason())
+
+    @app.get("/v1/loads")
+    async def loads() -> dict[str, Any]:
+        """SGLang's load report, as its gateway polls it (see `scheduler_loads`)."""
+        return scheduler_loads(state.engine.snapshot, state.capacity_tokens,
+                               state.max_num_seqs)
 
     @app.get("/version")
     async def version() -> dict[str, Any]:

@@ -141,6 +141,24 @@ class EngineCollector(Collector):
                 yield family
 
 
+def scheduler_loads(s: EngineSnapshot, capacity_tokens: int,
+                    max_running: int) -> dict[str, Any]:
+    """The engine's load as SGLang's `/v1/loads` reports it: what SGLang's gateway (`smg`)
+    polls from a backend to balance load and to judge overload under cache-aware routing.
+    One data-parallel rank per process (`--data-parallel-size` starts one process each).
+    `num_waiting_uncached_tokens` is not reported: the snapshot does not count the waiting
+    requests' uncached tokens, and the gateway reads a missing field as unknown."""
+    used = round(s.kv_usage * capacity_tokens)
+    rank = {"dp_rank": 0, "num_running_reqs": s.num_running,
+            "num_waiting_reqs": s.num_waiting, "num_total_reqs": s.num_running + s.num_waiting,
+            "num_used_tokens": used, "max_total_num_tokens": capacity_tokens,
+            "token_usage": s.kv_usage, "max_running_requests": max_running,
+            "cache_hit_rate": (s.prefix_hit_tokens / s.prefix_queried_tokens
+                               if s.prefix_queried_tokens else 0.0)}
+    return {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "dp_rank_count": 1, "loads": [rank]}
+
+
 class ServerMetrics:
     def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot],
                  group_names: Sequence[str], cache_info: dict[str, str] | None = None,
