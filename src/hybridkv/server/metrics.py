@@ -147,7 +147,7 @@ def scheduler_loads(s: EngineSnapshot, capacity_tokens: int,
     polls from a backend to balance load and to judge overload under cache-aware routing.
     One data-parallel rank per process (`--data-parallel-size` starts one process each).
     `num_waiting_uncached_tokens` is not reported: the snapshot does not count the waiting
-    requests' uncached tokens, and the gateway reads a missing field as unknown."""
+    requests' uncached tokens (the gateway reads the missing field as 0, "not reported")."""
     used = round(s.kv_usage * capacity_tokens)
     rank = {"dp_rank": 0, "num_running_reqs": s.num_running,
             "num_waiting_reqs": s.num_waiting, "num_total_reqs": s.num_running + s.num_waiting,
