@@ -376,7 +376,7 @@ def test_vllm_routers_kv_aware_policy_routes_by_hybridkvs_kv_events(demo_dir: Pa
         # same replica and miss half.
         for i, prompt in enumerate(prompts):
             greedy_answer(replicas[i % 2].url, model, prompt, 2)
-        time.sleep(0.5)  # the steps' events reach the router
+        time.sleep(1.0)  # the steps' events reach the router (it shows no count of them)
         cached = []
         for prompt in prompts:
             reply = httpx.post(f"{router}/v1/completions", timeout=60, json={
