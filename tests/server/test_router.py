@@ -328,17 +328,8 @@ def test_a_killed_replica_is_routed_around_and_its_prefixes_come_from_redis(
 
 def block_size(replica: LiveServer) -> int:
     """The block size a replica's KV events use (vllm:cache_config_info's label)."""
-    import re
-
-    found = re.search(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"',
-                      httpx.get(f"{replica.url}/metrics", timeout=10).text)
-    assert found is not None
-    return int(found.group(1))
-
-
-def router_counter(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name))
+    [info] = [k for k in replica.metrics() if k.startswith("vllm:cache_config_info{")]
+    return int(info.split("block_size=")[1].split(",")[0].rstrip("}"))
 
 
 def test_vllm_routers_kv_aware_policy_routes_by_hybridkvs_kv_events(demo_dir: Path) -> None:
@@ -385,9 +376,9 @@ def test_vllm_routers_kv_aware_policy_routes_by_hybridkvs_kv_events(demo_dir: Pa
             cached.append(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
         assert all(c >= 32 for c in cached), cached
         # The router found those blocks in the index it built from the events.
-        text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
-        hits = router_counter(text, 'vllm_router_kv_placement_lookups_total{result="hit"}')
-        assert hits >= len(prompts), text[-3000:]
+        counters = LiveServer(f"http://127.0.0.1:{metrics_port}", None).metrics()
+        hits = counters.get("vllm_router_kv_placement_lookups_total{result=hit}", 0.0)
+        assert hits >= len(prompts), counters
     finally:
         for proc in reversed(procs):
             stop(proc)

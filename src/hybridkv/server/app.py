@@ -109,9 +109,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     holder["engine"] = async_engine
     state = ServerState(engine=async_engine, metrics=metrics, model_name=config.model_name,
                         model_dir=config.model_dir, tokenizer=engine.tokenizer,
-                        max_model_len=engine.max_model_len, chat_template=chat_template,
-                        capacity_tokens=engine.plan.capacity_tokens,
-                        max_num_seqs=engine.config.max_num_seqs)
+                        max_model_len=engine.max_model_len, chat_template=chat_template)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -154,8 +152,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/loads")
     async def loads() -> dict[str, Any]:
         """SGLang's load report, as its gateway polls it (see `scheduler_loads`)."""
-        return scheduler_loads(state.engine.snapshot, state.capacity_tokens,
-                               state.max_num_seqs)
+        engine = state.engine.engine  # its plan and config are fixed once it is built
+        return scheduler_loads(state.engine.snapshot, engine.plan.capacity_tokens,
+                               engine.config.max_num_seqs)
 
     @app.get("/version")
     async def version() -> dict[str, Any]:

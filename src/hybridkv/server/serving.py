@@ -54,8 +54,6 @@ class ServerState:
     tokenizer: Any | None  # tokenizers.Tokenizer
     max_model_len: int
     chat_template: ChatTemplate | None
-    capacity_tokens: int = 0  # the KV cache's tokens, as the plan counts them
-    max_num_seqs: int = 0
 
     # ------------------------------------------------------------ checks
     def check_model(self, model: str | None) -> None:
