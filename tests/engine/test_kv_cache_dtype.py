@@ -73,10 +73,14 @@ def test_int8_logits_stay_within_the_bound_of_transformers(arch, model):
         assert err < INT8_LOGIT_BOUND, (arch, float(err))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "nemotron_h", "gemma4_text"])
-def test_caching_chunking_and_preemption_change_no_token(arch, model):
+@pytest.mark.parametrize("arch, dtype", [
+    *((a, "int8") for a in ("llama", "gemma3", "nemotron_h", "gemma4_text")),
+    # q4: keys quantized per 16-token group once it is whole, read in full precision by the
+    # queries of their own group until then (not K-only pages: Gemma 4 keeps q4 rows).
+    *((a, "q4") for a in ("llama", "gemma3", "nemotron_h"))])
+def test_caching_chunking_and_preemption_change_no_token(arch, dtype, model):
     ps = prompts()
-    q = dict(kv_cache_dtype="int8")
+    q = dict(kv_cache_dtype=dtype)
     _, plain = run(model(arch), ps, enable_prefix_caching=False, **q)
     expected = [o.token_ids for o in plain]
     # Prefix hits: the same prompts again, their blocks read back from the cache.
@@ -85,17 +89,18 @@ def test_caching_chunking_and_preemption_change_no_token(arch, model):
     again = llm.generate(ps, SamplingParams(max_tokens=NUM_NEW))
     assert sum(o.num_cached_tokens for o in again) > 0
     assert [o.token_ids for o in again] == expected
-    # Chunked prefill: 16 tokens a step.
-    _, chunked = run(model(arch), ps, max_num_batched_tokens=16, enable_prefix_caching=False,
-                     **q)
-    assert [o.token_ids for o in chunked] == expected
+    # Chunked prefill: 16 tokens a step, and 7 (chunks that end inside a key group).
+    for budget in (16, 7):
+        _, chunked = run(model(arch), ps, max_num_batched_tokens=budget,
+                         enable_prefix_caching=False, **q)
+        assert [o.token_ids for o in chunked] == expected
     # Preemption: six requests near the smallest budget the planner accepts for int8 pages.
     many = prompts(5, (41, 75, 100, 57, 90, 66))
     _, plain = run(model(arch), many, enable_prefix_caching=False, max_model_len=128, **q)
     # (A state group's block is most of a hybrid's minimum: it needs the minimum itself.)
     scale = 1.0 if arch == "nemotron_h" else 1.25
     budget = int(planner_minimum(model(arch), max_model_len=128, batch=32,
-                                 kv_cache_dtype="int8", kv_sharing=True) * scale)
+                                 kv_cache_dtype=dtype, kv_sharing=True) * scale)
     small = LLM(str(model(arch)), **{**COMMON, "kv_cache_memory": budget, "max_model_len": 128,
                                      "max_num_batched_tokens": 32}, **q)
     out = small.generate(many, SamplingParams(max_tokens=NUM_NEW))
@@ -103,10 +108,11 @@ def test_caching_chunking_and_preemption_change_no_token(arch, model):
     assert small.engine.scheduler.num_preemptions > 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "nemotron_h"])
-def test_cpu_and_disk_tiers_round_trip_int8_blocks_exactly(arch, model, tmp_path):
+@pytest.mark.parametrize("arch, dtype", [("llama", "int8"), ("nemotron_h", "int8"),
+                                         ("llama", "q4")])
+def test_cpu_and_disk_tiers_round_trip_quantized_blocks_exactly(arch, dtype, model, tmp_path):
     ps = prompts(7)
-    q = dict(kv_cache_dtype="int8")
+    q = dict(kv_cache_dtype=dtype)
     _, plain = run(model(arch), ps, enable_prefix_caching=False, **q)
     expected = [o.token_ids for o in plain]
     llm = LLM(str(model(arch)), **COMMON, **q, kv_offload_cpu="16MiB",

@@ -35,7 +35,9 @@ def test_page_bytes_include_the_scales():
     assert spec.page_size_bytes == 16 * spec.bytes_per_token
     q4 = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype="float32",
                            cache_dtype="q4")
-    assert q4.bytes_per_token == 2 * 8 * (64 + 16)  # a scale and a minimum per group
+    # K: 64 bytes of nibbles + a 32-byte share of its group's per-channel (scale, minimum)
+    # pairs; V: 4 fp16 scales and 64 bytes of nibbles; both rows (64 + 32 + 8 + 64) / 2.
+    assert q4.bytes_per_token == 2 * 8 * 84
     odd = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=65, dtype="float32",
                             cache_dtype="int8")
     assert odd.row_bytes == 72  # 3 scales, 65 values, 1 byte of padding keeps rows aligned

@@ -211,7 +211,7 @@ def _paged(dtype, num_blocks, block, heads_kv, dim, gen):
     return torch.stack([quantize_rows(k, dtype), quantize_rows(v, dtype)], 1)[:, None]
 
 
-@pytest.mark.parametrize("dtype", ["int8", "q4"])
+@pytest.mark.parametrize("dtype", ["int8"])
 @pytest.mark.parametrize("heads, heads_kv, dim", [(4, 1, 256), (9, 3, 64), (2, 2, 80),
                                                   (4, 2, 40)])
 @pytest.mark.parametrize("window, softcap", [(None, None), (20, 30.0)])

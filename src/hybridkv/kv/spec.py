@@ -49,19 +49,65 @@ def cdiv(a: int, b: int) -> int:
 # q4 (4-bit, (x - min) / scale with scale = (max - min) / 15, after a Hadamard rotation of each
 # full group, which spreads outliers over the group; in each group byte i holds value i in its
 # low nibble and value i + 16 in its high one), fp8 (e4m3 of x / scale, scale = max|x| / 448).
+#
+# q4 on K/V pages (not K-only or latent pages) quantizes K and V differently, because keys
+# carry large per-channel offsets (RoPE'd outlier channels) that no per-token grouping
+# resolves in 4 bits (perplexity +5% against +1.5% on SmolLM2, `hybridkv bench kv-quant`):
+#   - K: per channel over each group of KEY_GROUP consecutive tokens (a scale and a minimum
+#     per channel and group, as KIVI does), no rotation. A group is quantized once its
+#     KEY_GROUP tokens are known; until then its keys are read in full precision from the
+#     worker's staging buffer (worker/kv_quant.py), so a query sees every key before its own
+#     group quantized and its own group's exactly, however the prompt was chunked.
+#   - V: per token, rotated as above, symmetric: (x / scale) + 8 in a nibble, scale =
+#     max|x| / 7 per group of QUANT_GROUP (an fp16 scale per group).
+# Both rows of a token are `q4_kv_layout(D).row` bytes: the K row holds the nibbles and the
+# first `k_tail` bytes of the token's share of its group's (scale, minimum) pairs, the V row
+# holds its scales, nibbles and the rest of that share (`v_tail` bytes). Token i of a group
+# holds the pairs of channels [i * C, (i + 1) * C), C = ceil(D / KEY_GROUP).
 QUANT_GROUP = 32
+KEY_GROUP = 16
 CACHE_DTYPES = ("int8", "q4", "fp8")
 
 
 def quantized_row_bytes(cache_dtype: str, head_size: int) -> int:
     """Bytes of one quantized row of `head_size` values. E.g. int8, 256 -> 16 + 256 = 272
-    (float32: 1,024); q4, 256 -> 32 + 128 = 160; int8, 65 -> 6 + 65 + 1 pad = 72."""
+    (float32: 1,024); q4, 256 -> 32 + 128 = 160; int8, 65 -> 6 + 65 + 1 pad = 72. (q4 on
+    K/V pages: `q4_kv_layout`.)"""
     if cache_dtype not in CACHE_DTYPES:
         raise ValueError(f"unknown KV cache dtype {cache_dtype!r}; accepted: auto, "
                          f"{', '.join(CACHE_DTYPES)}")
     scales = (4 if cache_dtype == "q4" else 2) * cdiv(head_size, QUANT_GROUP)
     values = cdiv(head_size, 2) if cache_dtype == "q4" else head_size
     return 2 * cdiv(scales + values, 2)
+
+
+@dataclass(frozen=True)
+class Q4KVLayout:
+    """Byte layout of q4 K/V rows of one head size (see the comment above)."""
+
+    head_size: int
+    row: int  # bytes of a K row and of a V row
+    nibbles: int  # ceil(D / 2): a row's 4-bit values
+    channels: int  # C: channels whose (scale, minimum) pairs one token of a group holds
+    k_tail: int  # bytes of a token's share in its K row, after the nibbles
+    v_tail: int  # the rest of the share, in its V row after the V row's own bytes
+    v_bytes: int  # a V row's own bytes: fp16 scale per QUANT_GROUP, then the nibbles
+
+    @property
+    def share(self) -> int:
+        return 4 * self.channels  # (fp16 scale, fp16 minimum) per channel
+
+
+def q4_kv_layout(head_size: int) -> Q4KVLayout:
+    """E.g. 64 -> rows of 42 bytes (32 nibbles + 10, 4 scale bytes + 32 nibbles + 6), against
+    256 bytes of float32: 6.1x."""
+    nibbles = cdiv(head_size, 2)
+    channels = cdiv(head_size, KEY_GROUP)
+    v_bytes = 2 * cdiv(head_size, QUANT_GROUP) + nibbles
+    row = 2 * cdiv(nibbles + 4 * channels + v_bytes, 4)  # two even rows hold K and V
+    k_tail = min(row - nibbles, 4 * channels)
+    return Q4KVLayout(head_size, row, nibbles, channels, k_tail, 4 * channels - k_tail,
+                      v_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,12 +169,31 @@ class AttentionSpec(KVCacheSpec):
         super().__post_init__()
         if self.cache_dtype is not None:
             quantized_row_bytes(self.cache_dtype, self.head_size)  # a known dtype
+        if self.q4_kv and self.block_size % KEY_GROUP:
+            raise ValueError(f"kv_cache_dtype 'q4' quantizes keys per {KEY_GROUP} tokens, "
+                             f"which needs a block size that is a multiple of {KEY_GROUP}, "
+                             f"got {self.block_size}")
+
+    @property
+    def q4_kv(self) -> bool:
+        """q4 K/V pages of self-attention: keys per channel over token groups
+        (`q4_kv_layout`). Cross-attention pages, written once from the encoder, keep q4
+        rows per token."""
+        return (self.cache_dtype == "q4" and self.kv_halves == 2
+                and self.kind != "cross_attention")
+
+    @property
+    def kv_halves(self) -> int:
+        """Rows per token and head: K and V (2), or one (raw keys, latents)."""
+        return 1 if self.keys_only else 2
 
     @property
     def row_bytes(self) -> int:
         """Bytes of one token's row of one head (K, V or a latent) in a page."""
         if self.cache_dtype is None:
             return self.head_size * dtype_size(self.dtype)
+        if self.q4_kv:
+            return q4_kv_layout(self.head_size).row
         return quantized_row_bytes(self.cache_dtype, self.head_size)
 
     @property
@@ -143,8 +208,7 @@ class AttentionSpec(KVCacheSpec):
     @property
     def bytes_per_token(self) -> int:
         # K and V (or the keys alone), each [num_kv_heads, head_size].
-        halves = 1 if self.keys_only else 2
-        return halves * self.num_kv_heads * self.row_bytes
+        return self.kv_halves * self.num_kv_heads * self.row_bytes
 
     @property
     def page_size_bytes(self) -> int:
@@ -181,8 +245,8 @@ class MLAAttentionSpec(FullAttentionSpec):
             raise ValueError("MLAAttentionSpec pages hold latents; keys_only does not apply")
 
     @property
-    def bytes_per_token(self) -> int:
-        return self.num_kv_heads * self.row_bytes
+    def kv_halves(self) -> int:
+        return 1  # one latent per token
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,13 @@ is exact; everything after the gather (plans, padding, masks) is the same for bo
 Quantized pages (`AttentionMetadata.cache_dtype`, kv/spec.py) hold rows of bytes instead of
 head_size values: K/V are quantized as they are written (worker/kv_quant.py) and the rows a
 batch gathers are dequantized into the compute dtype before SDPA.
+
+q4 K/V pages (`AttentionMetadata.key_groups`) quantize keys per channel over groups of
+KEY_GROUP tokens. A group is quantized when its last token is written; until then its keys
+wait in full precision in the layer's staging buffer (one group per running request, kept by
+the runner). A query at position p reads the keys before its own group's start from the pages
+and its own group's keys (up to p) in full precision: the same keys whether the prompt came
+in one chunk or many, from a prefix hit or not.
 """
 
 from __future__ import annotations
@@ -29,10 +36,15 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from hybridkv.kv.spec import KEY_GROUP, q4_kv_layout
 from hybridkv.worker.kv_quant import (
+    dequantize_key_groups,
     dequantize_rows,
+    dequantize_values_q4,
+    quantize_key_groups,
     quantize_queries,
     quantize_rows,
+    quantize_values_q4,
     quantizes_queries,
 )
 
@@ -90,6 +102,79 @@ class PaddedBatch:
 
 
 @dataclass
+class FreshKeys:
+    """One layer's full-precision keys of this step's key groups: per request, positions
+    starts[r] (its first group's start) up to its context's end, [R, F, Hk, D] padded."""
+
+    keys: torch.Tensor
+    starts: list[int]
+
+
+@dataclass
+class KeyGroupPlan:
+    """The index work of q4 K/V writes, shared by every layer of the group in a step.
+
+        source   [R, F]   per request and fresh position, its key in cat(this step's k [T],
+                          staging rows [rows * KEY_GROUP]) (padding repeats the last one)
+        complete [N, G]   the finished groups' positions as flat indices into the fresh keys
+        where    (pages, slots, offsets), each [N, G]: where their rows go
+        stage    [R, G]   each request's last group, flat fresh indices (clamped)
+    """
+
+    source: torch.Tensor
+    starts: list[int]
+    complete: torch.Tensor
+    where: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    stage: torch.Tensor
+    stage_rows: torch.Tensor
+
+    @staticmethod
+    def build(meta: AttentionMetadata) -> KeyGroupPlan:
+        assert meta.stage_rows is not None, "q4 K/V pages need the requests' staging rows"
+        num_tokens = meta.query_start_loc[-1]
+        g = KEY_GROUP
+        starts, lens = [], []
+        for r, s in enumerate(meta.seq_lens):
+            p0 = s - meta.query_lens[r]
+            starts.append(p0 - p0 % g)
+            lens.append(s - starts[-1])
+        width = max(lens, default=1)
+        source = []
+        complete, first_tok, back = [], [], []
+        stage = []
+        for r, (s, start, n) in enumerate(zip(meta.seq_lens, starts, lens, strict=True)):
+            p0 = s - meta.query_lens[r]
+            qs = meta.query_start_loc[r]
+            row = meta.stage_rows[r]
+            idx = [num_tokens + row * g + pos % g if pos < p0 else qs + pos - p0
+                   for pos in range(start, s)]
+            source.append(idx + [idx[-1]] * (width - n))
+            base = r * width
+            for gs in range(start, s - g + 1, g):  # groups whose last token is in
+                complete.append(list(range(base + gs - start, base + gs - start + g)))
+                pn = max(gs, p0)
+                first_tok.append(qs + pn - p0)
+                back.append(pn - gs)
+            last = (s - 1) - (s - 1) % g
+            stage.append([base + min(pos, s - 1) - start for pos in range(last, last + g)])
+        device = meta.slot_mapping.device
+        if complete:
+            first = meta.slot_mapping[torch.tensor(first_tok, device=device)] - \
+                torch.tensor(back, device=device)
+            slots = first[:, None] + torch.arange(g, device=device)
+            blocks, offsets = slots // meta.block_size, slots % meta.block_size
+            where = (blocks // meta.blocks_per_page, blocks % meta.blocks_per_page, offsets)
+        else:
+            empty = torch.zeros(0, g, dtype=torch.int64, device=device)
+            where = (empty, empty, empty)
+        return KeyGroupPlan(
+            source=torch.tensor(source, dtype=torch.int64, device=device), starts=starts,
+            complete=torch.tensor(complete, dtype=torch.int64, device=device).view(-1, g),
+            where=where, stage=torch.tensor(stage, dtype=torch.int64, device=device),
+            stage_rows=torch.tensor(meta.stage_rows, dtype=torch.int64, device=device))
+
+
+@dataclass
 class AttentionMetadata:
     """One group's view of the batch; every group lists requests in the same order."""
 
@@ -101,6 +186,15 @@ class AttentionMetadata:
     kernel_block_size: int
     blocks_per_page: int  # of the group's KV views: block b is (page b // n, slot b % n)
     cache_dtype: str | None = None  # quantized pages (kv/spec.py CACHE_DTYPES), else None
+    # q4 K/V pages with keys per channel over KEY_GROUP tokens (see the module docstring):
+    # per layer (its KV view's data_ptr) the staging buffer [rows, KEY_GROUP, Hk, D] of the
+    # requests' unfinished groups, each request's row in it, and the step's full-precision
+    # keys of every request's groups it writes (filled by the writes, read by the reads; a
+    # cut-down copy of this metadata shares it).
+    key_groups: bool = False
+    staging: dict[int, torch.Tensor] | None = None
+    stage_rows: list[int] | None = None
+    fresh: dict[int, FreshKeys] = field(default_factory=dict)
     # Per (window, chunk): the batches to attend in one call each, and the requests whose
     # chunk is longer than the window/chunk (attended alone, in query blocks).
     _plans: dict[tuple[int | None, int | None, int],
@@ -129,6 +223,11 @@ class AttentionMetadata:
         """query_start_loc and seq_lens as int64 CPU tensors (for kernels given pointers)."""
         return (torch.tensor(self.query_start_loc, dtype=torch.int64),
                 torch.tensor(self.seq_lens, dtype=torch.int64))
+
+    @cached_property
+    def key_group_plan(self) -> KeyGroupPlan:
+        """Where each request's fresh keys come from and where its finished groups go."""
+        return KeyGroupPlan.build(self)
 
     def short_rows(self, max_query: int) -> torch.Tensor:
         """The requests with at most `max_query` queries this step, int64 CPU tensor."""
@@ -288,6 +387,8 @@ class TorchReferenceBackend:
         if k is not None and keys_only:
             pages, slots, offsets = meta.write_index
             kv_cache[pages, slots, offsets] = to_page(k, kv_cache, meta)
+        elif k is not None and v is not None and meta.key_groups:
+            write_key_groups(k, v, kv_cache, meta)
         elif k is not None and v is not None:
             self._write(k, v, kv_cache, meta)
 
@@ -298,6 +399,15 @@ class TorchReferenceBackend:
         that many queries are left out (`out` then holds their rows already)."""
         if params.derive_kv is None and quantizes_queries(meta.cache_dtype, q.shape[-1]):
             q = quantize_queries(q, params.scale)  # as the CPU kernel reads int8 pages
+        if meta.key_groups and params.derive_kv is None:
+            if out is None:
+                out = torch.empty_like(q)
+            for r, n in enumerate(meta.query_lens):
+                if n > skip_short:
+                    start = meta.query_start_loc[r]
+                    out[start:start + n] = attend_key_groups(q[start:start + n], kv_cache,
+                                                             meta, r, params)
+            return out
         batches, alone = meta.plan(params.sliding_window, params.chunk_size, skip_short)
         if out is None and len(batches) == 1 and not alone and batches[0].all_valid and \
                 batches[0].tokens.numel() == q.shape[0]:
@@ -367,6 +477,97 @@ class TorchReferenceBackend:
                      kernel_ids % k_per_block)
         keys, values = _context_kv(kv_cache, meta, index, params, seq_len, like=like)
         return keys[0], values[0]
+
+
+def write_key_groups(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                     meta: AttentionMetadata) -> None:
+    """q4 K/V pages: V rows as they come; K groups whose last token is in this step,
+    quantized from their full-precision keys (staged ones and this step's); every request's
+    last group into its staging row; the step's fresh keys kept for the reads."""
+    lay = q4_kv_layout(k.shape[-1])
+    pages, slots, offsets = meta.write_index
+    # (Index a narrowed view: torch 2.13 ignores a slice after an integer among tensor
+    # indices, kv_cache[p, s, 1, o, :n].)
+    kv_cache.narrow(-1, 0, lay.v_bytes)[pages, slots, 1, offsets] = quantize_values_q4(v)
+    assert meta.staging is not None
+    staging = meta.staging[kv_cache.data_ptr()]
+    plan = meta.key_group_plan
+    source = torch.cat([k.to(staging.dtype), staging.flatten(0, 1)])
+    fresh = source[plan.source]  # [R, F, Hk, D]
+    flat = fresh.flatten(0, 1)
+    if plan.complete.numel():
+        k_rows, v_tails = quantize_key_groups(flat[plan.complete])
+        pages, slots, offsets = plan.where
+        kv_cache[pages, slots, 0, offsets] = k_rows
+        kv_cache.narrow(-1, lay.v_bytes, lay.v_tail)[pages, slots, 1, offsets] = v_tails
+    staging[plan.stage_rows] = flat[plan.stage]
+    meta.fresh[kv_cache.data_ptr()] = FreshKeys(fresh, plan.starts)
+
+
+def attend_key_groups(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                      r: int, params: AttentionParams) -> torch.Tensor:
+    """Request r's queries [nq, Hq, D] over q4 K/V pages: keys before each query's own
+    group from the pages, its own group's from the step's fresh keys. Queries go in blocks
+    of the window or chunk (O(nq * window) with one), or all at once."""
+    seq_len, num_q = meta.seq_lens[r], q.shape[0]
+    fresh = meta.fresh[kv_cache.data_ptr()]
+    fresh_start = fresh.starts[r]
+    g = KEY_GROUP
+    local = params.sliding_window or params.chunk_size or num_q
+    out = torch.empty_like(q)
+    first = seq_len - num_q
+    a = first
+    while a < seq_len:
+        b = min(a + local, seq_len)
+        if params.chunk_size is not None:
+            b = min(b, (a // params.chunk_size + 1) * params.chunk_size)
+        lo = 0
+        if params.sliding_window is not None:
+            lo = max(lo, a - params.sliding_window + 1)
+        if params.chunk_size is not None:
+            lo = max(lo, a // params.chunk_size * params.chunk_size)
+        lo -= lo % g
+        own = a - a % g  # the first query's group: fresh keys from here
+        paged_end = (b - 1) - (b - 1) % g  # the last query's group: paged keys up to it
+        k_rows, v_rows = _request_rows(kv_cache, meta, r, lo, b)
+        values = dequantize_values_q4(v_rows, q.shape[-1], q.dtype)  # [b - lo, Hk, D]
+        paged = dequantize_key_groups(k_rows[:paged_end - lo], v_rows[:paged_end - lo],
+                                      q.shape[-1], q.dtype)
+        own_keys = fresh.keys[r, own - fresh_start:b - fresh_start].to(q.dtype)
+        keys = torch.cat([paged, own_keys])
+        vals = torch.cat([values[:paged_end - lo], values[own - lo:]])
+        q_pos = torch.arange(a, b, device=q.device)[:, None]
+        k_pos = torch.cat([torch.arange(lo, paged_end, device=q.device),
+                           torch.arange(own, b, device=q.device)])[None, :]
+        q_group = q_pos - q_pos % g
+        from_pages = torch.arange(keys.shape[0], device=q.device)[None, :] < paged_end - lo
+        allowed = (k_pos <= q_pos) & torch.where(from_pages, k_pos < q_group,
+                                                  k_pos >= q_group)
+        if params.sliding_window is not None:
+            allowed &= q_pos - k_pos < params.sliding_window
+        if params.chunk_size is not None:
+            allowed &= k_pos // params.chunk_size == q_pos // params.chunk_size
+        out[a - first:b - first] = _attend_padded(
+            q[a - first:b - first][None], keys[None], vals[None], allowed[None], params)[0]
+        a = b
+    return out
+
+
+def _request_rows(kv_cache: torch.Tensor, meta: AttentionMetadata, r: int, lo: int,
+                  end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request r's K rows and V rows of positions lo..end-1, [end - lo, Hk, row] each."""
+    kb = meta.kernel_block_size
+    kernel_ids = meta.block_table[r:r + 1, lo // kb:-(-end // kb)]
+    k_per_block = meta.block_size // kb
+    if k_per_block == 1:
+        index: tuple[torch.Tensor, ...] = (kernel_ids,)
+    else:
+        blocks = kernel_ids // k_per_block
+        index = (blocks // meta.blocks_per_page, blocks % meta.blocks_per_page,
+                 kernel_ids % k_per_block)
+    keys, values = _gather_padded(kv_cache, meta, index)
+    skip = lo - lo // kb * kb
+    return keys[0, skip:skip + end - lo], values[0, skip:skip + end - lo]
 
 
 def to_page(x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

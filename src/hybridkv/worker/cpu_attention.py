@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.kv.spec import quantized_row_bytes
+from hybridkv.kv.spec import KEY_GROUP, quantized_row_bytes
 from hybridkv.worker import cpu_ops, native
 from hybridkv.worker.attention import (
     BACKENDS,
@@ -53,6 +53,7 @@ _ARGTYPES: list[Any] = [
     _PTR, _PTR,  # query_start_loc, seq_lens
     _I64, _I64, _I64,  # heads, KV heads, head dim
     ctypes.c_float, _I64, _I64, ctypes.c_float, _PTR,  # scale, window, chunk, softcap, sinks
+    _PTR, _I64, _PTR,  # q4 K/V: fresh keys [R, F, Hk, D], their row stride, first positions
     _I64,  # threads
 ]
 
@@ -90,6 +91,9 @@ class CPUPagedBackend(TorchReferenceBackend):
             cpu_ops.write_kv(k, v, kv_cache, meta.slot_mapping, meta.block_size,
                              meta.blocks_per_page)
             return
+        if k is not None and v is not None and meta.key_groups:
+            super().write(k, v, kv_cache, meta, params)  # worker/attention.py
+            return
         if k is not None and v is not None and _int8_write_ok(k, v, kv_cache, meta, params) \
                 and write_int8_kv(k, v, kv_cache, meta.slot_mapping, meta.block_size,
                                   meta.blocks_per_page):
@@ -108,6 +112,11 @@ class CPUPagedBackend(TorchReferenceBackend):
         if sinks is not None:
             sinks = sinks.detach().float().contiguous()
         cs = [stride * kv_cache.element_size() for stride in kv_cache.stride()]
+        fresh = starts = None
+        if meta.key_groups:
+            keys = meta.fresh[kv_cache.data_ptr()]
+            fresh = keys.keys if keys.keys.is_contiguous() else keys.keys.contiguous()
+            starts = torch.tensor(keys.starts, dtype=torch.int64)
         status = self._kernel(
             q.data_ptr(), q.stride(0), q.stride(1),
             out.data_ptr(), out.stride(0), out.stride(1),
@@ -119,6 +128,9 @@ class CPUPagedBackend(TorchReferenceBackend):
             num_heads, kv_cache.shape[4], head_dim,
             params.scale, params.sliding_window or 0, params.chunk_size or 0,
             params.softcap or 0.0, None if sinks is None else sinks.data_ptr(),
+            None if fresh is None else fresh.data_ptr(),
+            0 if fresh is None else fresh.stride(0),
+            None if starts is None else starts.data_ptr(),
             torch.get_num_threads() if rows.numel() > 1 else 1)
         if status != 0:
             raise RuntimeError(f"paged attention kernel refused its arguments ({status}): "
@@ -144,6 +156,8 @@ def _in_place_ok(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadat
     """Float32 or int8 / q4 K/V pages on the CPU, rows of unit stride (the kernel's one
     layout)."""
     page_dtype = torch.float32 if meta.cache_dtype is None else torch.uint8
+    if meta.key_groups and (meta.cache_dtype != "q4" or meta.kernel_block_size % KEY_GROUP):
+        return False
     return (q.device.type == "cpu" and q.dtype == torch.float32
             and meta.cache_dtype in CODECS and kv_cache.dtype == page_dtype
             and kv_cache.dim() == 6 and params.derive_kv is None and q.stride(2) == 1

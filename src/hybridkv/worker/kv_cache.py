@@ -23,7 +23,7 @@ import torch
 
 from hybridkv.connector.canonical import group_blocks
 from hybridkv.kv.plan import KVCacheConfig
-from hybridkv.kv.spec import AttentionSpec, MambaSpec, MLAAttentionSpec
+from hybridkv.kv.spec import KEY_GROUP, AttentionSpec, MambaSpec, MLAAttentionSpec
 
 TORCH_DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -101,3 +101,20 @@ def _state_views(blocks: torch.Tensor, offset: int, spec: MambaSpec
         views.append(blocks[:, :, offset:offset + nbytes].view(dtype).unflatten(2, shape))
         offset += nbytes
     return tuple(views)
+
+
+def allocate_key_staging(config: KVCacheConfig, views: dict[str, Any], max_num_seqs: int,
+                         device: torch.device | str) -> dict[int, dict[int, torch.Tensor]]:
+    """Per group with q4 K/V pages (kv/spec.py `q4_kv`), per layer (by its view's data_ptr,
+    which KV-sharing layers share): the full-precision keys of each running request's
+    unfinished key group, [max_num_seqs, KEY_GROUP, Hk, D] in the model's dtype. About
+    KEY_GROUP tokens of float keys per request and layer, beside the pages."""
+    staging: dict[int, dict[int, torch.Tensor]] = {}
+    for group in config.groups:
+        layer_specs = group.layer_specs or (group.spec,) * len(group.layer_names)
+        for name, spec in zip(group.layer_names, layer_specs, strict=True):
+            if isinstance(spec, AttentionSpec) and spec.q4_kv:
+                staging.setdefault(group.group_id, {})[views[name].data_ptr()] = torch.zeros(
+                    max_num_seqs, KEY_GROUP, spec.num_kv_heads, spec.head_size,
+                    dtype=torch_dtype(spec.dtype), device=device)
+    return staging

@@ -3,7 +3,9 @@ way in and read back on the torch attention path (any device; the CPU kernel rea
 bytes in place, worker/native/paged_attention.c).
 
 Row layout (kv/spec.py, `quantized_row_bytes`): [fp16 scale per group of 32 (q4: scale and
-minimum pairs) | values | pad].
+minimum pairs) | values | pad]. q4 K/V pages of self-attention (kv/spec.py, `q4_kv_layout`):
+keys per channel over groups of KEY_GROUP tokens (`quantize_key_groups`), values per token
+(`quantize_values_q4`).
 Rounding is round-half-to-even in float32 on every device, so one process writes the same
 bytes for the same K/V whatever path or tier a block later takes.
 """
@@ -16,7 +18,14 @@ from collections.abc import Callable
 
 import torch
 
-from hybridkv.kv.spec import CACHE_DTYPES, QUANT_GROUP, cdiv, quantized_row_bytes
+from hybridkv.kv.spec import (
+    CACHE_DTYPES,
+    KEY_GROUP,
+    QUANT_GROUP,
+    cdiv,
+    q4_kv_layout,
+    quantized_row_bytes,
+)
 
 # Largest representable magnitude of each dtype's values (int8 leaves -128 out so that the
 # range is symmetric); q4 has 16 levels from each group's minimum.
@@ -228,3 +237,102 @@ def _unpack_q4(body: torch.Tensor, head_size: int) -> torch.Tensor:
         b = body[..., full * 16:full * 16 + half]
         parts.append(torch.cat([b & 15, b >> 4], dim=-1)[..., :tail])
     return torch.cat(parts, dim=-1)
+
+
+# ------------------------------------------------------------- q4 K/V pages (kv/spec.py)
+def _pack_nibbles(q: torch.Tensor, head_size: int) -> torch.Tensor:
+    """[..., D] nibble values -> [..., ceil(D / 2)] bytes, packed per group of 32 as q4
+    rows are (`_pack_q4`)."""
+    groups = cdiv(head_size, QUANT_GROUP)
+    if groups * QUANT_GROUP != head_size:
+        q = torch.nn.functional.pad(q, (0, groups * QUANT_GROUP - head_size))
+    return _pack_q4(q.unflatten(-1, (groups, QUANT_GROUP)), head_size)
+
+
+def quantize_key_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole key groups x [N, KEY_GROUP, Hk, D] -> (their K rows [N, KEY_GROUP, Hk, row],
+    the shares their V rows end with [N, KEY_GROUP, Hk, v_tail]), uint8. Per channel and
+    group: minimum and scale = (max - min) / 15 in fp16, values round((x - min) / scale)."""
+    n, tokens, heads, head_size = x.shape
+    if tokens != KEY_GROUP:
+        raise ValueError(f"key groups are {KEY_GROUP} tokens, got {tokens}")
+    lay = q4_kv_layout(head_size)
+    xf = x.float()
+    least, most = xf.amin(1), xf.amax(1)  # [N, Hk, D]
+    low = least.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
+    lo = low.float()
+    scale = ((most - lo) / _Q4_LEVELS).clamp(max=_FP16_MAX).to(torch.float16)
+    s = scale.float()
+    safe = torch.where(s > 0, s, 1.0)
+    q = torch.where(s[:, None] > 0, (xf - lo[:, None]) / safe[:, None], 0.0)
+    nibbles = _pack_nibbles(q.round().clamp(0, _Q4_LEVELS).to(torch.uint8), head_size)
+    # (scale, minimum) per channel, channels padded to KEY_GROUP shares of C each.
+    pairs = torch.zeros(n, heads, KEY_GROUP * lay.channels, 2, dtype=torch.float16,
+                        device=x.device)
+    pairs[:, :, :head_size, 0] = scale
+    pairs[:, :, :head_size, 1] = low
+    shares = pairs.view(torch.uint8).view(n, heads, KEY_GROUP, lay.share).transpose(1, 2)
+    k_rows = torch.cat([nibbles, shares[..., :lay.k_tail]], dim=-1)
+    if k_rows.shape[-1] < lay.row:
+        k_rows = torch.nn.functional.pad(k_rows, (0, lay.row - k_rows.shape[-1]))
+    return k_rows, shares[..., lay.k_tail:].contiguous()
+
+
+def dequantize_key_groups(k_rows: torch.Tensor, v_rows: torch.Tensor, head_size: int,
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """K rows and V rows [..., L, Hk, row] of whole key groups (L a multiple of KEY_GROUP,
+    group-aligned) -> keys [..., L, Hk, D] in `dtype`."""
+    lay = q4_kv_layout(head_size)
+    length, heads = k_rows.shape[-3], k_rows.shape[-2]
+    if k_rows.dtype != torch.uint8 or k_rows.shape[-1] != lay.row or length % KEY_GROUP:
+        raise ValueError(f"q4 K rows of head size {head_size} are uint8 [..., L, Hk, "
+                         f"{lay.row}] with L a multiple of {KEY_GROUP}, got {k_rows.dtype} "
+                         f"{list(k_rows.shape)}")
+    shares = torch.cat([k_rows[..., lay.nibbles:lay.nibbles + lay.k_tail],
+                        v_rows[..., lay.v_bytes:lay.v_bytes + lay.v_tail]], dim=-1)
+    lead = shares.shape[:-3]
+    groups = length // KEY_GROUP
+    # [..., n, G, Hk, share] -> [..., n, Hk, G * share] -> fp16 pairs per channel
+    shares = shares.unflatten(-3, (groups, KEY_GROUP)).transpose(-3, -2).contiguous()
+    pairs = shares.view(*lead, groups, heads, KEY_GROUP * lay.share).view(
+        torch.float16).float()
+    pairs = pairs.unflatten(-1, (-1, 2))[..., :head_size, :]  # [..., n, Hk, D, 2]
+    values = _unpack_q4(k_rows[..., :lay.nibbles], head_size).float()
+    values = values.unflatten(-3, (groups, KEY_GROUP))  # [..., n, G, Hk, D]
+    keys: torch.Tensor = values * pairs[..., None, :, :, 0] + pairs[..., None, :, :, 1]
+    return keys.flatten(-4, -3).to(dtype)
+
+
+def quantize_values_q4(x: torch.Tensor) -> torch.Tensor:
+    """V [..., D] -> the V rows' own bytes [..., v_bytes]: each full group of 32 rotated,
+    then per group scale = max|x| / 7 (fp16) and nibbles round(x / scale) + 8 in [0, 15]."""
+    head_size = x.shape[-1]
+    groups = cdiv(head_size, QUANT_GROUP)
+    full = head_size // QUANT_GROUP
+    xp = x.float()
+    if groups * QUANT_GROUP != head_size:
+        xp = torch.nn.functional.pad(xp, (0, groups * QUANT_GROUP - head_size))
+    xp = xp.unflatten(-1, (groups, QUANT_GROUP))
+    if full:
+        xp = torch.cat([xp[..., :full, :] @ hadamard(xp.device), xp[..., full:, :]], dim=-2)
+    scale = (xp.abs().amax(-1) / 7.0).clamp(max=_FP16_MAX).to(torch.float16)
+    s = scale.float().unsqueeze(-1)
+    q = torch.where(s > 0, xp / torch.where(s > 0, s, 1.0), 0.0).round().clamp(-8, 7) + 8
+    values = _pack_q4(q.to(torch.uint8), head_size)
+    return torch.cat([scale.view(torch.uint8), values], dim=-1)
+
+
+def dequantize_values_q4(v_rows: torch.Tensor, head_size: int,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """V rows [..., row] (or their own bytes [..., v_bytes]) -> [..., D] in `dtype`."""
+    groups = cdiv(head_size, QUANT_GROUP)
+    full = head_size // QUANT_GROUP
+    scales = v_rows[..., :2 * groups].contiguous().view(torch.float16).float()
+    values = _unpack_q4(v_rows[..., 2 * groups:], head_size).float() - 8
+    if groups * QUANT_GROUP != head_size:
+        values = torch.nn.functional.pad(values, (0, groups * QUANT_GROUP - head_size))
+    values = values.unflatten(-1, (groups, QUANT_GROUP)) * scales.unsqueeze(-1)
+    if full:
+        values = torch.cat([values[..., :full, :] @ hadamard(values.device),
+                            values[..., full:, :]], dim=-2)
+    return values.flatten(-2)[..., :head_size].to(dtype)

@@ -16,7 +16,7 @@ from torch import nn
 
 from hybridkv.connector.base import ConnectorWorker
 from hybridkv.kv.plan import KVCacheConfig
-from hybridkv.kv.spec import cdiv
+from hybridkv.kv.spec import KEY_GROUP, cdiv
 from hybridkv.sched.sampling import SamplingParams
 from hybridkv.sched.scheduler import SchedulerOutput
 from hybridkv.sched.structured.manager import GrammarBitmask, StepGrammars
@@ -24,7 +24,7 @@ from hybridkv.worker.attention import AttentionMetadata, get_backend
 from hybridkv.worker.block_table import BlockTable
 from hybridkv.worker.config import RunnerConfig
 from hybridkv.worker.forward_context import ForwardContext, RopeTables
-from hybridkv.worker.kv_cache import allocate_kv_caches
+from hybridkv.worker.kv_cache import allocate_key_staging, allocate_kv_caches
 from hybridkv.worker.sampler import Sampler, masked_rows
 from hybridkv.worker.state import StateMetadata
 
@@ -73,6 +73,17 @@ class ModelRunner:
         self.is_state_group = [g.spec.is_state for g in kv_config.groups]
         # Quantized pages (None: pages in the model dtype), one dtype per group.
         self.cache_dtypes = [getattr(g.spec, "cache_dtype", None) for g in kv_config.groups]
+        # q4 K/V pages: per group and layer, each row's unfinished key group in full
+        # precision (worker/attention.py), and the position up to which a row's staged keys
+        # are its request's (a request must not start inside a group it has not staged).
+        self.key_staging = allocate_key_staging(kv_config, self.kv_caches,
+                                                config.max_num_seqs, self.device)
+        self.staged_until = [0] * config.max_num_seqs
+        for group_id in self.key_staging:
+            if self.block_tables[group_id].kernel_block_size % KEY_GROUP:
+                raise ValueError(f"kv_cache_dtype 'q4' needs kernel blocks of a multiple of "
+                                 f"{KEY_GROUP} tokens, got "
+                                 f"{self.block_tables[group_id].kernel_block_size}")
         self.backend = get_backend(config.attention_backend, self.device)
         self.sampler = Sampler()
         self.rope_tables = RopeTables()
@@ -98,6 +109,10 @@ class ModelRunner:
             self.row_of[moved] = row
             for table in self.block_tables:
                 table.move_row(last, row)
+            for layers in self.key_staging.values():
+                for staging in layers.values():
+                    staging[row] = staging[last]
+            self.staged_until[row] = self.staged_until[last]
         self.rows.pop()
         del self.tokens[rid], self.num_computed[rid], self.params[rid], self.num_prompt[rid]
         self.sampler.forget(rid)
@@ -115,6 +130,7 @@ class ModelRunner:
             self.num_computed[new.request_id] = new.num_computed_tokens
             self.params[new.request_id] = new.sampling_params
             self.num_prompt[new.request_id] = new.num_prompt_tokens
+            self.staged_until[row] = 0
             for table, block_ids in zip(self.block_tables, new.block_ids, strict=True):
                 table.set_row(row, block_ids)
         for cached in out.cached_requests:
@@ -171,7 +187,8 @@ class ModelRunner:
             query_start_loc=loc, seq_lens=meta.seq_lens, block_table=meta.block_table,
             slot_mapping=meta.slot_mapping[sample_t], block_size=meta.block_size,
             kernel_block_size=meta.kernel_block_size, blocks_per_page=meta.blocks_per_page,
-            cache_dtype=meta.cache_dtype)
+            cache_dtype=meta.cache_dtype, key_groups=meta.key_groups, staging=meta.staging,
+            stage_rows=meta.stage_rows, fresh=meta.fresh)
             if isinstance(meta, AttentionMetadata) else None for meta in metadata]
 
     # ---------------------------------------------------------------- one step
@@ -199,6 +216,7 @@ class ModelRunner:
         batch_rows = torch.tensor([self.row_of[r] for r in inputs.scheduled],
                                   dtype=torch.int64)
         metadata: list[AttentionMetadata | StateMetadata] = []
+        stage_rows = self._stage_rows(inputs) if self.key_staging else None
         for table, blocks_per_page, is_state, cache_dtype in zip(
                 self.block_tables, self.blocks_per_page, self.is_state_group,
                 self.cache_dtypes, strict=True):
@@ -213,8 +231,25 @@ class ModelRunner:
                 block_table=kernel[batch_rows].to(self.device),
                 slot_mapping=table.slot_mapping(rows_t, pos_t).to(self.device),
                 block_size=table.block_size, kernel_block_size=table.kernel_block_size,
-                blocks_per_page=blocks_per_page, cache_dtype=cache_dtype))
+                blocks_per_page=blocks_per_page, cache_dtype=cache_dtype,
+                key_groups=len(metadata) in self.key_staging,
+                staging=self.key_staging.get(len(metadata)), stage_rows=stage_rows))
         return metadata
+
+    def _stage_rows(self, inputs: StepInputs) -> list[int]:
+        """Each scheduled request's staging row (its batch row); checks that a request
+        starting inside a key group staged that group's earlier keys."""
+        rows = []
+        for rid, seq_len in zip(inputs.scheduled, inputs.seq_lens, strict=True):
+            row = self.row_of[rid]
+            first = self.num_computed[rid]
+            if first % KEY_GROUP and self.staged_until[row] != first:
+                raise RuntimeError(
+                    f"request {rid} resumes at position {first}, inside a q4 key group whose "
+                    f"earlier keys were not staged (staged up to {self.staged_until[row]})")
+            self.staged_until[row] = seq_len
+            rows.append(row)
+        return rows
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """One step. The connector copies out blocks evicted this step before the forward

@@ -8,12 +8,14 @@
    a few lines per key scored.
 
    Pages hold float32 values or quantized rows (kv/spec.py: per token and head, an fp16
-   scale per group of 32 values (q4: a scale and a minimum), then int8 values or q4
-   nibbles). Quantized rows are decoded
+   scale per group of 32 values, then int8 values or q4 nibbles). Quantized rows are decoded
    a tile at a time into a small buffer that stays in L1 (TILE rows of one KV head), then
-   scored and weighed like float rows: no float copy of the context is ever made. q4 rows
-   hold Hadamard-rotated K and V, so the queries are rotated once and the output rotated
-   back (the rotation is orthonormal: q.k and the weighted sum of values are unchanged).
+   scored and weighed like float rows: no float copy of the context is ever made.
+   q4 K/V pages (kv/spec.py `q4_kv_layout`): V rows are symmetric nibbles of Hadamard-rotated
+   values, so the output is rotated back (the rotation is orthonormal); K rows are nibbles
+   quantized per channel over groups of KEY_GROUP tokens, the group's (scale, minimum) pairs
+   spread over its rows' tails. A query reads the keys of its own group, which may not be
+   quantized yet, in full precision from `fresh` (worker/attention.py: FreshKeys).
 
    Requests split across threads. Addressing follows the KV view [pages, blocks_per_page, 2,
    block, Hk, row] given by its strides in bytes, so padded large pages and kernel blocks
@@ -29,6 +31,7 @@
 #define PREFETCH_BLOCKS 2 /* how far ahead the next blocks are fetched */
 #define TILE 32 /* at most this many keys scored before the running softmax is updated */
 #define GROUP 32 /* values per scale in quantized rows */
+#define KEY_GROUP 16 /* tokens per key group of q4 K/V pages */
 
 enum { CODEC_F32 = 0, CODEC_INT8 = 1, CODEC_Q4 = 2 };
 
@@ -89,17 +92,16 @@ static inline v8 u8_to_v8(u8x8 x) { return __builtin_convertvector(x, v8); }
 #endif
 static inline void store8(float *p, v8 x) { memcpy(p, &x, sizeof x); }
 
-/* One quantized row of `dim` values into `dst`: [fp16 scale per GROUP (q4: scale and
-   minimum) | values]. */
+/* One quantized row of `dim` values into `dst`: [fp16 scale per GROUP | values] (int8, or
+   q4 V rows: nibble - 8). */
 static inline void decode_row(int codec, const char *row, int64_t dim, float *restrict dst) {
     const int64_t groups = (dim + GROUP - 1) / GROUP;
-    const int64_t per_group = codec == CODEC_Q4 ? 2 : 1;
-    const uint8_t *vals = (const uint8_t *)row + 2 * per_group * groups;
+    const uint8_t *vals = (const uint8_t *)row + 2 * groups;
     for (int64_t g = 0; g < groups; g++) {
-        uint16_t bits[2];
-        memcpy(bits, row + 2 * per_group * g, 2 * per_group);
-        const float s = half_to_float(bits[0]);
-        const float m = codec == CODEC_Q4 ? half_to_float(bits[1]) : 0.f;
+        uint16_t bits;
+        memcpy(&bits, row + 2 * g, 2);
+        const float s = half_to_float(bits);
+        const float m = codec == CODEC_Q4 ? -8.f * s : 0.f;
         const int64_t d0 = g * GROUP, n = dim - d0 < GROUP ? dim - d0 : GROUP;
         if (codec == CODEC_INT8) {
             const uint8_t *v = vals + d0;
@@ -123,6 +125,57 @@ static inline void decode_row(int codec, const char *row, int64_t dim, float *re
                 for (int64_t d = half; d < n; d++)
                     dst[d0 + d] = (float)(v[d - half] >> 4) * s + m;
             }
+        }
+    }
+}
+
+/* Byte offsets of q4 K/V rows (kv/spec.py q4_kv_layout). */
+typedef struct {
+    int64_t nibbles, channels, k_tail, v_tail, v_bytes;
+} q4_layout;
+
+static q4_layout q4_layout_of(int64_t dim) {
+    q4_layout l;
+    l.nibbles = (dim + 1) / 2;
+    l.channels = (dim + KEY_GROUP - 1) / KEY_GROUP;
+    l.v_bytes = 2 * ((dim + GROUP - 1) / GROUP) + l.nibbles;
+    const int64_t row = 2 * ((l.nibbles + 4 * l.channels + l.v_bytes + 3) / 4);
+    l.k_tail = row - l.nibbles < 4 * l.channels ? row - l.nibbles : 4 * l.channels;
+    l.v_tail = 4 * l.channels - l.k_tail;
+    return l;
+}
+
+/* A key group's per-channel scales and minimums from its KEY_GROUP rows' shares (`krow`:
+   the K row of the group's first token, this head; its V row is kv_stride further). */
+static void load_key_group(const q4_layout *l, const char *krow, int64_t token_stride,
+                           int64_t kv_stride, int64_t dim, float *scale, float *least) {
+    uint8_t share[4 * ((1024 + KEY_GROUP - 1) / KEY_GROUP)];
+    for (int64_t i = 0; i < KEY_GROUP; i++) {
+        const char *row = krow + i * token_stride;
+        memcpy(share, row + l->nibbles, l->k_tail);
+        memcpy(share + l->k_tail, row + kv_stride + l->v_bytes, l->v_tail);
+        for (int64_t c = 0; c < l->channels && i * l->channels + c < dim; c++) {
+            uint16_t bits[2];
+            memcpy(bits, share + 4 * c, 4);
+            scale[i * l->channels + c] = half_to_float(bits[0]);
+            least[i * l->channels + c] = half_to_float(bits[1]);
+        }
+    }
+}
+
+/* A q4 K row's nibbles (packed per GROUP as q4 rows are) through its group's channels. */
+static inline void decode_key_row(const char *row, int64_t dim, const float *scale,
+                                  const float *least, float *restrict dst) {
+    const uint8_t *v = (const uint8_t *)row;
+    for (int64_t d0 = 0; d0 < dim; d0 += GROUP) {
+        const int64_t n = dim - d0 < GROUP ? dim - d0 : GROUP;
+        const int64_t half = n == GROUP ? 16 : (n + 1) / 2;
+        const uint8_t *b = v + d0 / 2;
+        for (int64_t d = 0; d < half; d++) {
+            dst[d0 + d] = (float)(b[d] & 15) * scale[d0 + d] + least[d0 + d];
+            if (d + half < n)
+                dst[d0 + d + half] = (float)(b[d] >> 4) * scale[d0 + d + half]
+                                     + least[d0 + d + half];
         }
     }
 }
@@ -388,11 +441,13 @@ int hkv_paged_attention(
     const int64_t *query_start_loc, const int64_t *seq_lens,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     float scale, int64_t window, int64_t chunk, float softcap, const float *sinks,
+    const float *fresh, int64_t fresh_stride, const int64_t *fresh_starts,
     int64_t num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 ||
         num_heads * head_dim > (1 << 16) || head_dim > 1024 || codec < CODEC_F32 ||
-        codec > CODEC_Q4)
+        codec > CODEC_Q4 || (codec == CODEC_Q4 && (fresh == NULL || kernel_block_size % KEY_GROUP)))
         return -1;
+    const q4_layout q4 = q4_layout_of(head_dim);
     const int quantized = codec != CODEC_F32;
 #ifdef I8_DOT
     const int i8dot = codec == CODEC_INT8 && head_dim % GROUP == 0;
@@ -417,6 +472,8 @@ int hkv_paged_attention(
         float scores[TILE];
         /* A tile's decoded K and V rows of one KV head (quantized pages only). */
         float kbuf[quantized ? TILE * head_dim : 1], vbuf[quantized ? TILE * head_dim : 1];
+        /* q4 K/V: the per-channel scales and minimums of the key group being decoded. */
+        float kscale[codec == CODEC_Q4 ? head_dim : 1], kleast[codec == CODEC_Q4 ? head_dim : 1];
 #ifdef I8_DOT
         /* int8 pages read in place: the queries as int8 with their scales, and a KV head's
            query heads' weights for a tile. */
@@ -441,7 +498,6 @@ int hkv_paged_attention(
             for (int64_t h = 0; h < num_heads; h++) {
                 const float *src = q + tok * q_token_stride + h * q_head_stride;
                 for (int64_t d = 0; d < head_dim; d++) qs[h * head_dim + d] = src[d] * scale;
-                if (codec == CODEC_Q4) rotate_groups(qs + h * head_dim, head_dim);
 #ifdef I8_DOT
                 if (i8dot)
                     quantize_q8(qs + h * head_dim, head_dim, q8 + h * head_dim,
@@ -456,10 +512,15 @@ int hkv_paged_attention(
                 run_sum[h] = sinks ? 1.f : 0.f;
             }
             memset(acc, 0, sizeof(float) * num_heads * head_dim);
+            /* q4 K/V: keys from `own` on (the query's group) are read from `fresh`. */
+            const int64_t own = codec == CODEC_Q4 ? pos - pos % KEY_GROUP : pos + 1;
+            const int64_t fresh_base =
+                codec == CODEC_Q4 ? r * fresh_stride - fresh_starts[r] * num_kv_heads * head_dim : 0;
             for (int64_t t0 = lo; t0 <= pos;) {
                 /* A tile never crosses a kernel block: its rows are evenly spaced. */
                 const int64_t block_end = (t0 / kernel_block_size + 1) * kernel_block_size;
-                const int64_t end = block_end <= pos + 1 ? block_end : pos + 1;
+                int64_t end = block_end <= pos + 1 ? block_end : pos + 1;
+                if (t0 < own && end > own) end = own; /* nor the query's own key group */
                 const int64_t n = end - t0 < TILE ? end - t0 : TILE;
                 const char *row0 = token_row(&kv, table, t0);
                 if (t0 % kernel_block_size == 0) {
@@ -510,7 +571,26 @@ int hkv_paged_attention(
                     /* The tile's rows as floats: in place, or decoded into the buffers. */
                     const float *k0, *v0;
                     int64_t stride;
-                    if (quantized) {
+                    if (codec == CODEC_Q4) {
+                        /* Tiles stop at the query's own group: all paged or all fresh. */
+                        const int64_t first = t0 - n; /* t0 was advanced past the tile */
+                        for (int64_t t = 0; t < n; t++) {
+                            const char *row = row0 + t * token_stride + kh * head_stride;
+                            const int64_t at = first + t;
+                            decode_row((int)codec, row + kv_stride, head_dim, vbuf + t * head_dim);
+                            if (at >= own) {
+                                memcpy(kbuf + t * head_dim,
+                                       fresh + fresh_base + (at * num_kv_heads + kh) * head_dim,
+                                       sizeof(float) * head_dim);
+                                continue;
+                            }
+                            if (t == 0 || at % KEY_GROUP == 0)
+                                load_key_group(&q4, row - (at % KEY_GROUP) * token_stride,
+                                               token_stride, kv_stride, head_dim, kscale, kleast);
+                            decode_key_row(row, head_dim, kscale, kleast, kbuf + t * head_dim);
+                        }
+                        k0 = kbuf, v0 = vbuf, stride = head_dim;
+                    } else if (quantized) {
                         for (int64_t t = 0; t < n; t++) {
                             const char *row = row0 + t * token_stride + kh * head_stride;
                             decode_row((int)codec, row, head_dim, kbuf + t * head_dim);
