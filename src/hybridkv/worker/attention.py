@@ -114,14 +114,18 @@ class FreshKeys:
 class KeyGroupPlan:
     """The index work of q4 K/V writes, shared by every layer of the group in a step.
 
-        source   [R, F]   per request and fresh position, its key in cat(this step's k [T],
-                          staging rows [rows * KEY_GROUP]) (padding repeats the last one)
+        from_k   [T]      the flat fresh position [R * F] of each of this step's keys
+        from_stage        (fresh positions, staged rows [rows * KEY_GROUP]) of the keys
+                          staged before this step (padding positions take neither: never
+                          read)
         complete [N, G]   the finished groups' positions as flat indices into the fresh keys
         where    (pages, slots, offsets), each [N, G]: where their rows go
         stage    [R, G]   each request's last group, flat fresh indices (clamped)
     """
 
-    source: torch.Tensor
+    from_k: torch.Tensor
+    from_stage: tuple[torch.Tensor, torch.Tensor]
+    width: int
     starts: list[int]
     complete: torch.Tensor
     where: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -131,7 +135,6 @@ class KeyGroupPlan:
     @staticmethod
     def build(meta: AttentionMetadata) -> KeyGroupPlan:
         assert meta.stage_rows is not None, "q4 K/V pages need the requests' staging rows"
-        num_tokens = meta.query_start_loc[-1]
         g = KEY_GROUP
         starts, lens = [], []
         for r, s in enumerate(meta.seq_lens):
@@ -139,17 +142,21 @@ class KeyGroupPlan:
             starts.append(p0 - p0 % g)
             lens.append(s - starts[-1])
         width = max(lens, default=1)
-        source = []
+        k_dst: list[int] = []
+        stage_dst: list[int] = []
+        stage_src: list[int] = []
         complete, first_tok, back = [], [], []
         stage = []
         for r, (s, start, n) in enumerate(zip(meta.seq_lens, starts, lens, strict=True)):
             p0 = s - meta.query_lens[r]
             qs = meta.query_start_loc[r]
             row = meta.stage_rows[r]
-            idx = [num_tokens + row * g + pos % g if pos < p0 else qs + pos - p0
-                   for pos in range(start, s)]
-            source.append(idx + [idx[-1]] * (width - n))
             base = r * width
+            # Keys before this step's first token are staged; the rest are this step's,
+            # in flat token order (so their fresh positions are one run).
+            stage_dst += range(base, base + p0 - start)
+            stage_src += range(row * g, row * g + p0 - start)
+            k_dst += range(base + p0 - start, base + n)
             for gs in range(start, s - g + 1, g):  # groups whose last token is in
                 complete.append(list(range(base + gs - start, base + gs - start + g)))
                 pn = max(gs, p0)
@@ -167,8 +174,12 @@ class KeyGroupPlan:
         else:
             empty = torch.zeros(0, g, dtype=torch.int64, device=device)
             where = (empty, empty, empty)
+        def index(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=device)
+
         return KeyGroupPlan(
-            source=torch.tensor(source, dtype=torch.int64, device=device), starts=starts,
+            from_k=index(k_dst), from_stage=(index(stage_dst), index(stage_src)),
+            width=width, starts=starts,
             complete=torch.tensor(complete, dtype=torch.int64, device=device).view(-1, g),
             where=where, stage=torch.tensor(stage, dtype=torch.int64, device=device),
             stage_rows=torch.tensor(meta.stage_rows, dtype=torch.int64, device=device))
@@ -492,9 +503,11 @@ def write_key_groups(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     assert meta.staging is not None
     staging = meta.staging[kv_cache.data_ptr()]
     plan = meta.key_group_plan
-    source = torch.cat([k.to(staging.dtype), staging.flatten(0, 1)])
-    fresh = source[plan.source]  # [R, F, Hk, D]
-    flat = fresh.flatten(0, 1)
+    flat = staging.new_empty(len(plan.starts) * plan.width, *staging.shape[2:])
+    flat[plan.from_k] = k.to(staging.dtype)
+    if plan.from_stage[0].numel():
+        flat[plan.from_stage[0]] = staging.flatten(0, 1)[plan.from_stage[1]]
+    fresh = flat.view(len(plan.starts), plan.width, *staging.shape[2:])  # [R, F, Hk, D]
     if plan.complete.numel():
         k_rows, v_tails = quantize_key_groups(flat[plan.complete])
         pages, slots, offsets = plan.where

@@ -91,6 +91,8 @@ static inline v8 i8_to_v8(const uint8_t *p) { i8x8 x; memcpy(&x, p, 8); return _
 static inline v8 u8_to_v8(u8x8 x) { return __builtin_convertvector(x, v8); }
 #endif
 static inline void store8(float *p, v8 x) { memcpy(p, &x, sizeof x); }
+/* 8 floats: one AVX register (generic 16-wide vectors on AVX2 go through the stack). */
+static inline v8 load8(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
 
 /* One quantized row of `dim` values into `dst`: [fp16 scale per GROUP | values] (int8, or
    q4 V rows: nibble - 8). */
@@ -149,17 +151,25 @@ static q4_layout q4_layout_of(int64_t dim) {
    the K row of the group's first token, this head; its V row is kv_stride further). */
 static void load_key_group(const q4_layout *l, const char *krow, int64_t token_stride,
                            int64_t kv_stride, int64_t dim, float *scale, float *least) {
-    uint8_t share[4 * ((1024 + KEY_GROUP - 1) / KEY_GROUP)];
-    for (int64_t i = 0; i < KEY_GROUP; i++) {
+    /* The group's (scale, minimum) fp16 pairs, channel by channel. */
+    uint16_t pairs[2 * KEY_GROUP * ((1024 + KEY_GROUP - 1) / KEY_GROUP)];
+    char *dst = (char *)pairs;
+    for (int64_t i = 0; i < KEY_GROUP; i++, dst += 4 * l->channels) {
         const char *row = krow + i * token_stride;
-        memcpy(share, row + l->nibbles, l->k_tail);
-        memcpy(share + l->k_tail, row + kv_stride + l->v_bytes, l->v_tail);
-        for (int64_t c = 0; c < l->channels && i * l->channels + c < dim; c++) {
-            uint16_t bits[2];
-            memcpy(bits, share + 4 * c, 4);
-            scale[i * l->channels + c] = half_to_float(bits[0]);
-            least[i * l->channels + c] = half_to_float(bits[1]);
-        }
+        memcpy(dst, row + l->nibbles, l->k_tail);
+        memcpy(dst + l->k_tail, row + kv_stride + l->v_bytes, l->v_tail);
+    }
+    int64_t c = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    for (; c + 4 <= dim; c += 4) { /* 8 halves at once: s0 m0 s1 m1 s2 m2 s3 m3 */
+        float f[8];
+        _mm256_storeu_ps(f, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pairs + 2 * c))));
+        for (int j = 0; j < 4; j++) scale[c + j] = f[2 * j], least[c + j] = f[2 * j + 1];
+    }
+#endif
+    for (; c < dim; c++) {
+        scale[c] = half_to_float(pairs[2 * c]);
+        least[c] = half_to_float(pairs[2 * c + 1]);
     }
 }
 
@@ -169,8 +179,18 @@ static inline void decode_key_row(const char *row, int64_t dim, const float *sca
     const uint8_t *v = (const uint8_t *)row;
     for (int64_t d0 = 0; d0 < dim; d0 += GROUP) {
         const int64_t n = dim - d0 < GROUP ? dim - d0 : GROUP;
-        const int64_t half = n == GROUP ? 16 : (n + 1) / 2;
         const uint8_t *b = v + d0 / 2;
+        if (n == GROUP) {
+            for (int k = 0; k < 16; k += 8) {
+                u8x8 x;
+                memcpy(&x, b + k, 8);
+                store8(dst + d0 + k, u8_to_v8(x & 15) * load8(scale + d0 + k) + load8(least + d0 + k));
+                store8(dst + d0 + 16 + k,
+                       u8_to_v8(x >> 4) * load8(scale + d0 + 16 + k) + load8(least + d0 + 16 + k));
+            }
+            continue;
+        }
+        const int64_t half = (n + 1) / 2;
         for (int64_t d = 0; d < half; d++) {
             dst[d0 + d] = (float)(b[d] & 15) * scale[d0 + d] + least[d0 + d];
             if (d + half < n)
@@ -197,8 +217,6 @@ static void rotate_groups(float *x, int64_t dim) {
     }
 }
 
-/* 8 floats: one AVX register (generic 16-wide vectors on AVX2 go through the stack). */
-static inline v8 load8(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
 
 /* [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7]: vhaddps. */
 static inline v8 hadd8(v8 a, v8 b) {
