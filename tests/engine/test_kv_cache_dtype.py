@@ -190,3 +190,21 @@ def test_bf16_states_beside_int8_pages(model):
     again = cached.generate(ps, SamplingParams(max_tokens=NUM_NEW))
     assert sum(o.num_cached_tokens for o in again) > 0
     assert [o.token_ids for o in again] == [o.token_ids for o in first]
+
+
+def test_q4_key_groups_under_kv_sharing_and_fast_prefill(model):
+    """Gemma 3n's later layers read earlier layers' q4 pages (and their unfinished key groups'
+    full-precision keys); with fast prefill they run on the sampled tokens only. Neither that
+    nor chunks ending inside a key group changes a token."""
+    ps = prompts()
+    outs = []
+    for fast in (False, True):
+        for budget in (None, 7):
+            opts = dict(kv_cache_dtype="q4", enable_prefix_caching=False,
+                        kv_sharing_fast_prefill=fast)
+            if budget:
+                opts["max_num_batched_tokens"] = budget
+            llm, got = run(model("gemma3n"), ps, **opts)
+            assert llm.engine.runner.key_staging  # the q4 K/V layout is in use
+            outs.append([o.token_ids for o in got])
+    assert all(o == outs[0] for o in outs)
