@@ -223,3 +223,29 @@ def test_the_kernel_reads_q4_pages_as_the_torch_path(heads, heads_kv, dim, windo
     fresh.keys[0, 149 - 144] += 3.0
     moved = backend.forward(q, None, None, pages.cache, meta, params)
     assert not torch.allclose(moved[0], out[0]) and torch.equal(moved[1:], out[1:])
+
+
+@pytest.mark.parametrize("dim", (16, 40, 64, 80, 256))
+def test_the_c_v_writer_writes_torchs_bytes(dim):
+    """The CPU's C writer of q4 V rows and torch's operations give a slot the same bytes
+    (ties at .5, zero groups, fp16-clamped scales), and leave the rows' tails (their key
+    group's shares) and every other slot as they were."""
+    from hybridkv.worker import kv_quant
+
+    if kv_quant._native("hkv_write_v_q4") is None:
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(dim)
+    lay = q4_kv_layout(dim)
+    cache = torch.randint(0, 256, (5, 2, 2, 16, 3, lay.row), dtype=torch.uint8,
+                          generator=gen)
+    v = torch.randn(6, 3, dim, generator=gen) * 3
+    v[0, 0] = 0.0
+    v[1, 1] = torch.arange(dim) * 0.5 - dim / 4
+    v[2, 2, 0] = 1e6
+    slots = torch.tensor([3, 17, 40, 41, 100, 159])
+    expected = cache.clone()
+    blocks, offsets = slots // 16, slots % 16
+    expected.narrow(-1, 0, lay.v_bytes)[blocks // 2, blocks % 2, 1, offsets] = \
+        quantize_values_q4(v)
+    assert kv_quant.write_v_q4(v, cache, slots, 16, 2)
+    assert torch.equal(cache, expected)

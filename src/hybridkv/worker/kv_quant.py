@@ -113,6 +113,10 @@ _ARGTYPES = {
     # its strides in bytes (page, slot, K->V, token, head), block size, blocks per page
     "hkv_write_kv_int8": [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR,
                           _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64],
+    # rotated v, tokens, heads, head size, slots, cache, its strides in bytes (page, slot,
+    # K->V, token, head), block size, blocks per page
+    "hkv_write_v_q4": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
+                       _I64],
 }
 
 
@@ -303,23 +307,54 @@ def dequantize_key_groups(k_rows: torch.Tensor, v_rows: torch.Tensor, head_size:
     return keys.flatten(-4, -3).to(dtype)
 
 
+def rotate_values(x: torch.Tensor) -> torch.Tensor:
+    """V [..., D] in float32 with each full group of 32 rotated (a tail group as it is)."""
+    head_size = x.shape[-1]
+    full = head_size // QUANT_GROUP
+    xf = x.float()
+    if not full:
+        return xf
+    rotated = (xf[..., :full * QUANT_GROUP].unflatten(-1, (full, QUANT_GROUP))
+               @ hadamard(x.device)).flatten(-2)
+    if full * QUANT_GROUP == head_size:
+        return rotated
+    return torch.cat([rotated, xf[..., full * QUANT_GROUP:]], dim=-1)
+
+
 def quantize_values_q4(x: torch.Tensor) -> torch.Tensor:
     """V [..., D] -> the V rows' own bytes [..., v_bytes]: each full group of 32 rotated,
     then per group scale = max|x| / 7 (fp16) and nibbles round(x / scale) + 8 in [0, 15]."""
     head_size = x.shape[-1]
     groups = cdiv(head_size, QUANT_GROUP)
-    full = head_size // QUANT_GROUP
-    xp = x.float()
+    xp = rotate_values(x)
     if groups * QUANT_GROUP != head_size:
         xp = torch.nn.functional.pad(xp, (0, groups * QUANT_GROUP - head_size))
     xp = xp.unflatten(-1, (groups, QUANT_GROUP))
-    if full:
-        xp = torch.cat([xp[..., :full, :] @ hadamard(xp.device), xp[..., full:, :]], dim=-2)
     scale = (xp.abs().amax(-1) / 7.0).clamp(max=_FP16_MAX).to(torch.float16)
     s = scale.float().unsqueeze(-1)
     q = torch.where(s > 0, xp / torch.where(s > 0, s, 1.0), 0.0).round().clamp(-8, 7) + 8
     values = _pack_q4(q.to(torch.uint8), head_size)
     return torch.cat([scale.view(torch.uint8), values], dim=-1)
+
+
+def write_v_q4(v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+               block_size: int, blocks_per_page: int) -> bool:
+    """v [T, Hk, D] quantized (`quantize_values_q4`'s bytes) into the V rows of their slots
+    of q4 K/V pages on the CPU, by the C writer after torch's rotation; False where it cannot
+    run here (the caller writes through torch: the same bytes)."""
+    if not (v.device.type == "cpu" and v.dtype == torch.float32 and kv_cache.dim() == 6
+            and kv_cache.stride(5) == 1 and slot_mapping.dtype == torch.int64
+            and slot_mapping.is_contiguous()):
+        return False
+    kernel = _native("hkv_write_v_q4")
+    if kernel is None:
+        return False
+    rotated = rotate_values(v).contiguous()
+    cs = kv_cache.stride()  # uint8: strides are bytes
+    kernel(rotated.data_ptr(), v.shape[0], v.shape[1], v.shape[2], slot_mapping.data_ptr(),
+           kv_cache.data_ptr(), cs[0], cs[1], cs[2], cs[3], cs[4], block_size,
+           blocks_per_page)
+    return True
 
 
 def dequantize_values_q4(v_rows: torch.Tensor, head_size: int,

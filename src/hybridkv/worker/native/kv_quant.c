@@ -78,3 +78,49 @@ void hkv_write_kv_int8(const float *k, int64_t k_stride0, int64_t k_stride1, con
         }
     }
 }
+
+/* q4 V rows (kv/spec.py q4_kv_layout), given the values already rotated (torch's matmul by
+   the Hadamard matrix, so both paths round the rotation alike): [fp16 scale per group of
+   32 | nibbles], scale = max|x| / 7 in fp16, nibble round(x / scale) + 8 clamped to [0, 15],
+   in a group of n values byte i holding value i (low) and i + ceil(n / 2) (high). Only the
+   row's own bytes are written: its tail holds its key group's share. */
+static void quantize_v_q4_row(const float *src, int64_t head_size, uint8_t *dst) {
+    const int64_t groups = (head_size + GROUP - 1) / GROUP;
+    uint8_t *values = dst + 2 * groups;
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t d0 = g * GROUP, n = head_size - d0 < GROUP ? head_size - d0 : GROUP;
+        float amax = 0.f;
+        for (int64_t d = 0; d < n; d++) amax = fmaxf(amax, fabsf(src[d0 + d]));
+        float scale = amax / 7.f;
+        if (scale > 65504.f) scale = 65504.f;
+        const uint16_t bits = to_half(scale);
+        memcpy(dst + 2 * g, &bits, 2);
+        const float s = from_half(bits);
+        uint8_t nib[GROUP];
+        for (int64_t d = 0; d < n; d++) {
+            float q = s > 0.f ? nearbyintf(src[d0 + d] / s) : 0.f;
+            q = q < -8.f ? -8.f : (q > 7.f ? 7.f : q);
+            nib[d] = (uint8_t)(q + 8.f);
+        }
+        const int64_t half = n == GROUP ? 16 : (n + 1) / 2;
+        uint8_t *out = values + d0 / 2;
+        for (int64_t d = 0; d < half; d++)
+            out[d] = (uint8_t)(nib[d] | (d + half < n ? nib[d + half] << 4 : 0));
+    }
+}
+
+/* rotated v [T, Hk, head_size] (contiguous float32) into the V rows of their slots of the
+   pages [pages, per_page, 2, block, Hk, row_bytes] (strides in bytes). */
+void hkv_write_v_q4(const float *v, int64_t n0, int64_t n1, int64_t head_size,
+                    const int64_t *slots, uint8_t *cache, int64_t page_stride,
+                    int64_t slot_stride, int64_t kv_stride, int64_t token_stride,
+                    int64_t head_stride, int64_t block_size, int64_t blocks_per_page) {
+    for (int64_t t = 0; t < n0; t++) {
+        const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+        uint8_t *base = cache + (block / blocks_per_page) * page_stride
+                        + (block % blocks_per_page) * slot_stride + offset * token_stride
+                        + kv_stride;
+        for (int64_t h = 0; h < n1; h++)
+            quantize_v_q4_row(v + (t * n1 + h) * head_size, head_size, base + h * head_stride);
+    }
+}
