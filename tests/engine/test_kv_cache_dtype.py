@@ -158,6 +158,7 @@ def test_a_float32_process_never_loads_an_int8_tier(model, tmp_path):
     (dict(kv_cache_dtype="int8", kv_cache_dtype_skip="nope"),
      "unknown kv_cache_dtype_skip kind 'nope'"),
     (dict(state_dtype="fp64"), "unknown state_dtype 'fp64'"),
+    (dict(kv_cache_dtype="q4", block_size=8), "keys per 16 tokens.*multiple of 16, got 8"),
 ])
 def test_bad_kv_cache_dtypes_are_one_line(options, says, model):
     with pytest.raises(ValueError, match=says) as e:
