@@ -249,3 +249,27 @@ def test_the_c_v_writer_writes_torchs_bytes(dim):
         quantize_values_q4(v)
     assert kv_quant.write_v_q4(v, cache, slots, 16, 2)
     assert torch.equal(cache, expected)
+
+
+def test_q4_rows_per_token_take_the_torch_path():
+    """Pages of q4 rows per token (cross-attention's) are not what the kernel reads: the CPU
+    backend leaves them to the torch path, which decodes them as written."""
+    from hybridkv.worker import cpu_attention, native
+    from hybridkv.worker.kv_quant import quantize_rows
+
+    try:
+        backend = cpu_attention.CPUPagedBackend()
+    except native.NativeBuildError as e:
+        pytest.skip(str(e))
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(4, 16, 2, 64, generator=gen)
+    v = torch.randn(4, 16, 2, 64, generator=gen)
+    cache = torch.stack([quantize_rows(k, "q4"), quantize_rows(v, "q4")], 1)[:, None]
+    meta = AttentionMetadata(query_start_loc=[0, 1], seq_lens=[50],
+                             block_table=torch.tensor([[2, 0, 3, 1]]),
+                             slot_mapping=torch.zeros(1, dtype=torch.int64), block_size=16,
+                             kernel_block_size=16, blocks_per_page=1, cache_dtype="q4")
+    q = torch.randn(1, 4, 64, generator=gen)
+    params = AttentionParams(scale=0.125)
+    torch.testing.assert_close(backend.forward(q, None, None, cache, meta, params),
+                               TorchReferenceBackend().attend(q, cache, meta, params))

@@ -156,7 +156,9 @@ def _in_place_ok(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadat
     """Float32 or int8 / q4 K/V pages on the CPU, rows of unit stride (the kernel's one
     layout)."""
     page_dtype = torch.float32 if meta.cache_dtype is None else torch.uint8
-    if meta.key_groups and (meta.cache_dtype != "q4" or meta.kernel_block_size % KEY_GROUP):
+    if (meta.cache_dtype == "q4") != meta.key_groups:
+        return False  # the kernel reads q4 K/V pages only, not q4 rows per token
+    if meta.key_groups and meta.kernel_block_size % KEY_GROUP:
         return False
     return (q.device.type == "cpu" and q.dtype == torch.float32
             and meta.cache_dtype in CODECS and kv_cache.dtype == page_dtype
