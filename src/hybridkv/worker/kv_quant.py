@@ -314,8 +314,8 @@ def rotate_values(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     if not full:
         return xf
-    rotated = (xf[..., :full * QUANT_GROUP].unflatten(-1, (full, QUANT_GROUP))
-               @ hadamard(x.device)).flatten(-2)
+    rotated: torch.Tensor = (xf[..., :full * QUANT_GROUP].unflatten(-1, (full, QUANT_GROUP))
+                             @ hadamard(x.device)).flatten(-2)
     if full * QUANT_GROUP == head_size:
         return rotated
     return torch.cat([rotated, xf[..., full * QUANT_GROUP:]], dim=-1)
