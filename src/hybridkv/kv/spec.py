@@ -14,6 +14,7 @@ the sum of its layers' pages.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -98,6 +99,7 @@ class Q4KVLayout:
         return 4 * self.channels  # (fp16 scale, fp16 minimum) per channel
 
 
+@functools.lru_cache(maxsize=64)
 def q4_kv_layout(head_size: int) -> Q4KVLayout:
     """E.g. 64 -> rows of 42 bytes (32 nibbles + 10, 4 scale bytes + 32 nibbles + 6), against
     256 bytes of float32: 6.1x."""
