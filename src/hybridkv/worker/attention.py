@@ -207,6 +207,9 @@ class AttentionMetadata:
     staging: dict[int, torch.Tensor] | None = None
     stage_rows: list[int] | None = None
     fresh: dict[int, FreshKeys] = field(default_factory=dict)
+    # Views that KV-sharing layers read after their writer: their fresh keys stay for the
+    # step; every other layer's are dropped once it has attended (ForwardContext.attention).
+    shared_views: frozenset[int] = frozenset()
     # Per (window, chunk): the batches to attend in one call each, and the requests whose
     # chunk is longer than the window/chunk (attended alone, in query blocks).
     _plans: dict[tuple[int | None, int | None, int],

@@ -95,7 +95,13 @@ class ForwardContext:
         reads another layer's cache (KV sharing), already written earlier in this step."""
         meta = self.metadata[self.layer_group[layer_name]]
         assert isinstance(meta, AttentionMetadata)
-        return self.backend.forward(q, k, v, self.kv_caches[layer_name], meta, params)
+        kv_cache = self.kv_caches[layer_name]
+        out = self.backend.forward(q, k, v, kv_cache, meta, params)
+        if meta.key_groups and kv_cache.data_ptr() not in meta.shared_views:
+            # q4 K/V pages: the layer's full-precision keys of this step (a chunk's worth)
+            # are read by this layer alone.
+            meta.fresh.pop(kv_cache.data_ptr(), None)
+        return out
 
     def mla_attention(self, layer_name: str, q: torch.Tensor, latent: torch.Tensor,
                       kv_b_weight: torch.Tensor, params: MLAParams) -> torch.Tensor:

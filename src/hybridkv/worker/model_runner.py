@@ -79,6 +79,8 @@ class ModelRunner:
         self.key_staging = allocate_key_staging(kv_config, self.kv_caches,
                                                 config.max_num_seqs, self.device)
         self.staged_until = [0] * config.max_num_seqs
+        self.shared_views = frozenset(self.kv_caches[target].data_ptr()
+                                      for g in kv_config.groups for _, target in g.shared_layers)
         for group_id in self.key_staging:
             if self.block_tables[group_id].kernel_block_size % KEY_GROUP:
                 raise ValueError(f"kv_cache_dtype 'q4' needs kernel blocks of a multiple of "
@@ -188,7 +190,7 @@ class ModelRunner:
             slot_mapping=meta.slot_mapping[sample_t], block_size=meta.block_size,
             kernel_block_size=meta.kernel_block_size, blocks_per_page=meta.blocks_per_page,
             cache_dtype=meta.cache_dtype, key_groups=meta.key_groups, staging=meta.staging,
-            stage_rows=meta.stage_rows, fresh=meta.fresh)
+            stage_rows=meta.stage_rows, fresh=meta.fresh, shared_views=meta.shared_views)
             if isinstance(meta, AttentionMetadata) else None for meta in metadata]
 
     # ---------------------------------------------------------------- one step
@@ -233,7 +235,8 @@ class ModelRunner:
                 block_size=table.block_size, kernel_block_size=table.kernel_block_size,
                 blocks_per_page=blocks_per_page, cache_dtype=cache_dtype,
                 key_groups=len(metadata) in self.key_staging,
-                staging=self.key_staging.get(len(metadata)), stage_rows=stage_rows))
+                staging=self.key_staging.get(len(metadata)), stage_rows=stage_rows,
+                shared_views=self.shared_views))
         return metadata
 
     def _stage_rows(self, inputs: StepInputs) -> list[int]:
