@@ -244,6 +244,16 @@ class AttentionMetadata:
         """Where each request's fresh keys come from and where its finished groups go."""
         return KeyGroupPlan.build(self)
 
+    def block_index(self, kernel_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Kernel block ids [P, n] as `_gather_padded` takes them: the ids (manager block
+        ids), or (page, slot, kernel block) when kernel blocks split manager blocks."""
+        k_per_block = self.block_size // self.kernel_block_size
+        if k_per_block == 1:
+            return (kernel_ids,)
+        blocks = kernel_ids // k_per_block
+        return (blocks // self.blocks_per_page, blocks % self.blocks_per_page,
+                kernel_ids % k_per_block)
+
     def short_rows(self, max_query: int) -> torch.Tensor:
         """The requests with at most `max_query` queries this step, int64 CPU tensor."""
         rows = self._short_rows.get(max_query)
@@ -337,14 +347,7 @@ class AttentionMetadata:
             cols = (first_t + torch.arange(num, device=device)).clamp(max=table.shape[1] - 1)
             kernel_ids = table.gather(1, cols)
             key_start = first_t * kb
-        k_per_block = self.block_size // kb
-        gather: tuple[torch.Tensor, ...]
-        if k_per_block == 1:
-            gather = (kernel_ids,)  # manager block ids
-        else:
-            blocks = kernel_ids // k_per_block
-            gather = (blocks // self.blocks_per_page, blocks % self.blocks_per_page,
-                      kernel_ids % k_per_block)
+        gather = self.block_index(kernel_ids)
         seq_lens = [self.seq_lens[r] for r in rows]
         return PaddedBatch(tokens=start + slot, valid=col < q_len,
                            q_pos=seq - q_len + slot, gather=gather,
@@ -482,14 +485,7 @@ class TorchReferenceBackend:
         """One request's keys and values, [seq_len, Hk, D] each."""
         kb = meta.kernel_block_size
         seq_len = meta.seq_lens[r]
-        kernel_ids = meta.block_table[r:r + 1, :-(-seq_len // kb)]
-        k_per_block = meta.block_size // kb
-        if k_per_block == 1:
-            index: tuple[torch.Tensor, ...] = (kernel_ids,)
-        else:
-            blocks = kernel_ids // k_per_block
-            index = (blocks // meta.blocks_per_page, blocks % meta.blocks_per_page,
-                     kernel_ids % k_per_block)
+        index = meta.block_index(meta.block_table[r:r + 1, :-(-seq_len // kb)])
         keys, values = _context_kv(kv_cache, meta, index, params, seq_len, like=like)
         return keys[0], values[0]
 
@@ -575,14 +571,7 @@ def _request_rows(kv_cache: torch.Tensor, meta: AttentionMetadata, r: int, lo: i
                   end: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Request r's K rows and V rows of positions lo..end-1, [end - lo, Hk, row] each."""
     kb = meta.kernel_block_size
-    kernel_ids = meta.block_table[r:r + 1, lo // kb:-(-end // kb)]
-    k_per_block = meta.block_size // kb
-    if k_per_block == 1:
-        index: tuple[torch.Tensor, ...] = (kernel_ids,)
-    else:
-        blocks = kernel_ids // k_per_block
-        index = (blocks // meta.blocks_per_page, blocks % meta.blocks_per_page,
-                 kernel_ids % k_per_block)
+    index = meta.block_index(meta.block_table[r:r + 1, lo // kb:-(-end // kb)])
     keys, values = _gather_padded(kv_cache, meta, index)
     skip = lo - lo // kb * kb
     return keys[0, skip:skip + end - lo], values[0, skip:skip + end - lo]

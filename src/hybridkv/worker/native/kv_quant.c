@@ -29,19 +29,25 @@ static inline float from_half(uint16_t bits) {
 
 #define GROUP 32
 
+/* A group's scale, max|x| / qmax clamped to fp16's largest and rounded to fp16 (to nearest
+   even), stored at dst; returns it as the float the values are divided by. */
+static float group_scale(const float *x, int64_t n, float qmax, uint8_t *dst) {
+    float amax = 0.f;
+    for (int64_t d = 0; d < n; d++) amax = fmaxf(amax, fabsf(x[d]));
+    float scale = amax / qmax;
+    if (scale > 65504.f) scale = 65504.f;
+    const uint16_t bits = to_half(scale);
+    memcpy(dst, &bits, 2);
+    return from_half(bits);
+}
+
 /* One row of head_size values into its row_bytes at dst. */
 static void quantize_row(const float *src, int64_t head_size, uint8_t *dst, int64_t row_bytes) {
     const int64_t groups = (head_size + GROUP - 1) / GROUP;
     int8_t *values = (int8_t *)(dst + 2 * groups);
     for (int64_t g = 0; g < groups; g++) {
         const int64_t d0 = g * GROUP, n = head_size - d0 < GROUP ? head_size - d0 : GROUP;
-        float amax = 0.f;
-        for (int64_t d = 0; d < n; d++) amax = fmaxf(amax, fabsf(src[d0 + d]));
-        float scale = amax / 127.f;
-        if (scale > 65504.f) scale = 65504.f;
-        const uint16_t bits = to_half(scale);
-        memcpy(dst + 2 * g, &bits, 2);
-        const float s = from_half(bits);
+        const float s = group_scale(src + d0, n, 127.f, dst + 2 * g);
         for (int64_t d = 0; d < n; d++) {
             float q = s > 0.f ? nearbyintf(src[d0 + d] / s) : 0.f;
             q = q < -127.f ? -127.f : (q > 127.f ? 127.f : q);
@@ -89,13 +95,7 @@ static void quantize_v_q4_row(const float *src, int64_t head_size, uint8_t *dst)
     uint8_t *values = dst + 2 * groups;
     for (int64_t g = 0; g < groups; g++) {
         const int64_t d0 = g * GROUP, n = head_size - d0 < GROUP ? head_size - d0 : GROUP;
-        float amax = 0.f;
-        for (int64_t d = 0; d < n; d++) amax = fmaxf(amax, fabsf(src[d0 + d]));
-        float scale = amax / 7.f;
-        if (scale > 65504.f) scale = 65504.f;
-        const uint16_t bits = to_half(scale);
-        memcpy(dst + 2 * g, &bits, 2);
-        const float s = from_half(bits);
+        const float s = group_scale(src + d0, n, 7.f, dst + 2 * g);
         uint8_t nib[GROUP];
         for (int64_t d = 0; d < n; d++) {
             float q = s > 0.f ? nearbyintf(src[d0 + d] / s) : 0.f;
