@@ -137,53 +137,49 @@ class KeyGroupPlan:
     def build(meta: AttentionMetadata) -> KeyGroupPlan:
         assert meta.stage_rows is not None, "q4 K/V pages need the requests' staging rows"
         g = KEY_GROUP
-        starts, lens = [], []
-        for r, s in enumerate(meta.seq_lens):
-            p0 = s - meta.query_lens[r]
-            starts.append(p0 - p0 % g)
-            lens.append(s - starts[-1])
-        width = max(lens, default=1)
+        device = meta.slot_mapping.device
+
+        def index(x: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=device)
+
+        firsts = [s - n for s, n in zip(meta.seq_lens, meta.query_lens, strict=True)]
+        starts = [p0 - p0 % g for p0 in firsts]
+        width = max((s - start for s, start in zip(meta.seq_lens, starts, strict=True)),
+                    default=1)
         k_dst: list[int] = []
         stage_dst: list[int] = []
         stage_src: list[int] = []
-        complete, first_tok, back = [], [], []
-        stage = []
-        for r, (s, start, n) in enumerate(zip(meta.seq_lens, starts, lens, strict=True)):
-            p0 = s - meta.query_lens[r]
-            qs = meta.query_start_loc[r]
-            row = meta.stage_rows[r]
-            base = r * width
+        complete: list[list[int]] = []
+        first_tok: list[int] = []
+        back: list[int] = []
+        stage: list[list[int]] = []
+        for r, (s, p0, start) in enumerate(zip(meta.seq_lens, firsts, starts, strict=True)):
+            qs, row, base = meta.query_start_loc[r], meta.stage_rows[r], r * width
             # Keys before this step's first token are staged; the rest are this step's,
             # in flat token order (so their fresh positions are one run).
             stage_dst += range(base, base + p0 - start)
             stage_src += range(row * g, row * g + p0 - start)
-            k_dst += range(base + p0 - start, base + n)
+            k_dst += range(base + p0 - start, base + s - start)
             for gs in range(start, s - g + 1, g):  # groups whose last token is in
                 complete.append(list(range(base + gs - start, base + gs - start + g)))
-                pn = max(gs, p0)
+                pn = max(gs, p0)  # the group's first token written this step
                 first_tok.append(qs + pn - p0)
                 back.append(pn - gs)
             last = (s - 1) - (s - 1) % g
             stage.append([base + min(pos, s - 1) - start for pos in range(last, last + g)])
-        device = meta.slot_mapping.device
         if complete:
-            first = meta.slot_mapping[torch.tensor(first_tok, device=device)] - \
-                torch.tensor(back, device=device)
+            # A group lies inside one kernel block: its slots run on from its first one.
+            first = meta.slot_mapping[index(first_tok)] - index(back)
             slots = first[:, None] + torch.arange(g, device=device)
             blocks, offsets = slots // meta.block_size, slots % meta.block_size
             where = (blocks // meta.blocks_per_page, blocks % meta.blocks_per_page, offsets)
         else:
             empty = torch.zeros(0, g, dtype=torch.int64, device=device)
             where = (empty, empty, empty)
-        def index(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64, device=device)
-
         return KeyGroupPlan(
             from_k=index(k_dst), from_stage=(index(stage_dst), index(stage_src)),
-            width=width, starts=starts,
-            complete=torch.tensor(complete, dtype=torch.int64, device=device).view(-1, g),
-            where=where, stage=torch.tensor(stage, dtype=torch.int64, device=device),
-            stage_rows=torch.tensor(meta.stage_rows, dtype=torch.int64, device=device))
+            width=width, starts=starts, complete=index(complete).view(-1, g), where=where,
+            stage=index(stage), stage_rows=index(meta.stage_rows))
 
 
 @dataclass
