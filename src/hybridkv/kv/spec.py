@@ -52,8 +52,9 @@ def cdiv(a: int, b: int) -> int:
 # low nibble and value i + 16 in its high one), fp8 (e4m3 of x / scale, scale = max|x| / 448).
 #
 # q4 on K/V pages (not K-only or latent pages) quantizes K and V differently, because keys
-# carry large per-channel offsets (a few channels far from zero in every token) that no per-token grouping
-# resolves in 4 bits (perplexity +5% against +1.5% on SmolLM2, `hybridkv bench kv-quant`):
+# carry large per-channel offsets (a few channels far from zero in every token) that no
+# per-token grouping resolves in 4 bits (perplexity +5% against +1.1% on SmolLM2, `hybridkv
+# bench kv-quant`):
 #   - K: per channel over each group of KEY_GROUP consecutive tokens (a scale and a minimum
 #     per channel and group, as KIVI does), no rotation. A group is quantized once its
 #     KEY_GROUP tokens are known; until then its keys are read in full precision from the
