@@ -492,10 +492,10 @@ def write_key_groups(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     quantized from their full-precision keys (staged ones and this step's); every request's
     last group into its staging row; the step's fresh keys kept for the reads."""
     lay = q4_kv_layout(k.shape[-1])
-    pages, slots, offsets = meta.write_index
     if not write_v_q4(v, kv_cache, meta.slot_mapping, meta.block_size, meta.blocks_per_page):
         # (Index a narrowed view: torch 2.13 ignores a slice after an integer among tensor
         # indices, kv_cache[p, s, 1, o, :n].)
+        pages, slots, offsets = meta.write_index
         kv_cache.narrow(-1, 0, lay.v_bytes)[pages, slots, 1, offsets] = quantize_values_q4(v)
     assert meta.staging is not None
     staging = meta.staging[kv_cache.data_ptr()]

@@ -91,9 +91,6 @@ class CPUPagedBackend(TorchReferenceBackend):
             cpu_ops.write_kv(k, v, kv_cache, meta.slot_mapping, meta.block_size,
                              meta.blocks_per_page)
             return
-        if k is not None and v is not None and meta.key_groups:
-            super().write(k, v, kv_cache, meta, params)  # worker/attention.py
-            return
         if k is not None and v is not None and _int8_write_ok(k, v, kv_cache, meta, params) \
                 and write_int8_kv(k, v, kv_cache, meta.slot_mapping, meta.block_size,
                                   meta.blocks_per_page):

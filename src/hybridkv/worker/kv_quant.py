@@ -74,7 +74,7 @@ def quantize_rows(x: torch.Tensor, cache_dtype: str) -> torch.Tensor:
         # Rotate the full groups (a tail group stays as it is): outliers spread over the
         # group, so a 4-bit grid resolves the rest. Attention is invariant to it (the
         # rotation is orthonormal, applied alike to what is read back).
-        xp = torch.cat([xp[..., :full, :] @ hadamard(xp.device), xp[..., full:, :]], dim=-2)
+        xp = _rotate_groups(xp, full)
     if cache_dtype == "q4":
         # Asymmetric: a rotated K group is not centred on 0 (RoPE'd keys carry per-channel
         # offsets), and min/scale spends all 16 levels on its range (measured on
@@ -204,9 +204,17 @@ def dequantize_rows(rows: torch.Tensor, cache_dtype: str, head_size: int,
     else:
         values = values * scales.unsqueeze(-1)
     if cache_dtype == "q4" and full:
-        values = torch.cat([values[..., :full, :] @ hadamard(values.device),
-                            values[..., full:, :]], dim=-2)
+        values = _rotate_groups(values, full)
     return values.flatten(-2)[..., :head_size].to(dtype)
+
+
+def _rotate_groups(groups: torch.Tensor, full: int) -> torch.Tensor:
+    """[..., G, 32] with its first `full` groups rotated (the Hadamard matrix is its own
+    inverse: this writes and reads back alike); a tail group stays as it is."""
+    if not full:
+        return groups
+    return torch.cat([groups[..., :full, :] @ hadamard(groups.device), groups[..., full:, :]],
+                     dim=-2)
 
 
 def _pack_q4(q: torch.Tensor, head_size: int) -> torch.Tensor:
@@ -366,8 +374,6 @@ def dequantize_values_q4(v_rows: torch.Tensor, head_size: int,
     values = _unpack_q4(v_rows[..., 2 * groups:], head_size).float() - 8
     if groups * QUANT_GROUP != head_size:
         values = torch.nn.functional.pad(values, (0, groups * QUANT_GROUP - head_size))
-    values = values.unflatten(-1, (groups, QUANT_GROUP)) * scales.unsqueeze(-1)
-    if full:
-        values = torch.cat([values[..., :full, :] @ hadamard(values.device),
-                            values[..., full:, :]], dim=-2)
+    values = _rotate_groups(values.unflatten(-1, (groups, QUANT_GROUP))
+                            * scales.unsqueeze(-1), full)
     return values.flatten(-2)[..., :head_size].to(dtype)
