@@ -1,6 +1,7 @@
-"""int8 KV pages on the real SmolLM2-135M-Instruct (a GGUF installed from PyPI): the first
-step's logits stay within a stated bound of float32 pages (measured 0.32 on logits of
-magnitude ~40), and a prefix hit on int8 pages changes no token. Accuracy over a long text
+"""int8 and q4 KV pages on the real SmolLM2-135M-Instruct (a GGUF installed from PyPI): the
+first step's logits stay within a stated bound of float32 pages (int8: measured 0.32 on
+logits of magnitude ~40; q4: 1.29 of ~30), and a prefix hit (and for q4, chunks that end
+inside key groups) changes no token. Accuracy over a long text
 is `hybridkv bench kv-quant`'s (docs/benchmarks.md)."""
 
 from __future__ import annotations
@@ -48,3 +49,32 @@ def test_int8_pages_on_the_real_model():
     again = llm.generate([PROMPT], params)[0]
     assert again.num_cached_tokens > 0
     assert again.token_ids == first.token_ids
+
+
+# 40 tokens: two whole key groups that a hit reads from the pages, then an unfinished one.
+PROMPT_Q4 = ("The capital of France is Paris. The capital of Germany is Berlin. The capital of "
+             "Spain is Madrid. The capital of Portugal is Lisbon. The capital of Austria is "
+             "Vienna. The capital of Italy is")
+
+
+def test_q4_pages_on_the_real_model():
+    base = _engine()
+    seen = record_logits(base)
+    ref = base.generate([PROMPT_Q4], SamplingParams(temperature=0, max_tokens=1))[0]
+    ref_logits = seen[ref.request_id][0]
+    llm = _engine(kv_cache_dtype="q4")
+    seen = record_logits(llm)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    first = llm.generate([PROMPT_Q4], params)[0]
+    assert float((seen[first.request_id][0] - ref_logits).abs().max()) < 2.0
+    assert ref_logits.topk(2).indices.tolist() == \
+        seen[first.request_id][0].topk(2).indices.tolist()
+    gaps = [float(top.values[0] - top.values[1])
+            for top in (logits.topk(2) for logits in seen[first.request_id])]
+    assert min(gaps) > 0.1
+    again = llm.generate([PROMPT_Q4], params)[0]
+    assert again.num_cached_tokens >= 32
+    assert again.token_ids == first.token_ids
+    chunked = _engine(kv_cache_dtype="q4", max_num_batched_tokens=7,
+                      enable_prefix_caching=False)
+    assert chunked.generate([PROMPT_Q4], params)[0].token_ids == first.token_ids
