@@ -103,3 +103,24 @@ def test_starts_with_default_memory_options(real):
     assert llm.engine.max_model_len == 8192  # the default cap; both contexts are longer
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))[0]
     assert len(out.token_ids) == 2
+
+
+def test_the_greedy_pre_pass_gives_the_full_logits_tokens(real):
+    """Greedy rows take the LM head's 8-bit pre-pass (the Q8_0 head read as it is, the
+    survivors scored exactly): the same tokens as the full logits, one prompt and a batch."""
+    name, path, prompts, *_ = real
+    options = dict(max_model_len=2048, kv_cache_memory="256MiB")
+    fast = LLM(name, **options)
+    bound = fast.engine.runner.model.head_bound
+    if bound is None:
+        pytest.skip("no integer kernel here (needs AVX2)")
+    rows = []
+    top1 = bound.top1
+    bound.top1 = lambda x, scale: rows.append(x.shape[0]) or top1(x, scale)
+    slow = LLM(name, **options)
+    record_logits(slow)  # every step takes the full logits and the sampler
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    for batch in (prompts[:1], prompts):
+        assert [o.token_ids for o in fast.generate(batch, params)] == \
+            [o.token_ids for o in slow.generate(batch, params)]
+    assert 1 in rows and len(prompts) in rows

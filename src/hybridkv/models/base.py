@@ -14,6 +14,7 @@ from hybridkv.models.text_config import TextConfig
 from hybridkv.models.weights import load_named_weights
 from hybridkv.worker import quant_linear
 from hybridkv.worker.forward_context import ForwardContext
+from hybridkv.worker.head_bound import HeadBound
 from hybridkv.worker.head_topk import HeadCandidates, HeadTopK
 from hybridkv.worker.linear import Linear
 from hybridkv.worker.quantized import QuantizedLinear
@@ -116,9 +117,18 @@ class CausalLM(nn.Module):
     # 32K x 2,048 head), worth the memory on CPU hosts; above it the head stays shared.
     TIED_HEAD_COPY_BYTES = 256 << 20
 
+    # Heads of at least this many weights get an 8-bit pre-pass for greedy rows on the CPU
+    # kernels (worker/head_bound.py): a Q8_0 copy of a float head (a quarter of its bytes),
+    # or a quantized head's own blocks.
+    HEAD_BOUND_WEIGHTS = 1 << 24
+    head_bound: HeadBound | None = None
+
     def fuse_linears(self, kernel: str) -> None:
         """The LM head on `kernel` (see worker/linear.py); a tied head only on the CPU kernels
-        ("cpu", "onednn"), as a copy, up to TIED_HEAD_COPY_BYTES."""
+        ("cpu", "onednn"), as a copy, up to TIED_HEAD_COPY_BYTES. On those kernels a large
+        head also gets its greedy pre-pass."""
+        if kernel in ("cpu", "onednn"):
+            self.head_bound = self._build_head_bound()
         if not isinstance(self.lm_head, nn.Linear):
             return
         weight = self.lm_head.weight
@@ -126,6 +136,26 @@ class CausalLM(nn.Module):
                 kernel in ("cpu", "onednn")
                 and weight.numel() * weight.element_size() <= self.TIED_HEAD_COPY_BYTES):
             self.lm_head = Linear([self.lm_head], kernel)
+
+    def _build_head_bound(self) -> HeadBound | None:
+        """The head's pre-pass, where it is large, unbiased and its exact rows stay readable:
+        a quantized head without mins, or a float32 head that is the (kept) embedding or
+        stays an nn.Linear (an untied head the CPU kernel packs would need its rows kept
+        twice)."""
+        head, cfg = self.lm_head, self.cfg
+        if cfg.final_logit_softcap is not None or cfg.logits_multiplier <= 0:
+            return None  # the argmax of the raw logits must be the argmax of the scaled ones
+        if isinstance(head, QuantizedLinear):
+            w = head.qweight
+            if head.bias is not None or w.rows * w.cols < self.HEAD_BOUND_WEIGHTS:
+                return None
+            return HeadBound.of_quantized(w)
+        if not isinstance(head, nn.Linear) or head.bias is not None:
+            return None
+        weight = head.weight
+        if weight.numel() < self.HEAD_BOUND_WEIGHTS or weight is not self.embed_tokens.weight:
+            return None
+        return HeadBound.of_float(weight)
 
     # Heads of at least this many weights, on the CPU in float32, are computed a block of
     # vocabulary rows at a time as W_block h^T (see _head_blocks); smaller heads whole.
@@ -200,6 +230,14 @@ class CausalLM(nn.Module):
         candidates are those of its logits; a row with a NaN logit is flagged."""
         if type(self).compute_logits is not CausalLM.compute_logits:
             return None
+        bound = self.head_bound
+        if (bound is not None and k == 1 and hidden.dim() == 2
+                and hidden.shape[0] <= bound.int_rows and hidden.device.type == "cpu"):
+            # Up to the integer kernel's rows the pre-pass reads a quarter of a float head's
+            # bytes; beyond them (32 rows) the float GEMM's blocks are as fast.
+            found = bound.top1(hidden, self._scale)
+            if found is not None:
+                return found
         blocks = self._head_blocks(hidden)
         if blocks is None:
             return None
