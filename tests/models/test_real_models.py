@@ -115,8 +115,8 @@ def test_the_greedy_pre_pass_gives_the_full_logits_tokens(real):
     if bound is None:
         pytest.skip("no integer kernel here (needs AVX2)")
     rows = []
-    top1 = bound.top1
-    bound.top1 = lambda x, scale: rows.append(x.shape[0]) or top1(x, scale)
+    found = bound.head_candidates
+    bound.head_candidates = lambda x, k, scale: rows.append(x.shape[0]) or found(x, k, scale)
     slow = LLM(name, **options)
     record_logits(slow)  # every step takes the full logits and the sampler
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)

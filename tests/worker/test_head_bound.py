@@ -103,11 +103,18 @@ def test_the_argmax_is_the_full_logits_argmax(rows):
     # Row 0's best two tokens are equal: the first id wins, as torch.argmax takes it.
     w[4000] = w[17] = x[0] / x[0].norm() * 3
     for bound, head in [(HeadBound.of_float(w), w)]:
-        ids, values = bound.argmax(x)
+        ids, values = bound.top(x)
         full = x @ head.T
-        assert torch.equal(ids, torch.argmax(full, dim=1))
-        assert ids[0] == 17
-        torch.testing.assert_close(values, full.max(dim=1).values, rtol=1e-5, atol=1e-5)
+        assert torch.equal(ids[:, 0], torch.argmax(full, dim=1))
+        assert ids[0, 0] == 17
+        torch.testing.assert_close(values[:, 0], full.max(dim=1).values, rtol=1e-5,
+                                   atol=1e-5)
+        # The 8 best in order, equal values by id (as the blocked head's top-k keeps them).
+        ids8, values8 = bound.top(x, 8)
+        order = torch.sort(full, dim=1, descending=True, stable=True)
+        assert torch.equal(ids8, order.indices[:, :8])
+        assert ids8[0, 0] == 17 and ids8[0, 1] == 4000
+        torch.testing.assert_close(values8, order.values[:, :8], rtol=1e-5, atol=1e-5)
 
 
 def test_many_candidates_get_more_room(monkeypatch):
@@ -119,15 +126,22 @@ def test_many_candidates_get_more_room(monkeypatch):
     x = w[100:101].clone() * 50
     bound = HeadBound.of_float(w)
     assert len(bound.candidates(x, bound.approx(x))[0]) >= 300
-    ids, _ = bound.argmax(x)
-    assert int(ids[0]) == int(torch.argmax(x @ w.T, dim=1)[0]) == 100
+    ids, _ = bound.top(x)
+    assert int(ids[0, 0]) == int(torch.argmax(x @ w.T, dim=1)[0]) == 100
+
+
+def test_more_candidates_than_the_vocabulary():
+    bound = HeadBound.of_float(float_head(5, 32))
+    ids, values = bound.top(hidden(2, 32), 8)
+    assert (ids[:, 5:] == -1).all() and torch.isinf(values[:, 5:]).all()
+    assert sorted(ids[0, :5].tolist()) == [0, 1, 2, 3, 4]
 
 
 def test_a_row_that_is_not_finite_is_left_to_the_full_logits():
     bound = HeadBound.of_float(float_head(100, 64))
     x = hidden(2, 64)
     x[1, 3] = float("nan")
-    assert bound.argmax(x) is None
+    assert bound.top(x) is None
 
 
 def test_greedy_tokens_in_the_engine_equal_the_full_logits(tmp_path, monkeypatch):
@@ -145,9 +159,9 @@ def test_greedy_tokens_in_the_engine_equal_the_full_logits(tmp_path, monkeypatch
     bound = fast.engine.runner.model.head_bound
     assert bound is not None
     calls = []
-    top1 = bound.top1
-    monkeypatch.setattr(bound, "top1", lambda x, scale: calls.append(x.shape[0]) or
-                        top1(x, scale))
+    found = bound.head_candidates
+    monkeypatch.setattr(bound, "head_candidates", lambda x, k, scale:
+                        calls.append(x.shape[0]) or found(x, k, scale))
     prompts = [[5, 9, 17, 33, 65] * 4, [7] * 11, [3, 1, 4, 1, 5, 9, 2, 6]]
     params = SamplingParams(max_tokens=10)
     assert [o.token_ids for o in fast.generate(prompts, params)] == \

@@ -12,7 +12,7 @@ from hybridkv.models.layer_mix import kv_shared_from
 from hybridkv.models.layers.norms import RMSNorm
 from hybridkv.models.text_config import TextConfig
 from hybridkv.models.weights import load_named_weights
-from hybridkv.worker import quant_linear
+from hybridkv.worker import head_bound, quant_linear
 from hybridkv.worker.forward_context import ForwardContext
 from hybridkv.worker.head_bound import HeadBound
 from hybridkv.worker.head_topk import HeadCandidates, HeadTopK
@@ -231,11 +231,11 @@ class CausalLM(nn.Module):
         if type(self).compute_logits is not CausalLM.compute_logits:
             return None
         bound = self.head_bound
-        if (bound is not None and k == 1 and hidden.dim() == 2
+        if (bound is not None and k <= head_bound.MAX_K and hidden.dim() == 2
                 and hidden.shape[0] <= bound.int_rows and hidden.device.type == "cpu"):
             # Up to the integer kernel's rows the pre-pass reads a quarter of a float head's
             # bytes; beyond them (32 rows) the float GEMM's blocks are as fast.
-            found = bound.top1(hidden, self._scale)
+            found = bound.head_candidates(hidden, k, self._scale)
             if found is not None:
                 return found
         blocks = self._head_blocks(hidden)

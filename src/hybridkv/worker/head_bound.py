@@ -40,6 +40,7 @@ _SIGNED_TYPES = (2, 6, 8, 14)  # Q4_0, Q5_0, Q8_0, Q6_K
 # each within cols * 2^-24 * ||x|| ||w|| (Cauchy-Schwarz on |x|, |w|); twice that, twice.
 _ROUNDING = 4 * 2.0 ** -24
 _CAP = 4096  # candidates per row the first selection makes room for
+MAX_K = 64  # the most candidates a row may ask for (head_bound.c keeps them on its stack)
 _ROWS = 2048  # weight rows quantized or measured at a time at load
 
 
@@ -122,53 +123,63 @@ class HeadBound:
         slack = _ROUNDING * self.cols * (xnorm + enorm)
         return (enorm + slack).contiguous(), (xnorm + slack).contiguous()
 
-    def candidates(self, x: torch.Tensor, approx: torch.Tensor) -> list[torch.Tensor]:
-        """Each row's tokens that can be its argmax, ascending (int64)."""
+    def candidates(self, x: torch.Tensor, approx: torch.Tensor, k: int = 1
+                   ) -> list[torch.Tensor]:
+        """Each row's tokens that can be among its k largest logits (k = 1: its argmax),
+        ascending (int64): those whose upper end reaches the k-th largest lower end."""
+        if not 1 <= k <= MAX_K:
+            raise ValueError(f"k must be in [1, {MAX_K}], not {k}")
         n = x.shape[0]
         a, b = self.error_terms(x)
         fn = _select()
-        cap = _CAP
+        cap = max(_CAP, k)
         while True:
             ids = torch.empty((n, cap), dtype=torch.int64)
             counts = torch.empty(n, dtype=torch.int64)
             fn(approx.data_ptr(), n, self.vocab, approx.stride(0), a.data_ptr(), b.data_ptr(),
                self.wnorm.data_ptr(),
                None if self.dnorm is None else self.dnorm.data_ptr(),
-               cap, ids.data_ptr(), counts.data_ptr())
+               k, cap, ids.data_ptr(), counts.data_ptr())
             most = int(counts.max())
             if most <= cap:
                 break
             cap = most
         return [ids[r, :int(c)] for r, c in enumerate(counts.tolist())]
 
-    def argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(ids [N] int64, exact logits [N] float32) of each row's argmax; None where a row
-        of x is not finite (the caller's full logits handle NaN as torch does)."""
+    def top(self, x: torch.Tensor, k: int = 1) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(ids [N, k] int64, exact logits [N, k] float32): each row's k largest logits,
+        descending, among equal values the lower id first (k = 1: torch.argmax's token);
+        -1 / -inf past the vocabulary. None where a row of x is not finite (the caller's
+        full logits handle NaN as torch does)."""
         if x.dim() != 2 or x.shape[1] != self.cols or x.dtype != torch.float32:
             return None
         if not bool(torch.isfinite(x).all()):
             return None
         x = x.contiguous()
-        found = self.candidates(x, self.approx(x))
-        ids = torch.empty(x.shape[0], dtype=torch.int64)
-        values = torch.empty(x.shape[0], dtype=torch.float32)
+        found = self.candidates(x, self.approx(x), k)
+        ids = torch.full((x.shape[0], k), -1, dtype=torch.int64)
+        values = torch.full((x.shape[0], k), float("-inf"), dtype=torch.float32)
         for r, cand in enumerate(found):
             # Each row summed alike (a GEMV may sum rows in different orders by position):
             # equal head rows give equal logits, and the first id wins, as in the full path.
             exact = (self.exact_rows(cand) * x[r]).sum(dim=1)
-            j = int(torch.argmax(exact))
-            ids[r], values[r] = cand[j], exact[j]
+            if k == 1:
+                j = int(torch.argmax(exact))
+                ids[r, 0], values[r, 0] = cand[j], exact[j]
+                continue
+            order = torch.sort(exact, descending=True, stable=True).indices[:k]
+            ids[r, :len(order)], values[r, :len(order)] = cand[order], exact[order]
         return ids, values
 
-    def top1(self, x: torch.Tensor, scale: Callable[[torch.Tensor], torch.Tensor]
-             ) -> HeadCandidates | None:
-        """argmax() as head candidates with k = 1, the values passed through `scale`."""
-        found = self.argmax(x)
+    def head_candidates(self, x: torch.Tensor, k: int,
+                        scale: Callable[[torch.Tensor], torch.Tensor]) -> HeadCandidates | None:
+        """top() as head candidates, the values passed through `scale` (the head's
+        multiplier and soft cap)."""
+        found = self.top(x, k)
         if found is None:
             return None
         ids, values = found
-        return HeadCandidates(scale(values).view(-1, 1), ids.view(-1, 1),
-                              torch.zeros(ids.shape[0], dtype=torch.bool))
+        return HeadCandidates(scale(values), ids, torch.zeros(ids.shape[0], dtype=torch.bool))
 
 
 def quantized_x(x: torch.Tensor) -> torch.Tensor:
@@ -205,8 +216,8 @@ def _int_rows(qtype: int) -> int:
 
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-# approx, n, vocab, ld, a, b, wnorm, dnorm, cap, ids, counts
-_SELECT_ARGS = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR]
+# approx, n, vocab, ld, a, b, wnorm, dnorm, k, cap, ids, counts
+_SELECT_ARGS = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR]
 
 
 def _select() -> Callable[..., None]:
