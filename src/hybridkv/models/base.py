@@ -139,9 +139,9 @@ class CausalLM(nn.Module):
 
     def _build_head_bound(self) -> HeadBound | None:
         """The head's pre-pass, where it is large, unbiased and its exact rows stay readable:
-        a quantized head without mins, or a float32 head that is the (kept) embedding or
-        stays an nn.Linear (an untied head the CPU kernel packs would need its rows kept
-        twice)."""
+        a quantized head without mins, or a float32 head tied to the embedding (its rows
+        stay there whatever the CPU kernel makes of the head; an untied head the kernel
+        packs would need its rows kept twice)."""
         head, cfg = self.lm_head, self.cfg
         if cfg.final_logit_softcap is not None or cfg.logits_multiplier <= 0:
             return None  # the argmax of the raw logits must be the argmax of the scaled ones
@@ -227,7 +227,9 @@ class CausalLM(nn.Module):
         vocabulary at a time so the [N, vocab] logits are never written; None where the
         head is computed whole or a family changes compute_logits (the caller then takes
         the full logits). The blocks are the ones compute_logits copies out, so the
-        candidates are those of its logits; a row with a NaN logit is flagged."""
+        candidates are those of its logits; a row with a NaN logit is flagged. Up to the
+        integer kernel's rows a head with a pre-pass (head_bound) gives the same tokens
+        from the few that can be among the k, scored exactly (values equal to ~1e-6)."""
         if type(self).compute_logits is not CausalLM.compute_logits:
             return None
         bound = self.head_bound
