@@ -167,3 +167,9 @@ def test_greedy_tokens_in_the_engine_equal_the_full_logits(tmp_path, monkeypatch
     assert [o.token_ids for o in fast.generate(prompts, params)] == \
         [o.token_ids for o in slow.generate(prompts, params)]
     assert calls and max(calls) == 3
+
+
+def test_a_head_past_float16_scales_gets_no_copy():
+    w = float_head(64, 32)
+    w[5, 3] = 1e7  # a scale of 1e7 / 127 overflows float16
+    assert HeadBound.of_float(w) is None

@@ -95,6 +95,9 @@ class HeadBound:
             torch.linalg.vector_norm(approx, dim=1, out=wnorm[r0:r0 + n])
             torch.linalg.vector_norm(w - approx, dim=1, out=dnorm[r0:r0 + n])
 
+        if not (bool(torch.isfinite(wnorm).all()) and bool(torch.isfinite(dnorm).all())):
+            return None  # rows beyond float16 scales (|w| > ~8e6): no Q8_0 copy
+
         def exact_rows(ids: torch.Tensor) -> torch.Tensor:
             return weight.index_select(0, ids)
 
@@ -157,6 +160,8 @@ class HeadBound:
             return None
         x = x.contiguous()
         found = self.candidates(x, self.approx(x), k)
+        if any(len(cand) == 0 for cand in found):
+            return None  # a bound that is not finite (a head with NaN rows): the full path
         ids = torch.full((x.shape[0], k), -1, dtype=torch.int64)
         values = torch.full((x.shape[0], k), float("-inf"), dtype=torch.float32)
         for r, cand in enumerate(found):
