@@ -173,3 +173,11 @@ def test_a_head_past_float16_scales_gets_no_copy():
     w = float_head(64, 32)
     w[5, 3] = 1e7  # a scale of 1e7 / 127 overflows float16
     assert HeadBound.of_float(w) is None
+
+
+def test_a_quantized_head_with_a_row_that_is_not_finite_gets_no_pre_pass():
+    qw = quantized_head(hb.Q8_0, 64, 64)
+    data = qw.data.clone()
+    data[7, 0:2] = torch.tensor([0x00, 0x7C], dtype=torch.uint8)  # scale +inf (float16)
+    assert HeadBound.of_quantized(QuantizedWeight(data, hb.Q8_0, 64, 64)) is None
+    assert HeadBound.of_quantized(qw) is not None

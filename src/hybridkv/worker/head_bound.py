@@ -62,8 +62,9 @@ class HeadBound:
 
     @classmethod
     def of_quantized(cls, weight: quant_linear.QuantizedWeight) -> HeadBound | None:
-        """A quantized head read by the pre-pass as it is (None: a type with a min, or no
-        integer kernel here)."""
+        """A quantized head read by the pre-pass as it is (None: a type with a min, no
+        integer kernel here, or rows that are not finite, whose NaN logits the full path
+        reports)."""
         rows = _int_rows(weight.qtype)
         if weight.qtype not in _SIGNED_TYPES or not rows:
             return None
@@ -72,6 +73,8 @@ class HeadBound:
             chunk = quant_linear.dequantize(weight.data[r0:r0 + _ROWS], weight.qtype,
                                             weight.cols)
             torch.linalg.vector_norm(chunk, dim=1, out=norms[r0:r0 + chunk.shape[0]])
+        if not bool(torch.isfinite(norms).all()):
+            return None
         return cls(weight.data, weight.qtype, weight.cols, norms, None, weight.rows_of, rows)
 
     @classmethod
