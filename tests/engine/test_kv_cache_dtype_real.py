@@ -23,6 +23,9 @@ PROMPT = ("The capital of France is Paris. The capital of Germany is Berlin. The
 NAME = "smollm2-135m-instruct"
 
 
+PARAMS = SamplingParams(temperature=0, max_tokens=12)
+
+
 def _engine(**options) -> LLM:
     try:
         real_model_path(NAME)
@@ -31,22 +34,27 @@ def _engine(**options) -> LLM:
     return LLM(NAME, kv_cache_memory="64MiB", max_model_len=512, **options)
 
 
-def test_int8_pages_on_the_real_model():
+def _reference_and_quantized(prompt: str, kv_cache_dtype: str):
+    """(float32 pages' first-step logits, the quantized engine, its 12 greedy tokens'
+    output and their logits), each greedy step's top two at least 0.1 apart."""
     base = _engine()
     seen = record_logits(base)
-    ref = base.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1))[0]
+    ref = base.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0]
     ref_logits = seen[ref.request_id][0]
-    llm = _engine(kv_cache_dtype="int8")
+    llm = _engine(kv_cache_dtype=kv_cache_dtype)
     seen = record_logits(llm)
-    params = SamplingParams(temperature=0, max_tokens=12)
-    first = llm.generate([PROMPT], params)[0]
-    assert float((seen[first.request_id][0] - ref_logits).abs().max()) < 1.0
-    assert set(ref_logits.topk(5).indices.tolist()) == set(
-        seen[first.request_id][0].topk(5).indices.tolist())
-    gaps = [float(top.values[0] - top.values[1])
-            for top in (logits.topk(2) for logits in seen[first.request_id])]
+    first = llm.generate([prompt], PARAMS)[0]
+    logits = seen[first.request_id]
+    gaps = [float(top.values[0] - top.values[1]) for top in (lg.topk(2) for lg in logits)]
     assert min(gaps) > 0.1
-    again = llm.generate([PROMPT], params)[0]
+    return ref_logits, llm, first, logits
+
+
+def test_int8_pages_on_the_real_model():
+    ref_logits, llm, first, logits = _reference_and_quantized(PROMPT, "int8")
+    assert float((logits[0] - ref_logits).abs().max()) < 1.0
+    assert set(ref_logits.topk(5).indices.tolist()) == set(logits[0].topk(5).indices.tolist())
+    again = llm.generate([PROMPT], PARAMS)[0]
     assert again.num_cached_tokens > 0
     assert again.token_ids == first.token_ids
 
@@ -58,23 +66,12 @@ PROMPT_Q4 = ("The capital of France is Paris. The capital of Germany is Berlin. 
 
 
 def test_q4_pages_on_the_real_model():
-    base = _engine()
-    seen = record_logits(base)
-    ref = base.generate([PROMPT_Q4], SamplingParams(temperature=0, max_tokens=1))[0]
-    ref_logits = seen[ref.request_id][0]
-    llm = _engine(kv_cache_dtype="q4")
-    seen = record_logits(llm)
-    params = SamplingParams(temperature=0, max_tokens=12)
-    first = llm.generate([PROMPT_Q4], params)[0]
-    assert float((seen[first.request_id][0] - ref_logits).abs().max()) < 2.0
-    assert ref_logits.topk(2).indices.tolist() == \
-        seen[first.request_id][0].topk(2).indices.tolist()
-    gaps = [float(top.values[0] - top.values[1])
-            for top in (logits.topk(2) for logits in seen[first.request_id])]
-    assert min(gaps) > 0.1
-    again = llm.generate([PROMPT_Q4], params)[0]
+    ref_logits, llm, first, logits = _reference_and_quantized(PROMPT_Q4, "q4")
+    assert float((logits[0] - ref_logits).abs().max()) < 2.0
+    assert ref_logits.topk(2).indices.tolist() == logits[0].topk(2).indices.tolist()
+    again = llm.generate([PROMPT_Q4], PARAMS)[0]
     assert again.num_cached_tokens >= 32
     assert again.token_ids == first.token_ids
     chunked = _engine(kv_cache_dtype="q4", max_num_batched_tokens=7,
                       enable_prefix_caching=False)
-    assert chunked.generate([PROMPT_Q4], params)[0].token_ids == first.token_ids
+    assert chunked.generate([PROMPT_Q4], PARAMS)[0].token_ids == first.token_ids
