@@ -1109,9 +1109,15 @@ static int64_t int_rows_max(int type) {
 #endif
 }
 
+/* x rows up to which the integer path beats the float kernels for `type`, whatever the
+   float-activations setting (0: no integer path here). */
+int64_t hkv_quant_int8_rows_max(int type) {
+    return int_type(type) ? int_rows_max(type) : 0;
+}
+
 /* x rows up to which y = x W^T of `type` takes 8-bit activations (0: never). */
 int64_t hkv_quant_int8_rows(int type) {
-    return int_type(type) && !float_activations ? int_rows_max(type) : 0;
+    return float_activations ? 0 : hkv_quant_int8_rows_max(type);
 }
 
 /* y = x W^T through 8-bit x rows (the caller checked the type). -2: no memory. */
@@ -1189,12 +1195,6 @@ static int int_matmul(const float *x, int64_t m, int64_t ldx, const uint8_t *w, 
     }
     free(buf);
     return failed ? -2 : 0;
-}
-
-/* x rows up to which the integer path beats the float kernels for `type`, whatever the
-   float-activations setting (0: no integer path here). */
-int64_t hkv_quant_int8_rows_max(int type) {
-    return int_type(type) ? int_rows_max(type) : 0;
 }
 
 /* y = x W^T through 8-bit x rows, for callers that bound the error themselves (the LM
