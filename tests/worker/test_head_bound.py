@@ -1,7 +1,8 @@
-"""The LM head's 8-bit greedy pre-pass (worker/head_bound.py): the error bound holds for
-every logit, and the argmax it returns is the full logits' argmax (first id among equal
-values), on float heads (through their Q8_0 copy) and quantized heads read as they are;
-in the engine, greedy tokens equal those of the full logits."""
+"""The LM head's 8-bit greedy pre-pass (worker/head_bound.py): the kernel computes what
+its copy holds (AVX2 and portable code alike), both error bounds hold for every logit, the
+selection keeps exactly the tokens the bounds cannot rule out, and the argmax it returns is
+the full logits' argmax (first id among equal values), on float heads and quantized ones of
+every kind; in the engine, greedy tokens equal those of the full logits."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ torch = pytest.importorskip("torch")
 
 from hybridkv.worker import head_bound as hb  # noqa: E402
 from hybridkv.worker import quant_linear  # noqa: E402
-from hybridkv.worker.head_bound import HeadBound, quantize_q8_0, quantized_x  # noqa: E402
+from hybridkv.worker.head_bound import HeadBound, quantize_blocks, quantized_x  # noqa: E402
 from hybridkv.worker.quant_linear import QuantizedWeight  # noqa: E402
 
-if not quant_linear.available() or not hb._int_rows(hb.Q8_0):
-    pytest.skip("no integer kernel here (needs a C compiler and AVX2)",
+if not quant_linear.available() or not hb.available():
+    pytest.skip("no pre-pass kernel here (needs a C compiler and AVX2)",
                 allow_module_level=True)
 
-Q4_0, Q6_K = 2, 14
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
 
 
 def hidden(n: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -47,55 +48,105 @@ def quantized_head(qtype: int, vocab: int, cols: int) -> QuantizedWeight:
     return QuantizedWeight.from_numpy(np.ascontiguousarray(raw), qtype, vocab, cols)
 
 
-def test_q8_0_copy_holds_the_values_it_reports():
-    w = float_head(70, 96)
-    w[3] = 0.0  # a zero block: scale 0, values 0
-    blocks, values = quantize_q8_0(w)
-    assert torch.equal(quant_linear.dequantize(blocks, hb.Q8_0, 96), values)
-    assert (w - values).abs().max() <= w.abs().max() / 127 * 0.51
-
-
-def test_the_kernel_reads_x_as_quantized_x_says():
-    # An identity head: each logit is one value of x as the kernel rounded it.
-    cols = 64
-    blocks, values = quantize_q8_0(torch.eye(cols))
-    x = hidden(5, cols)
-    out = torch.empty(5, cols)
-    quant_linear.library().hkv_quant_matmul_int8(
-        x.data_ptr(), 5, cols, blocks.data_ptr(), blocks.stride(0), hb.Q8_0, cols, cols,
-        out.data_ptr(), cols)
-    torch.testing.assert_close(out, quantized_x(x) * values.diagonal(), rtol=1e-6, atol=0)
-
-
-@pytest.mark.parametrize("kind", ["float", "Q8_0", "Q4_0", "Q6_K"])
-def test_every_logit_is_within_its_bound(kind):
-    cols = 256
+def head_and_bound(kind: str, vocab: int, cols: int) -> tuple[torch.Tensor, HeadBound]:
     if kind == "float":
-        w = float_head(300, cols)
+        w = float_head(vocab, cols)
         bound = HeadBound.of_float(w)
     else:
-        qw = quantized_head({"Q8_0": hb.Q8_0, "Q4_0": Q4_0, "Q6_K": Q6_K}[kind], 300, cols)
-        w = quant_linear.dequantize(qw.data, qw.qtype, cols)
+        qtype = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q4_K": Q4_K, "Q6_K": Q6_K}[kind]
+        qw = quantized_head(qtype, vocab, cols)
+        w = quant_linear.dequantize(qw.data, qtype, cols)
         bound = HeadBound.of_quantized(qw)
     assert bound is not None
+    return w, bound
+
+
+def test_the_copy_holds_the_values_it_reports():
+    w = float_head(70, 96)
+    w[3] = 0.0  # zero blocks: scale 0, values 0
+    q, d, values = quantize_blocks(w)
+    assert torch.equal(q.float().view(70, 3, 32) * d[:, :, None], values.view(70, 3, 32))
+    assert (q[3] == 0).all() and (d[3] == 0).all()
+    assert (w - values).abs().max() <= w.abs().max() / 127 * 0.51
+    assert q.abs().max() == 127
+
+
+def test_a_q8_0_head_keeps_its_own_values():
+    w, bound = head_and_bound("Q8_0", 64, 64)
+    assert bound.dnorm is None and bound.dblock is None  # no weight error at all
+    torch.testing.assert_close(bound.wnorm, torch.linalg.vector_norm(w, dim=1))
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 70])
+def test_the_kernel_computes_what_the_copy_and_x_hold(rows, portable):
+    # 300 tokens: the last group of 8 is part padding; 70 rows: two calls' worth.
+    w, bound = head_and_bound("float", 300, 96)
+    x = hidden(rows, 96, seed=rows)
+    wq = quantized_x(w)  # the head's copy: the same rounding as x's
+    hb.force_portable(portable)
+    try:
+        approx = bound.approx(x)
+    finally:
+        hb.force_portable(False)
+    assert approx.shape == (rows, 304)
+    torch.testing.assert_close(approx[:, :300], quantized_x(x) @ wq.T, rtol=1e-5, atol=1e-5)
+    assert (approx[:, 300:] == 0).all()
+
+
+@pytest.mark.parametrize("kind", ["float", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_every_logit_is_within_both_bounds(kind):
+    cols = 256
+    w, bound = head_and_bound(kind, 300, cols)
     x = hidden(9, cols)
     exact = x @ w.T
-    approx = bound.approx(x)
-    a, b = bound.error_terms(x)
-    limit = a[:, None] * bound.wnorm[None, :]
-    if bound.dnorm is not None:
-        limit = limit + b[:, None] * bound.dnorm[None, :]
-    err = (approx - exact).abs()
-    assert (err <= limit).all()
+    err = (bound.approx(x)[:, :300] - exact).abs()
+    whole, block = bounds(bound, x)
+    assert (err <= whole).all() and (err <= block).all()
+    assert (block <= whole * (1 + 1e-5)).all()  # the block bound is the tighter one
     assert err.max() > 0  # the pre-pass really is approximate
 
 
-def test_heads_with_a_min_get_no_pre_pass():
-    assert HeadBound.of_quantized(quantized_head(3, 64, 64)) is None  # Q4_1
-    assert HeadBound.of_float(torch.zeros(64, 40)) is None  # 40 columns: no Q8_0 rows
+def bounds(bound: HeadBound, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, vocab]: each logit's whole-row and block bound, as HeadBound.error_terms states
+    them."""
+    t = bound.error_terms(x)
+    whole = t.a[:, None] * bound.wnorm[None, :]
+    block = t.eb @ bound.wblock.T + t.slack[:, None] * bound.wnorm[None, :]
+    if bound.dnorm is not None:
+        whole = whole + t.b[:, None] * bound.dnorm[None, :]
+        block = block + t.xb @ bound.dblock.T + t.slack[:, None] * bound.dnorm[None, :]
+    return whole, block
 
 
-@pytest.mark.parametrize("rows", [1, 3, 24])
+@pytest.mark.parametrize("k", [1, 3])
+def test_the_selection_keeps_what_the_bounds_cannot_rule_out(k):
+    # The oracle: the whole-row stage's k-th largest lower end over the vocabulary, then
+    # the block bound's among the tokens that stage keeps.
+    cols, vocab = 128, 3000
+    w, bound = head_and_bound("float", vocab, cols)
+    x = hidden(6, cols, seed=5)
+    approx = bound.approx(x)[:, :vocab]
+    whole, block = bounds(bound, x)
+    found = bound.candidates(x, bound.approx(x), k)
+    firsts = kepts = 0
+    for r in range(x.shape[0]):
+        first = approx[r] + whole[r] >= torch.topk(approx[r] - whole[r], k).values[-1]
+        low = torch.where(first, approx[r] - block[r], float("-inf"))
+        kept = first & (approx[r] + block[r] >= torch.topk(low, k).values[-1])
+        assert torch.equal(found[r], torch.nonzero(kept).flatten())
+        firsts, kepts = firsts + int(first.sum()), kepts + int(kept.sum())
+    assert kepts < firsts  # the block bound rules out more
+
+
+def test_heads_whose_rows_do_not_fit_get_no_pre_pass():
+    assert HeadBound.of_float(torch.zeros(64, 40)) is None  # 40 columns: no 32-value blocks
+    w = float_head(64, 32)
+    w[5, :] = 3e38  # its norm overflows
+    assert HeadBound.of_float(w) is None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 24, 70])
 def test_the_argmax_is_the_full_logits_argmax(rows):
     cols, vocab = 128, 5000
     w = float_head(vocab, cols)
@@ -169,15 +220,9 @@ def test_greedy_tokens_in_the_engine_equal_the_full_logits(tmp_path, monkeypatch
     assert calls and max(calls) == 3
 
 
-def test_a_head_past_float16_scales_gets_no_copy():
-    w = float_head(64, 32)
-    w[5, 3] = 1e7  # a scale of 1e7 / 127 overflows float16
-    assert HeadBound.of_float(w) is None
-
-
 def test_a_quantized_head_with_a_row_that_is_not_finite_gets_no_pre_pass():
-    qw = quantized_head(hb.Q8_0, 64, 64)
+    qw = quantized_head(Q8_0, 64, 64)
     data = qw.data.clone()
     data[7, 0:2] = torch.tensor([0x00, 0x7C], dtype=torch.uint8)  # scale +inf (float16)
-    assert HeadBound.of_quantized(QuantizedWeight(data, hb.Q8_0, 64, 64)) is None
+    assert HeadBound.of_quantized(QuantizedWeight(data, Q8_0, 64, 64)) is None
     assert HeadBound.of_quantized(qw) is not None

@@ -2,22 +2,29 @@
 exact: every token the pre-pass cannot rule out is scored again at full precision.
 
 At a 262k x 640 head the logits are most of a small model's step: 671 MB of float32 rows
-read at batch 1, 10.7 GFLOP at batch 32. The pre-pass reads 8-bit rows (a Q8_0 copy of a
-float head, or a quantized head's own blocks) and quantizes x to 8 bits per 32 values
-(worker/quant_linear.py's integer kernel), then bounds each logit's error:
+read at batch 1, 10.7 GFLOP at batch 32. The pre-pass keeps an 8-bit copy of the head
+(per 32 values a float32 scale max|w| / 127 and 32 int8 values; a quarter of a float
+head's bytes), packed eight tokens at a time for native/head_bound.c's kernel, which on
+an AVX2 core computes it ~2x faster than a float GEMM at 32 rows and reads a quarter of
+the bytes at one row. x is rounded to 8 bits per 32 values alike. Each logit's error is
+bounded:
 
-    |approx - exact| <= ||e|| ||w_hat_v|| + ||x|| ||w_v - w_hat_v|| + float rounding
+    |approx - exact| <= sum_b ||e_b|| ||w_hat_v,b|| + ||x_b|| ||w_v,b - w_hat_v,b||
+                     <= ||e|| ||w_hat_v|| + ||x|| ||w_v - w_hat_v||        (+ float rounding)
 
-(Cauchy-Schwarz on exact = x . w_v against approx = x_hat . w_hat_v; e = x - x_hat, which
-is computed here exactly as the kernel rounds it). The argmax's logit is at least the
-largest lower end; tokens whose upper end falls short of it are out, and the rest (tens
-to a few thousand of 262,144 on Gemma 3 270M) get their exact logits from their float (or
-dequantized) head rows. The token is the exact argmax of those, the first id among equal
-values, as torch.argmax takes it: the same token as the full logits give, up to float
-rounding of the exact sums (~1e-6), as any two GEMMs differ.
+(Cauchy-Schwarz on exact = x . w_v against approx = x_hat . w_hat_v, per 32-value block b
+and over the blocks; e = x - x_hat, computed here exactly as the kernel gets it). The
+argmax's logit is at least the largest lower end; tokens whose upper end falls short of
+it are out. The whole-row bound rules out most of the vocabulary; the block bound, where
+x's energy sits in a few blocks far tighter, the rest of what it can: a handful of
+tokens on Gemma 3 270M's hidden states (under 800 of 262,144 on the hardest rows seen),
+which get their exact logits from their float (or dequantized) head rows. The token is
+the exact argmax of those, the first id among equal values, as torch.argmax takes it: the
+same token as the full logits give, up to float rounding of the exact sums (~1e-6), as any
+two GEMMs differ.
 
-Used for plain greedy rows on CPUs where the integer kernel runs (AVX2); the head's
-multiplier and soft cap, both increasing, are applied to the exact values afterwards.
+Used for plain greedy rows on CPUs with AVX2; the head's multiplier and soft cap, both
+increasing, are applied to the exact values afterwards.
 """
 
 from __future__ import annotations
@@ -28,124 +35,168 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv.worker import native, quant_linear
+from hybridkv.worker import native
 from hybridkv.worker.head_topk import HeadCandidates
 
-Q8_0 = 8
-# Quantized heads whose rows are d * q (no min): the kernel's error then depends on the
-# row's own values only, which the bound uses. Heads with a min (Q4_1, Q4_K, ...) get no
-# pre-pass.
-_SIGNED_TYPES = (2, 6, 8, 14)  # Q4_0, Q5_0, Q8_0, Q6_K
-# Float rounding of the integer kernel's scaled block sums and of the exact dot products:
-# each within cols * 2^-24 * ||x|| ||w|| (Cauchy-Schwarz on |x|, |w|); twice that, twice.
+BLOCK = 32  # values per scale, in the copy and in x
+GROUP = 8  # tokens packed together (one register's int32 lanes)
+# Float rounding of the kernel's scaled block sums and of the exact dot products: each
+# within cols * 2^-24 * ||x|| ||w|| (Cauchy-Schwarz on |x|, |w|); twice that, twice.
 _ROUNDING = 4 * 2.0 ** -24
 _CAP = 4096  # candidates per row the first selection makes room for
 MAX_K = 64  # the most candidates a row may ask for (head_bound.c keeps them on its stack)
-_ROWS = 2048  # weight rows quantized or measured at a time at load
+MAX_ROWS = 64  # x rows per kernel call: their pre-pass logits are [rows, vocab] floats
+_ROWS = 2048  # weight rows quantized and measured at a time at load (a multiple of GROUP)
+
+
+@dataclass
+class ErrorTerms:
+    """What row r of x adds to each token's error bound (float32, contiguous)."""
+
+    a: torch.Tensor  # [N]: ||e|| + slack, times ||w_hat_v||
+    b: torch.Tensor  # [N]: ||x|| + slack, times ||w_v - w_hat_v||
+    eb: torch.Tensor  # [N, blocks]: ||e_b||
+    xb: torch.Tensor  # [N, blocks]: ||x_b||
+    slack: torch.Tensor  # [N]: float rounding, times ||w_hat_v|| + ||w_v - w_hat_v||
 
 
 @dataclass
 class HeadBound:
-    """The pre-pass weights of a head and what the bound needs of each vocabulary row."""
+    """The pre-pass copy of a head and what the bound needs of each vocabulary row."""
 
-    data: torch.Tensor  # uint8 [vocab, row_bytes]: rows in `qtype` blocks
-    qtype: int
+    packed: torch.Tensor  # int8 [groups, blocks, 8, 32]: see native/head_bound.c
+    scales: torch.Tensor  # float32 [groups, blocks, 8]
+    vocab: int
     cols: int
     wnorm: torch.Tensor  # float32 [vocab]: ||w_hat_v||
     dnorm: torch.Tensor | None  # float32 [vocab]: ||w_v - w_hat_v||; None: w_hat is w
+    wblock: torch.Tensor  # float32 [vocab, blocks]: ||w_hat_v,b||
+    dblock: torch.Tensor | None  # float32 [vocab, blocks]: ||w_v,b - w_hat_v,b||
     exact_rows: Callable[[torch.Tensor], torch.Tensor]  # ids -> float32 [n, cols]
-    int_rows: int  # x rows per integer-kernel call
 
     @property
-    def vocab(self) -> int:
-        return int(self.data.shape[0])
+    def groups(self) -> int:
+        return int(self.packed.shape[0])
 
     @classmethod
-    def of_quantized(cls, weight: quant_linear.QuantizedWeight) -> HeadBound | None:
-        """A quantized head read by the pre-pass as it is (None: a type with a min, no
-        integer kernel here, or rows that are not finite, whose NaN logits the full path
-        reports)."""
-        rows = _int_rows(weight.qtype)
-        if weight.qtype not in _SIGNED_TYPES or not rows:
+    def of_rows(cls, rows: Callable[[int, int], torch.Tensor], vocab: int, cols: int,
+                exact_rows: Callable[[torch.Tensor], torch.Tensor]) -> HeadBound | None:
+        """The copy of a head whose float32 rows r0..r1 `rows(r0, r1)` gives (None where
+        cols is not a multiple of 32, there is no kernel here, or a row is not finite:
+        the full path reports its NaN logits)."""
+        if cols % BLOCK or not available():
             return None
-        norms = torch.empty(weight.rows, dtype=torch.float32)
-        for r0 in range(0, weight.rows, _ROWS):
-            chunk = quant_linear.dequantize(weight.data[r0:r0 + _ROWS], weight.qtype,
-                                            weight.cols)
-            torch.linalg.vector_norm(chunk, dim=1, out=norms[r0:r0 + chunk.shape[0]])
-        if not bool(torch.isfinite(norms).all()):
+        nb, groups = cols // BLOCK, -(-vocab // GROUP)
+        packed = torch.zeros((groups, nb, GROUP, BLOCK), dtype=torch.int8)
+        scales = torch.zeros((groups, nb, GROUP), dtype=torch.float32)
+        wnorm = torch.empty(vocab, dtype=torch.float32)
+        dnorm = torch.empty(vocab, dtype=torch.float32)
+        wblock = torch.empty((vocab, nb), dtype=torch.float32)
+        dblock = torch.empty((vocab, nb), dtype=torch.float32)
+        for r0 in range(0, vocab, _ROWS):
+            w = rows(r0, min(vocab, r0 + _ROWS))
+            n = w.shape[0]
+            q, d, approx = quantize_blocks(w)
+            g0, g1 = r0 // GROUP, -(-(r0 + n) // GROUP)
+            pad = (g1 - g0) * GROUP - n
+            if pad:
+                q = torch.cat([q, q.new_zeros((pad, cols))])
+                d = torch.cat([d, d.new_zeros((pad, nb))])
+            packed[g0:g1] = pack_rows(q)
+            scales[g0:g1] = d.view(-1, GROUP, nb).permute(0, 2, 1)
+            diff = (w - approx).view(n, nb, BLOCK)
+            torch.linalg.vector_norm(approx.view(n, nb, BLOCK), dim=2, out=wblock[r0:r0 + n])
+            torch.linalg.vector_norm(diff, dim=2, out=dblock[r0:r0 + n])
+            torch.linalg.vector_norm(approx, dim=1, out=wnorm[r0:r0 + n])
+            torch.linalg.vector_norm(diff.view(n, cols), dim=1, out=dnorm[r0:r0 + n])
+        if not (bool(torch.isfinite(wnorm).all()) and bool(torch.isfinite(dnorm).all())):
             return None
-        return cls(weight.data, weight.qtype, weight.cols, norms, None, weight.rows_of, rows)
+        exact = not bool(dnorm.any())  # a Q8_0 head's own values: no weight error
+        return cls(packed, scales, vocab, cols, wnorm, None if exact else dnorm, wblock,
+                   None if exact else dblock, exact_rows)
+
+    @classmethod
+    def of_quantized(cls, weight) -> HeadBound | None:  # type: ignore[no-untyped-def]
+        """The copy of a quantized head (worker/quant_linear.py's QuantizedWeight): its
+        dequantized rows, rounded again to 8 bits per 32 values (a Q8_0 head's values are
+        kept as they are); the exact rows are dequantized from its blocks."""
+        from hybridkv.worker import quant_linear
+
+        def rows(r0: int, r1: int) -> torch.Tensor:
+            return quant_linear.dequantize(weight.data[r0:r1], weight.qtype, weight.cols)
+
+        return cls.of_rows(rows, weight.rows, weight.cols, weight.rows_of)
 
     @classmethod
     def of_float(cls, weight: torch.Tensor) -> HeadBound | None:
-        """A float32 head [vocab, cols] with a Q8_0 copy for the pre-pass (a quarter of
-        its bytes); None where cols is not a multiple of 32 or there is no integer kernel.
-        The exact rows are gathered from `weight`, which must stay as it is."""
-        rows = _int_rows(Q8_0)
-        vocab, cols = weight.shape
-        if not rows or cols % 32 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        """The copy of a float32 head [vocab, cols] on the CPU. The exact rows are
+        gathered from `weight`, which must stay as it is."""
+        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
             return None
         weight = weight.detach()
-        data = torch.empty((vocab, cols // 32 * 34), dtype=torch.uint8)
-        wnorm = torch.empty(vocab, dtype=torch.float32)
-        dnorm = torch.empty(vocab, dtype=torch.float32)
-        for r0 in range(0, vocab, _ROWS):
-            w = weight[r0:r0 + _ROWS]
-            n = w.shape[0]
-            blocks, approx = quantize_q8_0(w)
-            data[r0:r0 + n] = blocks
-            torch.linalg.vector_norm(approx, dim=1, out=wnorm[r0:r0 + n])
-            torch.linalg.vector_norm(w - approx, dim=1, out=dnorm[r0:r0 + n])
-
-        if not (bool(torch.isfinite(wnorm).all()) and bool(torch.isfinite(dnorm).all())):
-            return None  # rows beyond float16 scales (|w| > ~8e6): no Q8_0 copy
 
         def exact_rows(ids: torch.Tensor) -> torch.Tensor:
             return weight.index_select(0, ids)
 
-        return cls(data, Q8_0, cols, wnorm, dnorm, exact_rows, rows)
+        return cls.of_rows(lambda r0, r1: weight[r0:r1], weight.shape[0], weight.shape[1],
+                           exact_rows)
 
     def approx(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, vocab] float32: the pre-pass logits (no multiplier or cap)."""
-        lib = quant_linear.library()
-        n = x.shape[0]
-        out = torch.empty((n, self.vocab), dtype=torch.float32)
-        for i in range(0, n, self.int_rows):
-            m = min(self.int_rows, n - i)
-            rc = lib.hkv_quant_matmul_int8(x[i].data_ptr(), m, x.stride(0),
-                                           self.data.data_ptr(), self.data.stride(0),
-                                           self.qtype, self.vocab, self.cols,
-                                           out[i].data_ptr(), out.stride(0))
-            if rc != 0:
-                raise MemoryError("the LM head's pre-pass could not allocate its buffers")
+        """[N, groups * 8] float32: the pre-pass logits (no multiplier or cap) of x's rows,
+        as the kernel gets them from quantize_blocks(x); columns past the vocabulary are
+        padding."""
+        q, d, _ = quantize_blocks(x)
+        return self._approx(q, d)
+
+    def _approx(self, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        n, width = q.shape[0], self.groups * GROUP
+        out = torch.empty((n, width), dtype=torch.float32)
+        _matmul()(self.packed.data_ptr(), self.scales.data_ptr(), self.groups, self.cols,
+                  q.data_ptr(), d.data_ptr(), n, out.data_ptr(), width)
         return out
 
-    def error_terms(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(a, b), float32 [N]: row r's pre-pass logit of token v is within
-        a[r] wnorm[v] + b[r] dnorm[v] of its exact logit (b unused without dnorm)."""
+    def error_terms(self, x: torch.Tensor, approx_x: torch.Tensor | None = None
+                    ) -> ErrorTerms:
+        """Row r's pre-pass logit of token v is within
+            min(a[r] wnorm[v] + b[r] dnorm[v],
+                sum_b eb[r, b] wblock[v, b] + xb[r, b] dblock[v, b]
+                + slack[r] (wnorm[v] + dnorm[v]))
+        of its exact logit (the dnorm and dblock terms only where they exist)."""
+        if approx_x is None:
+            approx_x = quantize_blocks(x)[2]
+        n, nb = x.shape[0], self.cols // BLOCK
+        e = x - approx_x
         xnorm = torch.linalg.vector_norm(x, dim=1)
-        enorm = torch.linalg.vector_norm(x - quantized_x(x), dim=1)
+        enorm = torch.linalg.vector_norm(e, dim=1)
         slack = _ROUNDING * self.cols * (xnorm + enorm)
-        return (enorm + slack).contiguous(), (xnorm + slack).contiguous()
+        return ErrorTerms(
+            (enorm + slack).contiguous(), (xnorm + slack).contiguous(),
+            torch.linalg.vector_norm(e.view(n, nb, BLOCK), dim=2).contiguous(),
+            torch.linalg.vector_norm(x.view(n, nb, BLOCK), dim=2).contiguous(),
+            slack.contiguous())
 
-    def candidates(self, x: torch.Tensor, approx: torch.Tensor, k: int = 1
-                   ) -> list[torch.Tensor]:
+    def candidates(self, x: torch.Tensor, approx: torch.Tensor, k: int = 1,
+                   terms: ErrorTerms | None = None) -> list[torch.Tensor]:
         """Each row's tokens that can be among its k largest logits (k = 1: its argmax),
         ascending (int64): those whose upper end reaches the k-th largest lower end."""
         if not 1 <= k <= MAX_K:
             raise ValueError(f"k must be in [1, {MAX_K}], not {k}")
         n = x.shape[0]
-        a, b = self.error_terms(x)
+        t = terms if terms is not None else self.error_terms(x)
         fn = _select()
         cap = max(_CAP, k)
+        dn, db = self.dnorm, self.dblock
         while True:
             ids = torch.empty((n, cap), dtype=torch.int64)
             counts = torch.empty(n, dtype=torch.int64)
-            fn(approx.data_ptr(), n, self.vocab, approx.stride(0), a.data_ptr(), b.data_ptr(),
-               self.wnorm.data_ptr(),
-               None if self.dnorm is None else self.dnorm.data_ptr(),
-               k, cap, ids.data_ptr(), counts.data_ptr())
+            rc = fn(approx.data_ptr(), n, self.vocab, approx.stride(0), t.a.data_ptr(),
+                    t.b.data_ptr(), self.wnorm.data_ptr(),
+                    None if dn is None else dn.data_ptr(), self.cols // BLOCK,
+                    t.eb.data_ptr(), t.xb.data_ptr(), self.wblock.data_ptr(),
+                    None if db is None else db.data_ptr(), t.slack.data_ptr(),
+                    k, cap, ids.data_ptr(), counts.data_ptr())
+            if rc != 0:
+                raise MemoryError("the LM head's pre-pass could not allocate its buffers")
             most = int(counts.max())
             if most <= cap:
                 break
@@ -162,22 +213,40 @@ class HeadBound:
         if not bool(torch.isfinite(x).all()):
             return None
         x = x.contiguous()
-        found = self.candidates(x, self.approx(x), k)
-        if any(len(cand) == 0 for cand in found):
-            return None  # a bound that is not finite (a head with NaN rows): the full path
         ids = torch.full((x.shape[0], k), -1, dtype=torch.int64)
         values = torch.full((x.shape[0], k), float("-inf"), dtype=torch.float32)
-        for r, cand in enumerate(found):
-            # Each row summed alike (a GEMV may sum rows in different orders by position):
-            # equal head rows give equal logits, and the first id wins, as in the full path.
-            exact = (self.exact_rows(cand) * x[r]).sum(dim=1)
-            if k == 1:
-                j = int(torch.argmax(exact))
-                ids[r, 0], values[r, 0] = cand[j], exact[j]
-                continue
-            order = torch.sort(exact, descending=True, stable=True).indices[:k]
-            ids[r, :len(order)], values[r, :len(order)] = cand[order], exact[order]
+        for r0 in range(0, x.shape[0], MAX_ROWS):
+            xs = x[r0:r0 + MAX_ROWS]
+            q, d, approx_x = quantize_blocks(xs)
+            found = self.candidates(xs, self._approx(q, d), k, self.error_terms(xs, approx_x))
+            if any(len(cand) == 0 for cand in found):
+                return None  # a bound that is not finite: the full path
+            self._rescore(xs, found, k, ids[r0:r0 + MAX_ROWS], values[r0:r0 + MAX_ROWS])
         return ids, values
+
+    def _rescore(self, x: torch.Tensor, found: list[torch.Tensor], k: int,
+                 ids: torch.Tensor, values: torch.Tensor) -> None:
+        """The candidates' exact logits; each row's k best into ids, values."""
+        counts = torch.tensor([len(c) for c in found])
+        cand = torch.cat(found)
+        owner = torch.repeat_interleave(torch.arange(len(found)), counts)
+        # Each row summed alike (a GEMV may sum rows in different orders by position):
+        # equal head rows give equal logits, and the first id wins, as in the full path.
+        exact = (self.exact_rows(cand) * x.index_select(0, owner)).sum(dim=1)
+        if k == 1:
+            best = torch.full((len(found),), float("-inf")).scatter_reduce(
+                0, owner, exact, "amax")
+            at = torch.where(exact == best[owner], torch.arange(len(cand)), len(cand))
+            first = torch.full((len(found),), len(cand)).scatter_reduce(0, owner, at, "amin")
+            ids[:, 0], values[:, 0] = cand[first], exact[first]
+            return
+        start = 0
+        for r, n in enumerate(counts.tolist()):
+            row = exact[start:start + n]
+            order = torch.sort(row, descending=True, stable=True).indices[:k]
+            ids[r, :len(order)] = cand[start:start + n][order]
+            values[r, :len(order)] = row[order]
+            start += n
 
     def head_candidates(self, x: torch.Tensor, k: int,
                         scale: Callable[[torch.Tensor], torch.Tensor]) -> HeadCandidates | None:
@@ -190,46 +259,67 @@ class HeadBound:
         return HeadCandidates(scale(values), ids, torch.zeros(ids.shape[0], dtype=torch.bool))
 
 
-def quantized_x(x: torch.Tensor) -> torch.Tensor:
-    """x as the integer kernel reads it: per 32 values d = max|x| / 127, round(x / d) d,
-    with x / d taken as x * (1 / d) and rounded to nearest even, as the kernel does."""
-    n, cols = x.shape
-    blocks = x.view(n, cols // 32, 32)
-    d = blocks.abs().amax(dim=2, keepdim=True) / 127.0
+def quantize_blocks(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 [n, cols] (cols a multiple of 32) -> (int8 values [n, cols], float32 scales
+    [n, cols / 32], the float32 values they hold [n, cols]): per 32 values d = max|t| / 127
+    and round(t * (1 / d)) to nearest even (0 for a block of zeros). The head's copy and
+    x are rounded alike."""
+    n, cols = t.shape
+    blocks = t.reshape(n, cols // BLOCK, BLOCK)
+    d = blocks.abs().amax(dim=2) / 127.0
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-    return (torch.round(blocks * inv) * d).view(n, cols)
+    q = torch.round(blocks * inv[:, :, None]).clamp_(-127, 127)
+    return (q.to(torch.int8).view(n, cols).contiguous(), d.contiguous(),
+            (q * d[:, :, None]).view(n, cols))
 
 
-def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 [n, cols] (cols a multiple of 32) -> (Q8_0 blocks uint8 [n, cols / 32 * 34],
-    the values they hold as float32 [n, cols]): per 32 values an fp16 scale max|w| / 127
-    and 32 int8 values, round(w / scale)."""
-    n, cols = w.shape
-    blocks = w.reshape(n, cols // 32, 32)
-    d = (blocks.abs().amax(dim=2, keepdim=True) / 127.0).to(torch.float16)
-    df = d.to(torch.float32)
-    inv = torch.where(df != 0, 1.0 / df, torch.zeros_like(df))
-    q = torch.round(blocks * inv).clamp_(-127, 127)
-    out = torch.empty((n, cols // 32, 34), dtype=torch.uint8)
-    out[:, :, :2] = d.view(torch.uint8).view(n, cols // 32, 2)
-    out[:, :, 2:] = q.to(torch.int8).view(torch.uint8)
-    return out.view(n, -1), (q * df).view(n, cols)
+def quantized_x(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel reads it (quantize_blocks' values)."""
+    return quantize_blocks(x)[2]
 
 
-def _int_rows(qtype: int) -> int:
-    """x rows per integer-kernel call for `qtype` here (0: no integer kernel)."""
-    if not quant_linear.available():
-        return 0
-    return int(quant_linear.library().hkv_quant_int8_rows_max(int(qtype)))
+def pack_rows(q: torch.Tensor) -> torch.Tensor:
+    """int8 [8 g, cols] -> [g, cols / 32, 8, 32]: per group of 8 rows and 32-value block,
+    8 chunks of the 8 rows' values 4j..4j+3 (the kernel's layout)."""
+    rows, cols = q.shape
+    return (q.view(rows // GROUP, GROUP, cols // BLOCK, BLOCK // 4, 4)
+            .permute(0, 2, 3, 1, 4).reshape(rows // GROUP, cols // BLOCK, GROUP, BLOCK))
+
+
+def available() -> bool:
+    """Whether the pre-pass kernel is compiled here with its AVX2 code (the portable code
+    checks it in tests; it is too slow to gain anything)."""
+    fn = native.function("head_bound", "hkv_head_i8_portable", [ctypes.c_int],
+                         ctypes.c_int)
+    return fn is not None and bool(fn(0))
+
+
+def force_portable(on: bool) -> None:
+    """Tests: the kernel's portable code on an AVX2 machine."""
+    fn = native.function("head_bound", "hkv_head_i8_portable", [ctypes.c_int], ctypes.c_int)
+    if fn is None:
+        raise native.NativeBuildError("worker/native/head_bound.c does not build here")
+    fn(int(on))
 
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-# approx, n, vocab, ld, a, b, wnorm, dnorm, k, cap, ids, counts
-_SELECT_ARGS = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR]
+# approx, n, vocab, ld, a, b, wnorm, dnorm, nb, eb, xb, wblock, dblock, slack, k, cap,
+# ids, counts
+_SELECT_ARGS = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR,
+                _PTR, _I64, _I64, _PTR, _PTR]
+# packed, scales, groups, cols, xq, xd, m, y, ldy
+_MATMUL_ARGS = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64]
 
 
-def _select() -> Callable[..., None]:
-    fn = native.function("head_bound", "hkv_head_bound_select", _SELECT_ARGS)
+def _select() -> Callable[..., int]:
+    fn = native.function("head_bound", "hkv_head_bound_select", _SELECT_ARGS, ctypes.c_int)
+    if fn is None:
+        raise native.NativeBuildError("worker/native/head_bound.c does not build here")
+    return fn  # type: ignore[no-any-return]
+
+
+def _matmul() -> Callable[..., None]:
+    fn = native.function("head_bound", "hkv_head_i8_matmul", _MATMUL_ARGS)
     if fn is None:
         raise native.NativeBuildError("worker/native/head_bound.c does not build here")
     return fn  # type: ignore[no-any-return]

@@ -84,8 +84,6 @@ _SIGNATURES: dict[str, list[Any]] = {
     "hkv_quant_force_portable": [_INT],
     "hkv_quant_float_activations": [_INT],
     "hkv_quant_int8_rows": [_INT],
-    "hkv_quant_int8_rows_max": [_INT],
-    "hkv_quant_matmul_int8": [_PTR, _I64, _I64, _PTR, _I64, _INT, _I64, _I64, _PTR, _I64],
 }
 _lib: ctypes.CDLL | None = None
 _unavailable: str | None = None
@@ -100,7 +98,6 @@ def library() -> ctypes.CDLL:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
         lib.hkv_quant_int8_rows.restype = _I64
-        lib.hkv_quant_int8_rows_max.restype = _I64
         lib.hkv_quant_float_activations(int(FLOAT_ACTIVATIONS))
         _lib = lib
     return _lib

@@ -1109,15 +1109,9 @@ static int64_t int_rows_max(int type) {
 #endif
 }
 
-/* x rows up to which the integer path beats the float kernels for `type`, whatever the
-   float-activations setting (0: no integer path here). */
-int64_t hkv_quant_int8_rows_max(int type) {
-    return int_type(type) ? int_rows_max(type) : 0;
-}
-
 /* x rows up to which y = x W^T of `type` takes 8-bit activations (0: never). */
 int64_t hkv_quant_int8_rows(int type) {
-    return float_activations ? 0 : hkv_quant_int8_rows_max(type);
+    return !float_activations && int_type(type) ? int_rows_max(type) : 0;
 }
 
 /* y = x W^T through 8-bit x rows (the caller checked the type). -2: no memory. */
@@ -1195,17 +1189,6 @@ static int int_matmul(const float *x, int64_t m, int64_t ldx, const uint8_t *w, 
     }
     free(buf);
     return failed ? -2 : 0;
-}
-
-/* y = x W^T through 8-bit x rows, for callers that bound the error themselves (the LM
-   head's greedy pre-pass, worker/head_bound.py), whatever the float-activations setting.
-   -1: the type or the row count is not one the integer path takes; -2: no memory. */
-int hkv_quant_matmul_int8(const float *x, int64_t m, int64_t ldx, const uint8_t *w,
-                          int64_t ldw, int type, int64_t rows, int64_t cols, float *y,
-                          int64_t ldy) {
-    if (!int_type(type) || m > int_rows_max(type)) return -1;
-    if (m <= 0 || rows <= 0) return 0;
-    return int_matmul(x, m, ldx, w, ldw, type, rows, cols, y, ldy);
 }
 
 /* y [m, rows] (row stride ldy) = x [m, cols] (row stride ldx) times W^T, W [rows, cols]
