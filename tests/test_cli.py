@@ -184,7 +184,7 @@ def test_every_option_has_help_showing_its_default():
                            ("bench", "throughput"), ("bench", "capacity"),
                            ("bench", "prefix"), ("bench", "fast-prefill"),
                            ("bench", "offload"), ("bench", "serve"), ("bench", "gguf"),
-                           ("bench", "kv-quant")}
+                           ("bench", "vllm"), ("bench", "kv-quant")}
     for path, parser in leaves.items():
         text = " ".join(parser.format_help().split())
         required_choice = {a for g in parser._mutually_exclusive_groups if g.required
@@ -199,6 +199,17 @@ def test_every_option_has_help_showing_its_default():
             else:
                 assert "default" in action.help or f"(default: {action.default})" in text, (
                     path, action.dest)
+
+
+def test_bench_vllm_refuses_what_it_cannot_compare(tmp_path, capsys):
+    # One line each: not a model directory, no vLLM Python where it was told to look.
+    assert main(["bench", "vllm", str(tmp_path / "nothing")]) != 0
+    assert "not a model directory" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["bench", "vllm", str(tmp_path), "--vllm-python",
+                 str(tmp_path / "no-python")]) != 0
+    err = capsys.readouterr().err
+    assert "no vLLM Python" in err and len(err.strip().splitlines()) == 1
 
 
 def test_plan_help_lists_the_shipped_models(capsys):

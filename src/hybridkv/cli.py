@@ -799,6 +799,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         kv_quant,
         kv_trace,
         offload,
+        peer_vllm,
         prefix,
         serve,
     )
@@ -806,7 +807,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     suites = parser.add_subparsers(dest="suite", required=True, metavar="SUITE")
     for suite in (kv_trace.COMMAND, engine.THROUGHPUT, engine.CAPACITY, prefix.COMMAND,
                   fast_prefill.COMMAND, offload.COMMAND, serve.COMMAND, gguf.COMMAND,
-                  kv_quant.COMMAND):
+                  peer_vllm.COMMAND, kv_quant.COMMAND):
         add_command(suites, suite)
 
 
