@@ -180,11 +180,11 @@ static inline int32_t rd_i32(const int8_t *p) { int32_t v; __builtin_memcpy(&v, 
 static inline __attribute__((always_inline)) void i8_group(
     const int8_t *w, const float *sc, int64_t nb, const int8_t *xq, int64_t cols,
     const float *xd, float *y, int64_t ldy, const int NX) {
-    __m256 accf[TILE_X];
+    __m256 accf[8];
     for (int i = 0; i < NX; i++) accf[i] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < nb; b++) {
-        __m256i acc[TILE_X];
+        __m256i acc[8];
         for (int i = 0; i < NX; i++) acc[i] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
             const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (b * 8 + j) * 32));
