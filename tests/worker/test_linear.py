@@ -78,6 +78,9 @@ def test_gated_linear_equals_act_gate_times_up(kernel: str, act: str, bias: bool
     torch.testing.assert_close(gated(x.view(2, 20, 48)), (fn(gate(x)) * up(x)).view(2, 20, 80),
                                rtol=1e-5, atol=1e-4)
     assert gated(torch.randn(0, 48)).shape == (0, 80)
+    # Prefill's row counts (x packed per tile in the C kernel), a partial last tile.
+    x = torch.randn(200, 48) * torch.logspace(-1, 1.5, 200)[:, None]
+    torch.testing.assert_close(gated(x), fn(gate(x)) * up(x), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.skipif("cpu" not in KERNELS, reason="the C linear kernel does not build here")
@@ -86,8 +89,9 @@ def test_gated_linear_equals_act_gate_times_up(kernel: str, act: str, bias: bool
 def test_cpu_kernel_covers_tiles_panels_and_row_blocks(tokens: int,
                                                        shape: tuple[int, int]) -> None:
     """Every way the C kernel cuts the work: rows per tile (1-6), partial last panels,
-    row blocks of 96 (97 and 200 rows cross them), odd input widths, long inputs, and
-    work large enough to split over the threads."""
+    row blocks of 96 (97 rows cross one), x packed per tile from 128 rows (200, a partial
+    last tile), odd input widths, long inputs, and work large enough to split over the
+    threads."""
     n, k = shape
     torch.manual_seed(1)
     lin = nn.Linear(k, n, bias=True)
