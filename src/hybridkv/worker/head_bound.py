@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv.worker import native
+from hybridkv.worker import native, quant_linear
 from hybridkv.worker.head_topk import HeadCandidates
 
 BLOCK = 32  # values per scale, in the copy and in x
@@ -116,11 +116,10 @@ class HeadBound:
                    None if exact else dblock, exact_rows)
 
     @classmethod
-    def of_quantized(cls, weight) -> HeadBound | None:  # type: ignore[no-untyped-def]
-        """The copy of a quantized head (worker/quant_linear.py's QuantizedWeight): its
-        dequantized rows, rounded again to 8 bits per 32 values (a Q8_0 head's values are
-        kept as they are); the exact rows are dequantized from its blocks."""
-        from hybridkv.worker import quant_linear
+    def of_quantized(cls, weight: quant_linear.QuantizedWeight) -> HeadBound | None:
+        """The copy of a quantized head: its dequantized rows, rounded again to 8 bits per
+        32 values (a Q8_0 head's values are kept as they are); the exact rows are
+        dequantized from its blocks."""
 
         def rows(r0: int, r1: int) -> torch.Tensor:
             return quant_linear.dequantize(weight.data[r0:r1], weight.qtype, weight.cols)
