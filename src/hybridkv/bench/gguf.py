@@ -24,19 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+# The token ids gen_llamacpp and the vLLM peers use (vllm_child imports nothing of ours, so
+# vLLM's own Python runs it).
+from hybridkv.bench.vllm_child import batched_prompts as _batched_prompts
+from hybridkv.bench.vllm_child import prompt as _prompt
 from hybridkv.cli import Command, positive_int
 
 DEFAULT_LLAMA_BIN = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / \
     "hybridkv-peers" / "llama.cpp" / "src" / "build" / "bin"
-
-
-def _prompt(n: int, shift: int = 0) -> list[int]:
-    return [3 + (j * 11 + shift) % 1000 for j in range(n)]
-
-
-def _batched_prompts(n: int, length: int, r: int) -> list[list[int]]:
-    # The same token ids gen_llamacpp and the vLLM peer script use.
-    return [[3 + (i * 37 + j * 11 + r * 101) % 1000 for j in range(length)] for i in range(n)]
 
 
 def child_single(model: str, repeats: int, spawned: float, activations: str
@@ -189,19 +184,25 @@ def bench_gguf(model: str, *, rounds: int = 3, pin: str = "0", llama_bin: Path |
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="a .gguf file or a real model's short name "
-                                      "(gemma-3-270m, smollm2-135m-instruct)")
-    parser.add_argument("--rounds", type=positive_int, default=3,
-                        help="rounds of both engines, alternating; medians reported "
-                             "(default: 3)")
+def add_side_by_side_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
+    """The options every side-by-side bench shares: rounds, the pinned core(s), the batched
+    workload."""
+    parser.add_argument("--rounds", type=positive_int, default=rounds,
+                        help=f"rounds of both engines, alternating; medians reported "
+                             f"(default: {rounds})")
     parser.add_argument("--pin", default="0",
                         help="the core(s) both engines run on (default: 0)")
-    parser.add_argument("--llama-bin", type=Path, default=None,
-                        help=f"llama.cpp's build/bin (default {DEFAULT_LLAMA_BIN})")
     parser.add_argument("--batched", type=positive_int, nargs=3, default=[32, 64, 128],
                         metavar=("N", "L", "K"),
                         help="the batched workload (default: 32 64 128)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="a .gguf file or a real model's short name "
+                                      "(gemma-3-270m, smollm2-135m-instruct)")
+    add_side_by_side_arguments(parser, rounds=3)
+    parser.add_argument("--llama-bin", type=Path, default=None,
+                        help=f"llama.cpp's build/bin (default {DEFAULT_LLAMA_BIN})")
     parser.add_argument("--no-batched", action="store_true", help="batch 1 only")
     parser.add_argument("--quant-activations", choices=["float32", "int8"], default="float32",
                         help="hybridkv's activations for the quantized matrices (default: "

@@ -20,8 +20,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.gguf import _last_json, _run_rss
-from hybridkv.cli import Command, positive_int
+from hybridkv.bench.gguf import _last_json, _run_rss, add_side_by_side_arguments
+from hybridkv.cli import Command
 
 DEFAULT_VLLM_PYTHON = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / \
     "hybridkv-peers" / "vllm-venv" / "bin" / "python"
@@ -74,14 +74,9 @@ def bench_vllm(model: str, *, rounds: int = 2, pin: str = "0", vllm_python: Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a float32 Hugging Face-format model directory")
-    parser.add_argument("--rounds", type=positive_int, default=2,
-                        help="rounds of both engines, alternating (default: 2)")
-    parser.add_argument("--pin", default="0", help="the core both engines run on (default: 0)")
+    add_side_by_side_arguments(parser, rounds=2)
     parser.add_argument("--vllm-python", type=Path, default=None,
                         help=f"the Python of vLLM's CPU build (default {DEFAULT_VLLM_PYTHON})")
-    parser.add_argument("--batched", type=positive_int, nargs=3, default=[32, 64, 128],
-                        metavar=("N", "L", "K"),
-                        help="the batched workload (default: 32 64 128)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
