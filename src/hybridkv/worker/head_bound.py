@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -288,17 +289,15 @@ def pack_rows(q: torch.Tensor) -> torch.Tensor:
 def available() -> bool:
     """Whether the pre-pass kernel is compiled here with its AVX2 code (the portable code
     checks it in tests; it is too slow to gain anything)."""
-    fn = native.function("head_bound", "hkv_head_i8_portable", [ctypes.c_int],
-                         ctypes.c_int)
-    return fn is not None and bool(fn(0))
+    try:
+        return bool(_function("hkv_head_i8_portable", [ctypes.c_int], ctypes.c_int)(0))
+    except native.NativeBuildError:
+        return False
 
 
 def force_portable(on: bool) -> None:
     """Tests: the kernel's portable code on an AVX2 machine."""
-    fn = native.function("head_bound", "hkv_head_i8_portable", [ctypes.c_int], ctypes.c_int)
-    if fn is None:
-        raise native.NativeBuildError("worker/native/head_bound.c does not build here")
-    fn(int(on))
+    _function("hkv_head_i8_portable", [ctypes.c_int], ctypes.c_int)(int(on))
 
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -310,15 +309,17 @@ _SELECT_ARGS = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR
 _MATMUL_ARGS = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64]
 
 
+def _function(symbol: str, argtypes: list[Any], restype: Any = None
+              ) -> Callable[..., int]:
+    fn = native.function("head_bound", symbol, argtypes, restype)
+    if fn is None:
+        raise native.NativeBuildError("worker/native/head_bound.c does not build here")
+    return fn  # type: ignore[no-any-return]
+
+
 def _select() -> Callable[..., int]:
-    fn = native.function("head_bound", "hkv_head_bound_select", _SELECT_ARGS, ctypes.c_int)
-    if fn is None:
-        raise native.NativeBuildError("worker/native/head_bound.c does not build here")
-    return fn  # type: ignore[no-any-return]
+    return _function("hkv_head_bound_select", _SELECT_ARGS, ctypes.c_int)
 
 
-def _matmul() -> Callable[..., None]:
-    fn = native.function("head_bound", "hkv_head_i8_matmul", _MATMUL_ARGS)
-    if fn is None:
-        raise native.NativeBuildError("worker/native/head_bound.c does not build here")
-    return fn  # type: ignore[no-any-return]
+def _matmul() -> Callable[..., int]:
+    return _function("hkv_head_i8_matmul", _MATMUL_ARGS)
