@@ -247,7 +247,7 @@ def test_matmul_on_two_threads_and_into_out(qtype: int, activations: str,
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        for m in (1, 7, 200):  # 200: torch's GEMM on dequantized rows
+        for m in (1, 7, 40, 200):  # 40: the packed float tiles; 200: torch's GEMM
             x = torch.randn(m, cols)
             check_matmul(ql.matmul(x, data, qtype, cols), x, raw, qtype, cols, w)
             out = torch.full((m, rows + 3), float("nan"))[:, 1:rows + 1]
@@ -260,6 +260,27 @@ def test_matmul_on_two_threads_and_into_out(qtype: int, activations: str,
         close_matmul(ql.matmul(x, data, qtype, cols), x, w)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[ql.SUPPORTED[t] for t in TYPES])
+def test_packed_float_tiles_from_16_rows(qtype: int, path: str) -> None:
+    """From PACKED_ROWS[0] rows a few panels of W at a time are dequantized into the float
+    kernel's layout: rows that fill no whole panel nor a whole 8-row group, the last chunk
+    partial, a strided out, and both ends of the row range."""
+    if ql._packed_linear() is None:
+        pytest.skip("the float linear kernel does not build here")
+    values, _ = ql.block_shape(qtype)
+    for rows, cols in ((67, 8 * values if values > 1 else 40), (130, 256), (5, 256)):
+        raw = weights(qtype, rows, cols, seed=rows + 7)
+        w = reference(raw, qtype, cols)
+        data = as_tensor(raw)
+        ql._packed_buffers.__dict__.clear()
+        for m in (ql.PACKED_ROWS[0], 37, ql.PACKED_ROWS[1] - 1):
+            x = torch.randn(m, cols)
+            out = torch.full((m, rows + 2), float("nan"))[:, 1:rows + 1]
+            assert ql.matmul(x, data, qtype, cols, out=out) is out
+            close_matmul(out, x, w)
+        assert ql._packed_buffers.__dict__, "the packed path did not run"
 
 
 @needs_c

@@ -19,8 +19,11 @@ Which path y = x W^T takes (M: the rows of x):
     LM head at ~17 GB/s, near memory bandwidth). The limits are where it stopped beating
     the float kernels (measured on an AMD EPYC core); without AVX2 x stays in float (the
     portable integer kernel, kept for other CPUs and tested, measured slower there).
-  * Otherwise, below LARGE_M rows: x in float, the fused kernel (M <= 4, 8 for Q8_0) or the
-    C panels; from LARGE_M: dequantized chunks and torch's GEMM. F32/F16/BF16 always float.
+  * Otherwise x in float: up to 4 rows (8 for Q8_0) the fused kernel, then the C dot
+    panels; from 16 rows (PACKED_ROWS; past the 8-bit limit when that is on) a few panels
+    of W at a time dequantized into the float linear kernel's layout and multiplied by its
+    register tiles; from LARGE_M rows (prefill) dequantized chunks and torch's GEMM.
+    F32/F16/BF16 always float.
   * By default (set_float_activations(True); HYBRIDKV_QUANT_FLOAT_ACTIVATIONS unset or 1)
     x stays in float everywhere.
 
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -65,10 +69,21 @@ _TYPES: dict[int, tuple[str, int, int]] = {
 SUPPORTED: dict[int, str] = {t: name for t, (name, _, _) in _TYPES.items()}
 
 # x rows from which the product dequantizes chunks of _CHUNK_FLOATS weights into float and
-# runs torch's GEMM on them: measured faster than the C tiles from 32 rows (the tiles reach
-# 55-75% of torch's GEMM there; the dequantization costs ~0.15 ns a weight, once per call).
-LARGE_M = 32
+# runs torch's GEMM on them (the dequantization costs ~0.15 ns a weight, once per call):
+# measured level with the packed tiles below at 128 rows and 1.0-1.1x them at 512.
+LARGE_M = 128
 _CHUNK_FLOATS = 1 << 22  # 16 MiB: torch's GEMM loses speed on narrower chunks
+# x rows [lo, hi) for which a few panels of W at a time are dequantized into the float
+# kernel's layout (worker/native/linear.c's, 64 output columns per panel) and its register
+# tiles run on them while they are in L2. Measured on Gemma 3 270M's Q5_0, Q4_K, Q6_K and
+# Q8_0 weights (one AVX2 core): 0.95-1.13x the dot tiles at 16 rows (by type), 1.02-1.2x
+# at 32 and 64, and at 32 rows 1.1-1.2x dequantizing whole matrices for torch's GEMM,
+# which catches up at 128; below 16 rows the dot tiles' cheaper dequantization wins (at 8
+# rows by 1.1-1.3x).
+PACKED_ROWS = (16, LARGE_M)
+_linear_address: int | None = None
+# The chunk buffers, per thread (two engines in one process must not share one).
+_packed_buffers = threading.local()
 
 # x stays in float unless 8-bit activations are asked for: by the engine option
 # quant_activations="int8" (set_float_activations(False)) or HYBRIDKV_QUANT_FLOAT_ACTIVATIONS=0
@@ -84,6 +99,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     "hkv_quant_force_portable": [_INT],
     "hkv_quant_float_activations": [_INT],
     "hkv_quant_int8_rows": [_INT],
+    "hkv_quant_matmul_packed": [_PTR, _I64, _I64, _PTR, _I64, _INT, _I64, _I64, _PTR, _I64,
+                                _PTR, _I64, _PTR],
 }
 _lib: ctypes.CDLL | None = None
 _unavailable: str | None = None
@@ -98,6 +115,8 @@ def library() -> ctypes.CDLL:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
         lib.hkv_quant_int8_rows.restype = _I64
+        lib.hkv_quant_packed_floats.argtypes = [_I64, _I64]
+        lib.hkv_quant_packed_floats.restype = _I64
         lib.hkv_quant_float_activations(int(FLOAT_ACTIVATIONS))
         _lib = lib
     return _lib
@@ -247,6 +266,9 @@ def _product(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
         lib = library()
     if x.stride(1) != 1:
         x = x.contiguous()
+    if (PACKED_ROWS[0] <= m < PACKED_ROWS[1] and (FLOAT_ACTIVATIONS or m > int8_rows(qtype))
+            and _packed(x, data, qtype, rows, cols, out)):
+        return out
     if m >= LARGE_M:
         # Prefill: dequantize a chunk of rows at a time (16 MiB of floats, L3-resident) and
         # run torch's float GEMM on it; the dequantization is ~1% of the GEMM's time.
@@ -266,6 +288,46 @@ def _product(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
     if rc != 0:
         raise MemoryError("the quantized matmul could not allocate its panel buffers")
     return out
+
+
+def _packed_linear() -> int | None:
+    """The address of the float tile kernel (worker/native/linear.c), or None where it does
+    not build."""
+    global _linear_address
+    if _linear_address is None:
+        from hybridkv.worker import cpu_linear
+
+        try:
+            _linear_address = ctypes.cast(cpu_linear.library().hkv_linear_f32,
+                                          ctypes.c_void_p).value or 0
+        except native.NativeBuildError:
+            _linear_address = 0
+    return _linear_address or None
+
+
+def _packed(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, cols: int,
+            out: torch.Tensor) -> bool:
+    """out = x W^T through the float tiles, dequantizing a few panels of W at a time; False
+    where the float kernel does not build (nothing written)."""
+    linear = _packed_linear()
+    if linear is None or cols % 8:  # (a panel is transposed 8 x 8 values at a time)
+        return False
+    lib = library()
+    # One panel per thread per chunk: the float kernel splits a chunk's panels over them.
+    panels = max(1, torch.get_num_threads())
+    buffers: dict[tuple[int, int], torch.Tensor] = _packed_buffers.__dict__
+    buf = buffers.get((cols, panels))
+    if buf is None:
+        buf = buffers[(cols, panels)] = torch.empty(
+            int(lib.hkv_quant_packed_floats(panels, cols)))
+    rc = lib.hkv_quant_matmul_packed(x.data_ptr(), x.shape[0], x.stride(0), data.data_ptr(),
+                                     data.stride(0), qtype, n, cols, out.data_ptr(),
+                                     out.stride(0), buf.data_ptr(), panels, linear)
+    if rc == -2:
+        raise MemoryError("the quantized matmul could not allocate its scratch")
+    if rc != 0:
+        raise ValueError(f"the packed quantized matmul does not take type {qtype}")
+    return True
 
 
 def transposed_chunks(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
