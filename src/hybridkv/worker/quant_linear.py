@@ -315,11 +315,11 @@ def _packed(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, cols: int,
     lib = library()
     # One panel per thread per chunk: the float kernel splits a chunk's panels over them.
     panels = max(1, torch.get_num_threads())
-    buffers: dict[tuple[int, int], torch.Tensor] = _packed_buffers.__dict__
-    buf = buffers.get((cols, panels))
+    buffers: dict[str, torch.Tensor] = _packed_buffers.__dict__
+    key = f"{cols}x{panels}"
+    buf = buffers.get(key)
     if buf is None:
-        buf = buffers[(cols, panels)] = torch.empty(
-            int(lib.hkv_quant_packed_floats(panels, cols)))
+        buf = buffers[key] = torch.empty(int(lib.hkv_quant_packed_floats(panels, cols)))
     rc = lib.hkv_quant_matmul_packed(x.data_ptr(), x.shape[0], x.stride(0), data.data_ptr(),
                                      data.stride(0), qtype, n, cols, out.data_ptr(),
                                      out.stride(0), buf.data_ptr(), panels, linear)
