@@ -40,11 +40,63 @@
 /* Epilogues: plain, or one of the gated MLP's activations of the gate times the up. */
 enum { PLAIN = 0, GATED_SILU = 1, GATED_GELU_TANH = 2, GATED_RELU = 3 };
 
-/* act(g) * u over 16 lanes, each lane's exp through exp_nonpositive (vectorises). */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* exp_nonpositive over 8 lanes (the same steps, so the same values to the FMA's rounding):
+   GCC left the scalar form unvectorised in the epilogue below, where it made the gated MLP
+   1.3x slower than its plain product plus torch's activation. */
+static inline __m256 exp_nonpositive8(__m256 x) {
+    const __m256 c = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), c);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 q = _mm256_set1_ps(1.f / 720.f);
+    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.f / 120.f));
+    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.f / 24.f));
+    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.f / 6.f));
+    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(0.5f));
+    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.f));
+    q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.f));
+    const __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 e = _mm256_mul_ps(q, _mm256_castsi256_ps(bits));
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ), e);
+}
+
+static inline __m256 gated8(__m256 x, __m256 u, int mode) {
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+    if (mode == GATED_SILU) { /* x * sigmoid(x), from exp(-|x|): nothing overflows */
+        const __m256 e = exp_nonpositive8(_mm256_or_ps(x, sign));
+        const __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(x, _mm256_setzero_ps(),
+                                                                  _CMP_GE_OQ));
+        return _mm256_mul_ps(_mm256_mul_ps(x, _mm256_div_ps(num, _mm256_add_ps(one, e))), u);
+    }
+    if (mode == GATED_GELU_TANH) { /* x/2 (1 + tanh(sqrt(2/pi)(x + 0.044715x^3))) */
+        const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+        const __m256 z = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                       _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
+        const __m256 e = exp_nonpositive8(_mm256_mul_ps(_mm256_set1_ps(2.f),
+                                                        _mm256_or_ps(z, sign)));
+        __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+        t = _mm256_or_ps(t, _mm256_and_ps(z, sign)); /* tanh's sign is z's (t >= 0) */
+        return _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x),
+                                           _mm256_add_ps(one, t)), u);
+    }
+    return _mm256_mul_ps(_mm256_max_ps(x, _mm256_setzero_ps()), u);
+}
+#endif
+
+/* act(g) * u over 16 lanes, each lane's exp through exp_nonpositive. */
 static inline v16 gated16(v16 g, v16 u, int mode) {
     float gs[16], us[16], out[16];
     store16(gs, g);
     store16(us, u);
+#if defined(__AVX2__) && defined(__FMA__)
+    for (int h = 0; h < 16; h += 8)
+        _mm256_storeu_ps(out + h, gated8(_mm256_loadu_ps(gs + h), _mm256_loadu_ps(us + h),
+                                         mode));
+#else
     for (int l = 0; l < 16; l++) {
         const float x = gs[l];
         float a;
@@ -61,6 +113,7 @@ static inline v16 gated16(v16 g, v16 u, int mode) {
         }
         out[l] = a * us[l];
     }
+#endif
     return load16(out);
 }
 
