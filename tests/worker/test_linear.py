@@ -81,17 +81,23 @@ def test_gated_linear_equals_act_gate_times_up(kernel: str, act: str, bias: bool
     # Prefill's row counts (x packed per tile in the C kernel), a partial last tile.
     x = torch.randn(200, 48) * torch.logspace(-1, 1.5, 200)[:, None]
     torch.testing.assert_close(gated(x), fn(gate(x)) * up(x), rtol=1e-5, atol=1e-4)
+    # A long input: the C kernel's prefill takes K in blocks, the epilogue after the last.
+    gate, up = linears(80, 80, bias=bias, width=1100)
+    gated = GatedLinear(gate, up, act, fn, kernel)
+    x = torch.randn(150, 1100) * torch.logspace(-1, 1.5, 150)[:, None] / 10
+    torch.testing.assert_close(gated(x), fn(gate(x)) * up(x), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.skipif("cpu" not in KERNELS, reason="the C linear kernel does not build here")
 @pytest.mark.parametrize("tokens", [1, 5, 6, 16, 97, 200])
-@pytest.mark.parametrize("shape", [(130, 37), (64, 64), (1, 300), (200, 2048)])
+@pytest.mark.parametrize("shape", [(130, 37), (64, 64), (1, 300), (200, 2048), (70, 1100)])
 def test_cpu_kernel_covers_tiles_panels_and_row_blocks(tokens: int,
                                                        shape: tuple[int, int]) -> None:
     """Every way the C kernel cuts the work: rows per tile (1-6), partial last panels,
     row blocks of 96 (97 rows cross one), x packed per tile from 128 rows (200, a partial
-    last tile), odd input widths, long inputs, and work large enough to split over the
-    threads."""
+    last tile), odd input widths, long inputs (from 1,024 a prefill takes K in blocks of
+    256: 2,048 whole blocks, 1,100 a partial last one), and work large enough to split over
+    the threads."""
     n, k = shape
     torch.manual_seed(1)
     lin = nn.Linear(k, n, bias=True)

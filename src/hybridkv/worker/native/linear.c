@@ -32,6 +32,12 @@
 #ifndef PACKED_X_ROWS
 #define PACKED_X_ROWS 128 /* rows from which x is packed per tile (prefill) */
 #endif
+#ifndef K_BLOCK
+#define K_BLOCK 256 /* rows of a panel (64 KiB) a prefill pass takes at a time */
+#endif
+/* K from which prefill blocks it: a panel of 1,024 rows (256 KiB) is half the L2 of the
+   AVX2 cores measured (512 rows x K 2,048: 83 -> 88 GFLOP/s blocked; K 640 unblocked). */
+#define K_BLOCKED 1024
 #define PREFETCH_K 8 /* how many rows of the panel (256 bytes each) ahead to fetch */
 #ifndef K_CHUNK
 #define K_CHUNK 256 /* rows of a panel (64 KiB) a few-row product takes at a time */
@@ -181,9 +187,12 @@ static inline __attribute__((always_inline)) void strip(
    rows [R][16] at `out` (row stride PANEL) = xp's rows times the panel's 16 columns
    w[0 .. 16) over k. */
 static inline __attribute__((always_inline)) void strip_packed(
-    const float *xp, const float *w, int64_t k, float *out, const int R) {
+    const float *xp, const float *w, int64_t k, float *out, const int R, int add) {
     __m256 acc[TILE_ROWS][2];
-    for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int i = 0; i < R; i++) {
+        acc[i][0] = add ? _mm256_loadu_ps(out + i * PANEL) : _mm256_setzero_ps();
+        acc[i][1] = add ? _mm256_loadu_ps(out + i * PANEL + 8) : _mm256_setzero_ps();
+    }
     for (int64_t kk = 0; kk < k; kk++) {
         const __m256 w0 = _mm256_loadu_ps(w + kk * PANEL), w1 = _mm256_loadu_ps(w + kk * PANEL + 8);
         for (int i = 0; i < R; i++) {
@@ -244,7 +253,7 @@ static inline __attribute__((always_inline)) void tile_packed(
     const float *xp, const float *panel, int64_t k, const float *bias, float *y, int64_t ldy,
     int64_t cols, const int rows, int mode) {
     float sums[TILE_ROWS * PANEL];
-    for (int c = 0; c < PANEL; c += 16) strip_packed(xp, panel + c, k, sums + c, rows);
+    for (int c = 0; c < PANEL; c += 16) strip_packed(xp, panel + c, k, sums + c, rows, 0);
     finish_rows(sums, rows, bias, mode, y, ldy, cols);
 }
 #else
@@ -356,6 +365,59 @@ static void few_rows_times_panel(const float *x, int64_t ldx, const float *panel
     }
 }
 
+#if defined(HAVE_STRIPS)
+/* Prefill over a long K (a down projection's 2,048): a whole panel (K x 64 floats, 512 KiB
+   there) no longer stays in L2 while every tile passes it, so K is taken K_BLOCK rows of
+   the panel (64 KiB) at a time, every tile adding its share into the panel's partial sums
+   ([tiles][6][64]), which are finished once the last block is in. Returns -1 when a
+   thread's partial sums cannot be allocated (the caller then takes the unblocked path). */
+static int blocked_panels(const float *xp, int64_t tiles, int64_t m, const float *packed,
+                          int64_t panels, int64_t k, const float *bias, float *y, int64_t n,
+                          int64_t ldy, int64_t width, int mode, int parallel) {
+    int failed = 0;
+#pragma omp parallel if (parallel)
+    {
+        float *part = malloc((size_t)(tiles * TILE_ROWS * PANEL) * sizeof(float));
+        if (part == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            if (failed) continue;
+            const float *panel = packed + p * k * PANEL;
+            for (int64_t k0 = 0; k0 < k; k0 += K_BLOCK) {
+                const int64_t kn = k - k0 < K_BLOCK ? k - k0 : K_BLOCK;
+                for (int64_t t = 0; t < tiles; t++) {
+                    const int rows = m - t * TILE_ROWS < TILE_ROWS ? (int)(m - t * TILE_ROWS)
+                                                                   : TILE_ROWS;
+                    const float *xt = xp + t * k * TILE_ROWS + k0 * TILE_ROWS;
+                    float *pt = part + t * TILE_ROWS * PANEL;
+                    for (int c = 0; c < PANEL; c += 16) {
+                        switch (rows) {
+#define SP(R) case R: strip_packed(xt, panel + k0 * PANEL + c, kn, pt + c, R, k0 > 0); break;
+                        SP(1) SP(2) SP(3) SP(4) SP(5) SP(6)
+#undef SP
+                        }
+                    }
+                }
+            }
+            const int64_t cols = n - p * width < width ? n - p * width : width;
+            for (int64_t t = 0; t < tiles; t++) {
+                const int rows = m - t * TILE_ROWS < TILE_ROWS ? (int)(m - t * TILE_ROWS)
+                                                               : TILE_ROWS;
+                finish_rows(part + t * TILE_ROWS * PANEL, rows,
+                            bias == NULL ? NULL : bias + p * PANEL, mode,
+                            y + t * TILE_ROWS * ldy + p * width, ldy, cols);
+            }
+        }
+        free(part);
+    }
+    return failed ? -1 : 0;
+}
+#endif
+
 /* y [m, n] (row stride ldy) = epilogue(x [m, k] (row stride ldx) times the packed weights
    [panels, k, 64] + bias [panels * 64] or NULL). n: output columns (the intermediate size
    for a gated mode, whose panels give 32 outputs each). */
@@ -378,6 +440,11 @@ void hkv_linear_f32(const float *x, int64_t m, int64_t ldx, const float *packed,
                     for (int64_t kk = 0; kk < k; kk++)
                         dst[kk * TILE_ROWS] = r < m ? x[r * ldx + kk] : 0.f;
                 }
+            if (k >= K_BLOCKED && blocked_panels(xp, tiles, m, packed, panels, k, bias, y, n, ldy,
+                                              width, mode, parallel) == 0) {
+                free(xp);
+                return;
+            }
 #pragma omp parallel for collapse(2) schedule(static) if (parallel)
             for (int64_t p = 0; p < panels; p++)
                 for (int64_t t = 0; t < tiles; t++) {
