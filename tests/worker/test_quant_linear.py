@@ -283,6 +283,45 @@ def test_packed_float_tiles_from_16_rows(qtype: int, path: str) -> None:
         assert ql._packed_buffers.__dict__, "the packed path did not run"
 
 
+@pytest.mark.parametrize("qtype", [2, 6, 12, 14], ids=["Q4_0", "Q5_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "relu"])
+def test_gated_product_equals_activation_of_gate_times_up(qtype: int, act: str) -> None:
+    """gated_matmul: act(x G^T) * (x U^T) in the float kernel's registers, for the packed
+    rows only (None elsewhere: the caller applies the activation); outputs that fill no
+    whole panel of 32, several chunks on two threads."""
+    from hybridkv.worker import cpu_linear
+    from hybridkv.worker.quantized import concat
+
+    if ql._packed_linear() is None:
+        pytest.skip("the float linear kernel does not build here")
+    fn = {"silu": torch.nn.functional.silu, "relu": torch.relu,
+          "gelu_pytorch_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}[act]
+    mode = cpu_linear.GATED_ACTIVATIONS[act]
+    values, _ = ql.block_shape(qtype)
+    cols = max(values, 64)
+    before = torch.get_num_threads()
+    try:
+        for threads, n in ((1, 45), (2, 200)):
+            torch.set_num_threads(threads)
+            gate, up = (weights(qtype, n, cols, seed=n + s) for s in (0, 1))
+            g, u = reference(gate, qtype, cols), reference(up, qtype, cols)
+            both = concat([ql.QuantizedWeight(as_tensor(r), qtype, n, cols) for r in (gate, up)])
+            for m in (ql.PACKED_ROWS[0], 40):
+                x = torch.randn(m, cols) * 3
+                got = ql.gated_matmul(x, both, mode)
+                assert got is not None
+                want = fn(x.double() @ g.double().T) * (x.double() @ u.double().T)
+                # Float rounding of both products, through act (slope <= 1.13) and the
+                # product: within 1e-5 of (sum |x||g|) (sum |x||u|).
+                scale = (x.abs().double() @ g.abs().double().T) * \
+                    (x.abs().double() @ u.abs().double().T)
+                err = ((got.double() - want).abs() / (scale + 1e-12)).max().item()
+                assert err < 1e-5, f"relative error {err:.3g}"
+        assert ql.gated_matmul(torch.randn(ql.PACKED_ROWS[0] - 1, cols), both, mode) is None
+    finally:
+        torch.set_num_threads(before)
+
+
 @needs_c
 @pytest.mark.parametrize("qtype", [1, 7, 13], ids=["F16", "Q5_1", "Q5_K"])
 def test_prefill_in_chunks_of_rows(qtype: int, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from hybridkv.worker import cpu_linear, native
+from hybridkv.worker import cpu_linear, native, quant_linear
 from hybridkv.worker.quantized import QuantizedLinear, QuantizedParts
 
 logger = logging.getLogger(__name__)
@@ -142,9 +142,13 @@ class GatedLinear(nn.Module):
                  activation: str, act: Callable[[torch.Tensor], torch.Tensor],
                  kernel: str) -> None:
         """`activation`: the Hugging Face name of `act`. Quantized gate and up run as one
-        quantized call, then the activation and product."""
+        quantized call, then the activation and product; where they share a block type and
+        the C kernel has the activation, a step of PACKED_ROWS rows takes the quantized
+        kernel's gated product instead (quant_linear.gated_matmul)."""
         super().__init__()
         quantized = isinstance(gate, QuantizedLinear)
+        self.quantized_mode = cpu_linear.GATED_ACTIVATIONS.get(activation) \
+            if quantized and gate.bias is None and up.bias is None else None
         self.gated_mode = cpu_linear.GATED_ACTIVATIONS.get(activation) \
             if kernel == "cpu" and not quantized else None
         self.post_op = ONEDNN_ACTIVATIONS.get(activation) \
@@ -170,6 +174,13 @@ class GatedLinear(nn.Module):
         if self.gated_mode is not None:
             return cpu_linear.linear(x, self.weight, self.bias, self.out_features,
                                      self.gated_mode)
+        if self.quantized_mode is not None:
+            parts = self.gate_up.quantized
+            if parts is not None and len(parts.weights) == 1:
+                y = quant_linear.gated_matmul(x.reshape(-1, x.shape[-1]), parts.weights[0],
+                                              self.quantized_mode)
+                if y is not None:
+                    return y.view(*x.shape[:-1], y.shape[-1])
         if self.post_op is None:
             gate, up = self.gate_up.split(x)
             return self.act(gate) * up

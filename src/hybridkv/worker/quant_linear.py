@@ -100,7 +100,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "hkv_quant_float_activations": [_INT],
     "hkv_quant_int8_rows": [_INT],
     "hkv_quant_matmul_packed": [_PTR, _I64, _I64, _PTR, _I64, _INT, _I64, _I64, _PTR, _I64,
-                                _PTR, _I64, _PTR],
+                                _INT, _PTR, _I64, _PTR],
 }
 _lib: ctypes.CDLL | None = None
 _unavailable: str | None = None
@@ -306,9 +306,10 @@ def _packed_linear() -> int | None:
 
 
 def _packed(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, cols: int,
-            out: torch.Tensor) -> bool:
-    """out = x W^T through the float tiles, dequantizing a few panels of W at a time; False
-    where the float kernel does not build (nothing written)."""
+            out: torch.Tensor, mode: int = 0) -> bool:
+    """out = x W^T (mode 0) or the gated product (a gated mode of worker/cpu_linear.py: W
+    holds n gate rows, then n up rows) through the float tiles, dequantizing a few panels of
+    W at a time; False where the float kernel does not build (nothing written)."""
     linear = _packed_linear()
     if linear is None or cols % 8:  # (a panel is transposed 8 x 8 values at a time)
         return False
@@ -322,12 +323,29 @@ def _packed(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, cols: int,
         buf = buffers[key] = torch.empty(int(lib.hkv_quant_packed_floats(panels, cols)))
     rc = lib.hkv_quant_matmul_packed(x.data_ptr(), x.shape[0], x.stride(0), data.data_ptr(),
                                      data.stride(0), qtype, n, cols, out.data_ptr(),
-                                     out.stride(0), buf.data_ptr(), panels, linear)
+                                     out.stride(0), mode, buf.data_ptr(), panels, linear)
     if rc == -2:
         raise MemoryError("the quantized matmul could not allocate its scratch")
     if rc != 0:
         raise ValueError(f"the packed quantized matmul does not take type {qtype}")
     return True
+
+
+def gated_matmul(x: torch.Tensor, weight: QuantizedWeight, mode: int) -> torch.Tensor | None:
+    """act(x G^T) * (x U^T), float32 [M, n], for `weight` the n gate rows then the n up rows
+    and `mode` one of worker/cpu_linear.py's GATED_ACTIVATIONS: the activation and product
+    in the float kernel's registers. None where the plain product runs these rows (outside
+    PACKED_ROWS, 8-bit activations, no C kernels): the caller then applies the activation."""
+    m = x.shape[0]
+    if (not PACKED_ROWS[0] <= m < PACKED_ROWS[1] or weight.rows % 2 or x.dim() != 2
+            or x.dtype != torch.float32 or x.device.type != "cpu" or not available()
+            or not (FLOAT_ACTIVATIONS or m > int8_rows(weight.qtype))):
+        return None
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    n = weight.rows // 2
+    out = torch.empty((m, n), dtype=torch.float32)
+    return out if _packed(x, weight.data, weight.qtype, n, weight.cols, out, mode) else None
 
 
 def transposed_chunks(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,

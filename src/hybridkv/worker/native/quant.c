@@ -1313,13 +1313,16 @@ static inline void transpose8(const float *src, int64_t cols, float *dst) {
 #endif
 }
 
-/* out [panels, cols, 64] = rows 0 .. n of W (row stride ldw bytes) as linear.c's panels
-   (column c of panel p: row 64 p + c), columns past n zero. cols: a multiple of 8. Returns
-   -2 when a thread's scratch (8 dequantized rows) cannot be allocated. */
+/* out [panels, cols, 64] = W's rows as linear.c's panels for n outputs, columns past n
+   zero. Plain (up < 0): panel p's column c is row 64 p + c. Gated (linear.c's gated
+   panels, 32 outputs each): column c < 32 is gate row j = 32 p + c, column 32 + c the up
+   row j, at row up + j of W. cols: a multiple of 8 (every block size is). Returns -2 when
+   a thread's scratch (8 dequantized rows) cannot be allocated. */
 static int dequantize_panels(const uint8_t *w, int64_t ldw, int type, int64_t cols,
-                             int64_t nb, int64_t n, float *out) {
-    /* Whole 8-row groups, the padding up to the last panel's 64 columns included. */
-    const int64_t groups = (n + PACK_WIDTH - 1) / PACK_WIDTH * (PACK_WIDTH / 8);
+                             int64_t nb, int64_t n, int64_t up, float *out) {
+    const int64_t width = up >= 0 ? PACK_WIDTH / 2 : PACK_WIDTH;
+    /* Whole 8-column groups, the padding up to the last panel's 64 columns included. */
+    const int64_t groups = (n + width - 1) / width * (PACK_WIDTH / 8);
     int failed = 0;
 #pragma omp parallel if (n * cols >= (1 << 18))
     {
@@ -1331,15 +1334,17 @@ static int dequantize_panels(const uint8_t *w, int64_t ldw, int type, int64_t co
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             if (scratch == NULL) continue;
-            const int64_t r0 = g * 8;
-            float *panel = out + (r0 / PACK_WIDTH) * cols * PACK_WIDTH + r0 % PACK_WIDTH;
-            if (r0 >= n) {
+            const int64_t p = g / (PACK_WIDTH / 8), c = g % (PACK_WIDTH / 8) * 8;
+            float *panel = out + p * cols * PACK_WIDTH + c;
+            const int64_t j = p * width + c % width; /* the group's first output */
+            const int64_t row = up >= 0 && c >= width ? up + j : j;
+            if (j >= n) {
                 for (int64_t k = 0; k < cols; k++)
                     memset(panel + k * PACK_WIDTH, 0, 8 * sizeof(float));
                 continue;
             }
             for (int64_t i = 0; i < 8; i++) {
-                if (r0 + i < n) dequant_blocks(type, w + (r0 + i) * ldw, nb, scratch + i * cols);
+                if (j + i < n) dequant_blocks(type, w + (row + i) * ldw, nb, scratch + i * cols);
                 else memset(scratch + i * cols, 0, (size_t)cols * sizeof(float));
             }
             for (int64_t k = 0; k < cols; k += 8)
@@ -1355,24 +1360,28 @@ int64_t hkv_quant_packed_floats(int64_t panels, int64_t cols) {
     return panels * PACK_WIDTH * cols;
 }
 
-/* y [m, rows] (row stride ldy) = x [m, cols] times W^T as hkv_quant_matmul: `panels`
-   panels (64 rows each) of W at a time are dequantized into buf (hkv_quant_packed_floats
-   floats) and multiplied by `linear` (the address of linear.c's hkv_linear_f32). Returns
-   -1 for a type not handled here, a bad chunk or cols not a multiple of 8, -2 when a
-   scratch cannot be allocated. */
+/* y [m, n] (row stride ldy) = x [m, cols] times W^T as hkv_quant_matmul (mode 0; W: n
+   rows), or linear.c's gated epilogue act(x G^T) * (x U^T) (mode: one of its GATED_*; W:
+   the n gate rows, then the n up rows). `panels` panels of W at a time are dequantized
+   into buf (hkv_quant_packed_floats floats) and multiplied by `linear` (the address of
+   linear.c's hkv_linear_f32). Returns -1 for a type not handled here, a bad chunk or cols
+   not a multiple of 8, -2 when a scratch cannot be allocated. */
 int hkv_quant_matmul_packed(const float *x, int64_t m, int64_t ldx, const uint8_t *w,
-                            int64_t ldw, int type, int64_t rows, int64_t cols, float *y,
-                            int64_t ldy, float *buf, int64_t panels, void *linear) {
+                            int64_t ldw, int type, int64_t n, int64_t cols, float *y,
+                            int64_t ldy, int mode, float *buf, int64_t panels, void *linear) {
     int64_t bv, bb;
     block_shape(type, &bv, &bb);
     if (bv == 0 || panels <= 0 || cols % 8) return -1;
-    if (m <= 0 || rows <= 0) return 0;
-    const int64_t nb = cols / bv, step = panels * PACK_WIDTH;
+    if (m <= 0 || n <= 0) return 0;
+    const int64_t nb = cols / bv;
+    const int64_t step = panels * (mode ? PACK_WIDTH / 2 : PACK_WIDTH);
     const linear_f32_fn fn = (linear_f32_fn)linear;
-    for (int64_t r0 = 0; r0 < rows; r0 += step) {
-        const int64_t n = rows - r0 < step ? rows - r0 : step;
-        if (dequantize_panels(w + r0 * ldw, ldw, type, cols, nb, n, buf) != 0) return -2;
-        fn(x, m, ldx, buf, cols, NULL, y + r0, n, ldy, 0);
+    for (int64_t r0 = 0; r0 < n; r0 += step) {
+        const int64_t count = n - r0 < step ? n - r0 : step;
+        /* (Gated: the up rows sit n rows past the gate rows, wherever the chunk starts.) */
+        if (dequantize_panels(w + r0 * ldw, ldw, type, cols, nb, count, mode ? n : -1, buf))
+            return -2;
+        fn(x, m, ldx, buf, cols, NULL, y + r0, count, ldy, mode);
     }
     return 0;
 }
