@@ -124,7 +124,6 @@ static inline v16 gated16(v16 g, v16 u, int mode) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#include <immintrin.h>
 /* Without AVX-512 a 16-float value is two 8-float registers, and GCC lowers arrays of them
    (the 6 x 4 tile below) through the stack: measured 3 GFLOP/s on an AVX2 core, 20x below
    torch's GEMM. Here the tile walks the panel in strips of W 8-float columns (R rows x W

@@ -26,9 +26,10 @@
    vectors in registers, dotted with every x row, the block's scale applied once per block
    (a min, through the x block's sum). More rows take panels: a thread dequantizes a few
    weight rows (24 KiB) once and reuses them for every x row through 4 x 3 register tiles
-   of 8-float dot products. (From 32 rows worker/quant_linear.py dequantizes chunks of rows
-   and runs torch's GEMM instead.) hkv_quant_float_activations(1) keeps x in float on every
-   path. Work is split over torch's OpenMP threads. */
+   of 8-float dot products. (worker/quant_linear.py sends 16 to 127 rows to
+   hkv_quant_matmul_packed below, linear.c's float tiles on dequantized panels, and from 128
+   rows dequantizes chunks of rows for torch's GEMM.) hkv_quant_float_activations(1) keeps x
+   in float on every path. Work is split over torch's OpenMP threads. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -1270,10 +1271,11 @@ int hkv_quant_matmul(const float *x, int64_t m, int64_t ldx, const uint8_t *w, i
 
 /* ---- y = x W^T through the float tiles of linear.c ----
 
-   From about a dozen x rows the dot tiles above lose to linear.c's register tiles (6 rows x
-   64 columns of broadcast FMAs, 1.5-2x their speed at 8 to 64 rows). Those read weights
-   packed as [panels, cols, 64]: output column j of a panel is weight row j, its values
-   running down the panel. So a chunk of W's rows is dequantized straight into that layout
+   On weights already in float, linear.c's register tiles (6 rows x 64 columns of broadcast
+   FMAs) run 1.2-1.9x the dot tiles above at 8 to 64 rows; with the dequantization and the
+   transposes added they are ahead from 16 rows (worker/quant_linear.py: PACKED_ROWS). They
+   read weights packed as [panels, cols, 64]: output column j of a panel is weight row j,
+   its values running down the panel. So a chunk of W's rows is dequantized straight into that layout
    (8 rows at a time into a scratch, then 8 x 8 transposes into the panel) and the float
    kernel, whose address the caller passes, runs on it while the chunk is still in L2. */
 
