@@ -197,6 +197,21 @@ class KVCacheManager:
         self._quiet[request.request_id] = self._quiet_limits(request, num_computed)
         return new
 
+    @property
+    def saves_branch_points(self) -> bool:
+        """Whether a state group saves checkpoints where requests' prompts part."""
+        return self.enable_caching and any(m.saves_branch_points for m in self.managers)
+
+    def want_checkpoint(self, request: KVRequest, position: int) -> None:
+        """Another request's prompt leaves `request`'s at `position` tokens: state groups
+        save a checkpoint there as `request` computes past it, so that the other request
+        can hit it."""
+        if not self.enable_caching:
+            return
+        for m in self.managers:
+            m.want_checkpoint(request.request_id, position)
+        self._quiet.pop(request.request_id, None)  # its next step may now save one
+
     def _quiet_limits(self, request: KVRequest, num_computed: int) -> tuple[int, int, int]:
         limits = [m.quiet_limits(request, num_computed) for m in self.managers]
         max_tokens = min(lim[0] for lim in limits)

@@ -180,6 +180,15 @@ class SingleTypeManager:
         """A lookup found the request's tokens cached up to `matched_tokens` in some group
         (its branch point). State kinds save a checkpoint there."""
 
+    @property
+    def saves_branch_points(self) -> bool:
+        """Whether this kind saves checkpoints at branch points (state kinds, when on)."""
+        return False
+
+    def want_checkpoint(self, request_id: str, position: int) -> None:
+        """Another request's prompt leaves this one's at `position` (tokens): state kinds
+        save a checkpoint there when this request computes past it."""
+
     def set_checkpoint_policy(self, *, interval: int, branch_points: bool,
                               remember_blocks: bool = False) -> None:
         """Turn state checkpoints on (the prefix cache is on): at prompt ends, every

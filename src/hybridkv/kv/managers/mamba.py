@@ -47,6 +47,9 @@ class MambaManager(SingleTypeManager):
         self.checkpoint_interval = 0  # in blocks; 0 = only prompt ends and branch points
         self.checkpoint_branch_points = True
         self.branch_points: dict[str, int] = {}  # tokens matched before diverging
+        # Where other requests' prompts leave this one's while it prefills (see
+        # kv/shared_prompts.py): they wait for a checkpoint there.
+        self.shared_points: dict[str, set[int]] = {}
         # Hashes of blocks computed lately, when no other group tells where requests match
         # (None otherwise); per request, how many of its blocks are in there.
         self.seen: OrderedDict[BlockHash, None] | None = None
@@ -99,6 +102,14 @@ class MambaManager(SingleTypeManager):
                 matched_tokens = max(matched_tokens, self._seen_prefix(request))
             self.branch_points[request.request_id] = matched_tokens
 
+    @property
+    def saves_branch_points(self) -> bool:
+        return self.save_checkpoints and self.checkpoint_branch_points
+
+    def want_checkpoint(self, request_id: str, position: int) -> None:
+        if self.saves_branch_points:
+            self.shared_points.setdefault(request_id, set()).add(position)
+
     def set_checkpoint_policy(self, *, interval: int, branch_points: bool,
                               remember_blocks: bool = False) -> None:
         self.save_checkpoints = True
@@ -123,7 +134,8 @@ class MambaManager(SingleTypeManager):
             return []
         bs = self.block_size
         wanted = {request.num_prompt_tokens // bs * bs,
-                  self.branch_points.get(request.request_id, 0) // bs * bs}
+                  self.branch_points.get(request.request_id, 0) // bs * bs,
+                  *(p // bs * bs for p in self.shared_points.get(request.request_id, ()))}
         if self.checkpoint_interval:
             step = self.checkpoint_interval * bs
             wanted.update(range((start // step + 1) * step, end + 1, step))
@@ -181,6 +193,7 @@ class MambaManager(SingleTypeManager):
         rid = request.request_id
         self.has_live_state.discard(rid)
         self.branch_points.pop(rid, None)
+        self.shared_points.pop(rid, None)
         self._seen_blocks.pop(rid, None)
         self._handed_out.pop(rid, None)
         self._planned.pop(rid, None)
@@ -207,7 +220,8 @@ class MambaManager(SingleTypeManager):
             return NEVER
         bs = self.block_size
         candidates = [request.num_prompt_tokens // bs * bs,
-                      self.branch_points.get(request.request_id, 0) // bs * bs]
+                      self.branch_points.get(request.request_id, 0) // bs * bs,
+                      *(p // bs * bs for p in self.shared_points.get(request.request_id, ()))]
         if self.checkpoint_interval:
             step = self.checkpoint_interval * bs
             candidates.append((after // step + 1) * step)
