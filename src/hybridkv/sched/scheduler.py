@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from itertools import islice
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import TYPE_CHECKING
 
 from hybridkv.connector.base import ConnectorMeta

@@ -132,12 +132,9 @@ class Mamba2Mixer(nn.Module):
             # The reference clamps dt in its multi-token scan only (not in single steps).
             dt = dt.clamp(min=self.time_step_min)
         a = -torch.exp(self.A_log.float())  # [heads]
-        heads_per_group = self.num_heads // self.n_groups
         x = x.float().view(num_tokens, self.num_heads, self.head_dim)
-        b = b.float().view(num_tokens, self.n_groups, self.state_size).repeat_interleave(
-            heads_per_group, dim=1)  # [L, heads, state]
-        c = c.float().view(num_tokens, self.n_groups, self.state_size).repeat_interleave(
-            heads_per_group, dim=1)
+        b = b.float().view(num_tokens, self.n_groups, self.state_size)  # [L, groups, state]
+        c = c.float().view(num_tokens, self.n_groups, self.state_size)
         out, state = ssd_scan(x, dt, a, b, c, ssm_state.float(), chunk_size=self.chunk_size,
                               save_at=save_at)
         ssm_state.copy_(state.to(ssm_state.dtype))
