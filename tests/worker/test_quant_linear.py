@@ -283,6 +283,36 @@ def test_packed_float_tiles_from_16_rows(qtype: int, path: str) -> None:
         assert ql._packed_buffers.__dict__, "the packed path did not run"
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=[ql.SUPPORTED[t] for t in TYPES])
+def test_panels_from_codes_equal_panels_from_floats(qtype: int) -> None:
+    """The packed path builds its panels from each row's byte codes, transposed as bytes,
+    with the 8 rows' scales as one vector: the same d q + o per value as dequantizing rows
+    to floats and transposing those, so the products are equal bit for bit (plain and
+    gated; rows that fill no 8-row group)."""
+    if ql._packed_linear() is None or not ql.library().hkv_quant_panel_codes(1):
+        pytest.skip("no packed path or no AVX2 codes here")
+    values, _ = ql.block_shape(qtype)
+    cols = 8 * values if values > 1 else 40
+    from hybridkv.worker.cpu_linear import GATED_ACTIVATIONS
+    from hybridkv.worker.quant_linear import QuantizedWeight
+
+    raw = weights(qtype, 2 * 45, cols, seed=qtype)
+    data = as_tensor(raw)
+    weight = QuantizedWeight(data, qtype, 2 * 45, cols)
+    x = torch.randn(40, cols)
+    results = []
+    try:
+        for on in (1, 0):
+            ql.library().hkv_quant_panel_codes(on)
+            results.append((ql.matmul(x, data, qtype, cols),
+                            ql.gated_matmul(x, weight, GATED_ACTIVATIONS["silu"])))
+    finally:
+        ql.library().hkv_quant_panel_codes(1)
+    assert torch.equal(results[0][0], results[1][0])
+    if results[0][1] is not None:
+        assert torch.equal(results[0][1], results[1][1])
+
+
 @pytest.mark.parametrize("qtype", [2, 6, 12, 14], ids=["Q4_0", "Q5_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "relu"])
 def test_gated_product_equals_activation_of_gate_times_up(qtype: int, act: str) -> None:

@@ -98,6 +98,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "hkv_quant_matmul": [_PTR, _I64, _I64, _PTR, _I64, _INT, _I64, _I64, _PTR, _I64],
     "hkv_quant_force_portable": [_INT],
     "hkv_quant_float_activations": [_INT],
+    "hkv_quant_panel_codes": [_INT],
     "hkv_quant_int8_rows": [_INT],
     "hkv_quant_matmul_packed": [_PTR, _I64, _I64, _PTR, _I64, _INT, _I64, _I64, _PTR, _I64,
                                 _INT, _PTR, _I64, _PTR],

@@ -1315,6 +1315,174 @@ static inline void transpose8(const float *src, int64_t cols, float *dst) {
 #endif
 }
 
+#if defined(HAVE_FAST_DEQUANT)
+/* One weight row's nb blocks as codes and per-16-value scales: value k = d[s] q[k] + o[s]
+   with s = k / 16, q[k] an unsigned byte (Q8_0's values offset by 128). d and o are
+   written every 8 floats (d[8 s]): the 8 rows of a panel group interleave there, so the
+   8 rows' scales of one 16-value stretch are one vector. Returns 0 for a type without
+   codes here. */
+static int row_codes_avx2(int type, const uint8_t *p, int64_t nb, uint8_t *q, float *d,
+                          float *o) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    switch (type) {
+    case T_Q4_0:
+    case T_Q4_1:
+    case T_Q5_0:
+    case T_Q5_1: {
+        const int64_t size = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 24;
+        for (int64_t b = 0; b < nb; b++, p += size, q += 32, d += 16, o += 16) {
+            const float dv = half_to_float(rd16(p));
+            __m256i v;
+            float ov;
+            switch (type) {
+            case T_Q4_0: v = nibbles32(p + 2); ov = -8.f * dv; break;
+            case T_Q4_1: v = nibbles32(p + 4); ov = half_to_float(rd16(p + 2)); break;
+            case T_Q5_0:
+                v = _mm256_or_si256(nibbles32(p + 6), bits_to_0x10(rd32(p + 2)));
+                ov = -16.f * dv;
+                break;
+            default:
+                v = _mm256_or_si256(nibbles32(p + 8), bits_to_0x10(rd32(p + 4)));
+                ov = half_to_float(rd16(p + 2));
+                break;
+            }
+            _mm256_storeu_si256((__m256i *)q, v);
+            d[0] = d[8] = dv;
+            o[0] = o[8] = ov;
+        }
+        return 1;
+    }
+    case T_Q8_0:
+        for (int64_t b = 0; b < nb; b++, p += 34, q += 32, d += 16, o += 16) {
+            const float dv = half_to_float(rd16(p));
+            _mm256_storeu_si256((__m256i *)q, _mm256_xor_si256(
+                _mm256_loadu_si256((const __m256i *)(p + 2)), _mm256_set1_epi8((char)0x80)));
+            d[0] = d[8] = dv;
+            o[0] = o[8] = -128.f * dv;
+        }
+        return 1;
+    case T_Q4_K:
+    case T_Q5_K: {
+        const int five = type == T_Q5_K;
+        const int64_t size = five ? 176 : 144;
+        for (int64_t b = 0; b < nb; b++, p += size, q += 256, d += 128, o += 128) {
+            const float dd = half_to_float(rd16(p)), dmin = half_to_float(rd16(p + 2));
+            const uint8_t *sc = p + 4, *qh = p + 16, *qs = p + (five ? 48 : 16);
+            const __m256i hv = five ? _mm256_loadu_si256((const __m256i *)qh)
+                                    : _mm256_setzero_si256();
+            for (int s = 0; s < 8; s += 2) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 16 * s));
+                __m256i lo = _mm256_and_si256(v, m4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                if (five) {
+                    const __m256i b0 = _mm256_set1_epi8((char)(1 << s));
+                    const __m256i b1 = _mm256_set1_epi8((char)(1 << (s + 1)));
+                    const __m256i x10 = _mm256_set1_epi8(0x10);
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(
+                        _mm256_cmpeq_epi8(_mm256_and_si256(hv, b0), b0), x10));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(
+                        _mm256_cmpeq_epi8(_mm256_and_si256(hv, b1), b1), x10));
+                }
+                _mm256_storeu_si256((__m256i *)(q + 32 * s), lo);
+                _mm256_storeu_si256((__m256i *)(q + 32 * s + 32), hi);
+                for (int h = 0; h < 2; h++) {
+                    float sv, mv;
+                    scale_min_k4(sc, s + h, &sv, &mv);
+                    /* sub-block s + h: values 32 (s + h) ..: 16-value stretches 2 (s + h) and
+                       2 (s + h) + 1 */
+                    float *ds = d + 16 * (s + h), *os = o + 16 * (s + h);
+                    ds[0] = ds[8] = dd * sv;
+                    os[0] = os[8] = -dmin * mv;
+                }
+            }
+        }
+        return 1;
+    }
+    case T_Q6_K:
+        for (int64_t b = 0; b < nb; b++, p += 210, q += 256, d += 128, o += 128) {
+            const uint8_t *ql = p, *qh = p + 128;
+            const int8_t *sc = (const int8_t *)(p + 192);
+            const float dd = half_to_float(rd16(p + 208));
+            for (int h = 0; h < 2; h++) {
+                const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+                for (int s = 0; s < 4; s++) {
+                    __m256i l = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32 * (s & 1)));
+                    if (s >> 1) l = _mm256_srli_epi16(l, 4);
+                    l = _mm256_and_si256(l, m4);
+                    __m256i hi = _mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * s));
+                    hi = _mm256_slli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(3)), 4);
+                    _mm256_storeu_si256((__m256i *)(q + 128 * h + 32 * s), _mm256_or_si256(l, hi));
+                    for (int e = 0; e < 2; e++) {
+                        /* 16-value stretch 8 h + 2 s + e, its own scale */
+                        const float dv = dd * (float)sc[8 * h + 2 * s + e];
+                        d[8 * (8 * h + 2 * s + e)] = dv;
+                        o[8 * (8 * h + 2 * s + e)] = -32.f * dv;
+                    }
+                }
+            }
+        }
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+/* 8 unsigned bytes (the low half of `bytes`) -> 8 floats d q + o at dst. */
+static inline void emit8(float *dst, __m128i bytes, __m256 d, __m256 o) {
+    _mm256_storeu_ps(dst, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), o));
+}
+
+/* Eight rows' codes (row i at q + i * cols; cols a multiple of 32) with their interleaved
+   scales (row_codes_avx2) -> the panel's 8 columns at `panel` (row stride PACK_WIDTH).
+   The bytes are transposed, not the floats: a 32-value stretch of 8 rows is 8 registers
+   of bytes through three rounds of unpacks, then each value position's 8 rows become one
+   8-float vector with the rows' scales as a vector. */
+static void codes_to_panel(const uint8_t *q, const float *d, const float *o, int64_t cols,
+                           float *panel) {
+    for (int64_t k0 = 0; k0 < cols; k0 += 32) {
+        __m256i r[8];
+        for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i *)(q + i * cols + k0));
+        /* bytes: (r0 r1) pairs per value, then 4 rows per value, then 8 */
+        const __m256i t0 = _mm256_unpacklo_epi8(r[0], r[1]), t1 = _mm256_unpackhi_epi8(r[0], r[1]);
+        const __m256i t2 = _mm256_unpacklo_epi8(r[2], r[3]), t3 = _mm256_unpackhi_epi8(r[2], r[3]);
+        const __m256i t4 = _mm256_unpacklo_epi8(r[4], r[5]), t5 = _mm256_unpackhi_epi8(r[4], r[5]);
+        const __m256i t6 = _mm256_unpacklo_epi8(r[6], r[7]), t7 = _mm256_unpackhi_epi8(r[6], r[7]);
+        const __m256i u0 = _mm256_unpacklo_epi16(t0, t2), u1 = _mm256_unpackhi_epi16(t0, t2);
+        const __m256i u2 = _mm256_unpacklo_epi16(t1, t3), u3 = _mm256_unpackhi_epi16(t1, t3);
+        const __m256i u4 = _mm256_unpacklo_epi16(t4, t6), u5 = _mm256_unpackhi_epi16(t4, t6);
+        const __m256i u6 = _mm256_unpacklo_epi16(t5, t7), u7 = _mm256_unpackhi_epi16(t5, t7);
+        /* v[j]: low lane values 2j, 2j + 1 (8 rows each), high lane 16 + 2j, 17 + 2j */
+        const __m256i v[8] = {
+            _mm256_unpacklo_epi32(u0, u4), _mm256_unpackhi_epi32(u0, u4),
+            _mm256_unpacklo_epi32(u1, u5), _mm256_unpackhi_epi32(u1, u5),
+            _mm256_unpacklo_epi32(u2, u6), _mm256_unpackhi_epi32(u2, u6),
+            _mm256_unpacklo_epi32(u3, u7), _mm256_unpackhi_epi32(u3, u7)};
+        const int64_t s = k0 / 16;
+        const __m256 dl = _mm256_loadu_ps(d + 8 * s), ol = _mm256_loadu_ps(o + 8 * s);
+        const __m256 dh = _mm256_loadu_ps(d + 8 * s + 8), oh = _mm256_loadu_ps(o + 8 * s + 8);
+        float *dst = panel + k0 * PACK_WIDTH;
+        for (int j = 0; j < 8; j++) {
+            const __m128i lo = _mm256_castsi256_si128(v[j]), hi = _mm256_extracti128_si256(v[j], 1);
+            emit8(dst + (2 * j) * PACK_WIDTH, lo, dl, ol);
+            emit8(dst + (2 * j + 1) * PACK_WIDTH, _mm_srli_si128(lo, 8), dl, ol);
+            emit8(dst + (16 + 2 * j) * PACK_WIDTH, hi, dh, oh);
+            emit8(dst + (17 + 2 * j) * PACK_WIDTH, _mm_srli_si128(hi, 8), dh, oh);
+        }
+    }
+}
+#endif
+
+static int panel_codes = 1; /* panels built from codes (tests switch it off: the float path) */
+
+int hkv_quant_panel_codes(int on) {
+    panel_codes = on;
+#if defined(HAVE_FAST_DEQUANT)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* out [panels, cols, 64] = W's rows as linear.c's panels for n outputs, columns past n
    zero. Plain (up < 0): panel p's column c is row 64 p + c. Gated (linear.c's gated
    panels, 32 outputs each): column c < 32 is gate row j = 32 p + c, column 32 + c the up
@@ -1326,6 +1494,14 @@ static int dequantize_panels(const uint8_t *w, int64_t ldw, int type, int64_t co
     /* Whole 8-column groups, the padding up to the last panel's 64 columns included. */
     const int64_t groups = (n + width - 1) / width * (PACK_WIDTH / 8);
     int failed = 0;
+    /* Codes (8 cols bytes, 8 cols / 16 scales and offsets) fit the float scratch (8 cols
+       floats) whenever cols is a multiple of 32, which every code type's block size is. */
+    int codes = 0;
+#if defined(HAVE_FAST_DEQUANT)
+    codes = panel_codes && !force_portable && cols % 32 == 0 &&
+            (type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 ||
+             type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K);
+#endif
 #pragma omp parallel if (n * cols >= (1 << 18))
     {
         float *scratch = malloc((size_t)(8 * cols) * sizeof(float));
@@ -1345,6 +1521,24 @@ static int dequantize_panels(const uint8_t *w, int64_t ldw, int type, int64_t co
                     memset(panel + k * PACK_WIDTH, 0, 8 * sizeof(float));
                 continue;
             }
+#if defined(HAVE_FAST_DEQUANT)
+            if (codes) {
+                /* scratch: 8 rows of codes, then their scales and offsets */
+                uint8_t *q = (uint8_t *)scratch;
+                float *ds = scratch + 2 * cols, *os = ds + cols / 2;
+                for (int64_t i = 0; i < 8; i++) {
+                    if (j + i < n) {
+                        row_codes_avx2(type, w + (row + i) * ldw, nb, q + i * cols, ds + i,
+                                       os + i);
+                    } else {
+                        memset(q + i * cols, 0, (size_t)cols);
+                        for (int64_t t = 0; t < cols / 16; t++) ds[8 * t + i] = os[8 * t + i] = 0.f;
+                    }
+                }
+                codes_to_panel(q, ds, os, cols, panel);
+                continue;
+            }
+#endif
             for (int64_t i = 0; i < 8; i++) {
                 if (j + i < n) dequant_blocks(type, w + (row + i) * ldw, nb, scratch + i * cols);
                 else memset(scratch + i * cols, 0, (size_t)cols * sizeof(float));
