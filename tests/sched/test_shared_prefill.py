@@ -104,12 +104,12 @@ def test_a_request_left_behind_by_one_that_stops_running_computes_the_prefix_its
 
 
 def test_only_state_groups_with_branch_points_keep_the_index():
-    assert make(full(), mamba())._shared is not None
-    assert make(full(), sliding(8))._shared is None  # attention hits need no checkpoint
-    assert make(full(), mamba(), branch_points=False)._shared is None
+    assert make(full(), mamba())._prefilling is not None
+    assert make(full(), sliding(8))._prefilling is None  # attention hits need no checkpoint
+    assert make(full(), mamba(), branch_points=False)._prefilling is None
     kv = KVCacheManager(toy_config(full(), mamba(), num_pages=100), max_model_len=256,
                         enable_caching=False)
-    assert Scheduler(SchedulerConfig(max_model_len=256), kv)._shared is None
+    assert Scheduler(SchedulerConfig(max_model_len=256), kv)._prefilling is None
 
 
 @st.composite
@@ -134,23 +134,61 @@ def test_longest_match_is_the_longest_shared_whole_block_prefix(prompts, data):
     removed = data.draw(st.sets(st.sampled_from([r.request_id for r in requests])))
     for rid in removed:
         index.remove(rid)
-    accepted = data.draw(st.sets(st.sampled_from([r.request_id for r in requests])))
     for r in requests:
-        # Oracle: over the other accepted prompts still indexed, the longest common prefix,
-        # in whole blocks of both prompts, short of r's last token.
-        best, holders = 0, []
+        # Oracle: over the other prompts still indexed, the longest common prefix in whole
+        # blocks of both prompts, short of r's last token; the prompts that share it.
+        shared = {}
         for o in requests:
-            if o is r or o.request_id in removed or o.request_id not in accepted:
+            if o is r or o.request_id in removed:
                 continue
             a, b = r.token_ids, o.token_ids
             n = 0
             while n < min(len(a), len(b)) and a[n] == b[n]:
                 n += 1
-            n = min(n, len(b), len(a) - 1) // BLOCK * BLOCK
-            if n > best:
-                best, holders = n, [o.request_id]
-            elif n == best and n:
-                holders.append(o.request_id)
-        length, found = index.longest_match(r, lambda rid, ok=accepted: rid in ok)
-        assert length == best
-        assert sorted(found) == sorted(holders)
+            shared[o.request_id] = min(n, len(b), len(a) - 1) // BLOCK * BLOCK
+        best = max(shared.values(), default=0)
+        assert index.longest_match(r) == best
+        if best:
+            assert sorted(index.holders(r, best)) == sorted(
+                rid for rid, n in shared.items() if n == best)
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompt_sets(), st.integers(4, 24), st.integers(12, 40), st.data())
+def test_random_arrivals_under_preemption_all_finish_with_consistent_books(
+        prompts, budget, num_pages, data):
+    """Requests sharing random prefixes arrive at random steps on a full + Mamba toy small
+    enough to preempt: every request finishes, the pool's books hold after every step,
+    and a request's first hit never exceeds what some other prompt shares with it."""
+    s = make(full(), mamba(), budget=budget, num_pages=num_pages)
+    arrivals = sorted((data.draw(st.integers(0, 6)), i) for i in range(len(prompts)))
+    reqs = {str(i): Request(str(i), p, SamplingParams(max_tokens=3), hash_block_size=BLOCK)
+            for i, p in enumerate(prompts)}
+    admitted_hit: dict[str, int] = {}
+    for step_no in range(400):
+        for at, i in arrivals:
+            if at == step_no:
+                s.add_request(reqs[str(i)])
+        if step_no > 6 and not s.has_unfinished:
+            break
+        out = s.schedule()
+        for new in out.new_requests:
+            admitted_hit.setdefault(new.request_id, new.num_computed_tokens)
+        done = [r for r in s.update_from_output(out, {rid: 7 for rid in
+                                                      out.num_scheduled_tokens})
+                if len(r.output_token_ids) >= r.sampling_params.max_tokens]
+        s.finish(done, RequestStatus.FINISHED_LENGTH)
+        for r in s.take_never_fitting():
+            s.finish([r], RequestStatus.FINISHED_ABORTED, computed=False)
+        s.kv.check_integrity()
+    assert not s.has_unfinished
+    for rid, hit in admitted_hit.items():
+        mine = reqs[rid].token_ids[:reqs[rid].num_prompt_tokens]
+        best = 0
+        for other in prompts:
+            n = 0
+            while n < min(len(mine), len(other)) and mine[n] == other[n]:
+                n += 1
+            if other is not prompts[int(rid)]:
+                best = max(best, n)
+        assert hit <= best

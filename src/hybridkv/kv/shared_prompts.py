@@ -14,8 +14,6 @@ before it too: the longest match is found by bisection.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from hybridkv.kv.hashing import BlockHash
 from hybridkv.kv.request import KVRequest
 
@@ -29,6 +27,9 @@ class SharedPrompts:
 
     def __len__(self) -> int:
         return len(self._hashes)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._hashes
 
     def add(self, request: KVRequest) -> None:
         rid = request.request_id
@@ -47,24 +48,23 @@ class SharedPrompts:
             if not holders:
                 del self._holders[h]
 
-    def longest_match(self, request: KVRequest, accept: Callable[[str], bool]
-                      ) -> tuple[int, list[str]]:
-        """(tokens, holders): the longest block-aligned prefix of `request`'s prompt that
-        the prompt of another request `accept` takes also has, and those requests
-        ((0, []) where none does). The last prompt token is left out: it is always
-        computed, so no wait could spare it."""
+    def longest_match(self, request: KVRequest) -> int:
+        """Tokens of the longest block-aligned prefix of `request`'s prompt that another
+        added request's prompt has (0 if none). The last prompt token is left out: it is
+        always computed, so nothing could spare it."""
         rid = request.request_id
-        full = (request.num_prompt_tokens - 1) // request.hash_block_size
         hashes = request.block_hashes
-
-        def holders(n: int) -> list[str]:
-            return [r for r in self._holders.get(hashes[n - 1], ()) if r != rid and accept(r)]
-
-        lo, hi = 0, min(full, len(hashes))  # holders(lo) non-empty (or lo = 0)
-        while lo < hi:
+        lo, hi = 0, min((request.num_prompt_tokens - 1) // request.hash_block_size, len(hashes))
+        while lo < hi:  # invariant: another prompt has the first lo blocks
             mid = (lo + hi + 1) // 2
-            if holders(mid):
+            if any(r != rid for r in self._holders.get(hashes[mid - 1], ())):
                 lo = mid
             else:
                 hi = mid - 1
-        return (lo * request.hash_block_size, holders(lo)) if lo else (0, [])
+        return lo * request.hash_block_size
+
+    def holders(self, request: KVRequest, num_tokens: int) -> list[str]:
+        """The other added requests whose prompts have `request`'s first `num_tokens`
+        (a whole number of blocks, > 0)."""
+        block = request.block_hashes[num_tokens // request.hash_block_size - 1]
+        return [r for r in self._holders.get(block, ()) if r != request.request_id]

@@ -110,20 +110,23 @@ class Scheduler:
         self._never_fitting: list[Request] = []
         # Per request preempted while running alone: the tokens it was trying to hold.
         self._alone_target: dict[str, int] = {}
-        # Unfinished requests' prompt blocks, so that a request prefilling a prefix other
-        # requests' prompts share saves a state checkpoint where they part (None: no state
-        # group saves branch points).
-        self._shared = SharedPrompts() if kv_cache_manager.saves_branch_points else None
-        self._running_version = 0  # changes whenever a request starts or stops running
-        # Per waiting request: (running version, shared prefix tokens, the running
+        # Prompt blocks by hash, so that a request prefilling a prefix that other requests'
+        # prompts share saves a state checkpoint where they part: the running requests
+        # still prefilling, and the waiting ones (None: no state group saves branch
+        # points).
+        on = kv_cache_manager.saves_branch_points
+        self._prefilling = SharedPrompts() if on else None
+        self._waiting_prompts = SharedPrompts() if on else None
+        self._prefilling_version = 0  # changes whenever _prefilling does
+        # Per waiting request: (prefilling version, shared prefix tokens, the prefilling
         # requests whose prompts have it), as last computed.
         self._matches: dict[str, tuple[int, int, list[str]]] = {}
         self._asked: dict[str, set[int]] = {}  # per running request: checkpoints asked for
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        if self._shared is not None:
-            self._shared.add(request)
+        if self._waiting_prompts is not None:
+            self._waiting_prompts.add(request)
         self._enqueue(request, front=False)
 
     def _enqueue(self, request: Request, *, front: bool) -> None:
@@ -164,7 +167,7 @@ class Scheduler:
                 if loaded is not None:
                     loaded.status = RequestStatus.WAITING
                     self._enqueue(loaded, front=True)
-        if self._shared is not None:
+        if self._prefilling:  # requests are prefilling
             self._ask_shared_checkpoints()
 
         # Running requests first, in admission order.
@@ -190,6 +193,9 @@ class Scheduler:
             if new.checkpoints:
                 out.state_checkpoints[req.request_id] = new.checkpoints
             budget -= num_new
+            if (self._prefilling is not None and req.request_id in self._prefilling
+                    and req.num_computed_tokens + num_new >= req.num_prompt_tokens):
+                self._stop_prefilling(req.request_id)  # its prompt is computed this step
             sent = self._num_sent_tokens[req.request_id]
             out.cached_requests.append(CachedRequestData(
                 req.request_id, req.token_ids[sent:], new_blocks, req.num_computed_tokens))
@@ -218,7 +224,7 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if self._shared is not None:
+            if self._waiting_prompts is not None:
                 self._checkpoint_where_waiting_leave(req, hit.num_computed_tokens)
             new = self.kv.allocate_slots(req, num_new, hit.num_computed_tokens, hit.blocks)
             if new is None and connector is not None:
@@ -238,8 +244,12 @@ class Scheduler:
                 out.state_checkpoints[req.request_id] = new.checkpoints
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
-            self._running_version += 1
-            self._matches.pop(req.request_id, None)
+            if self._prefilling is not None and self._waiting_prompts is not None:
+                self._waiting_prompts.remove(req.request_id)
+                self._matches.pop(req.request_id, None)
+                if hit.num_computed_tokens + num_new < req.num_prompt_tokens:
+                    self._prefilling.add(req)
+                    self._prefilling_version += 1
             req.num_computed_tokens = hit.num_computed_tokens
             by_tier = (connector.request_admitted(req, hit.num_computed_tokens)
                        if connector is not None else {"device": hit.num_computed_tokens})
@@ -258,35 +268,33 @@ class Scheduler:
         return out
 
     # ------------------------------------------------------------ shared prefills
-    def _running(self, request_id: str) -> bool:
-        req = self.requests.get(request_id)
-        return req is not None and req.status == RequestStatus.RUNNING
-
-    def _shared_match(self, req: Request) -> tuple[int, list[str]]:
-        """(tokens, running requests): the longest prefix of req's prompt that running
-        requests' prompts share, and those requests (cached until the running set
-        changes)."""
-        assert self._shared is not None
-        found = self._matches.get(req.request_id)
-        if found is None or found[0] != self._running_version:
-            length, owners = self._shared.longest_match(req, self._running)
-            found = (self._running_version, length, owners)
-            self._matches[req.request_id] = found
-        return found[1], found[2]
-
     # A request is admitted only once the running ones have all their prompt tokens
     # scheduled (they take the budget first), so a prefix it shares with them is cached
     # by then, in attention groups. A state group hits only at a checkpoint, though: the
-    # prefilling request saves one where a waiting request's prompt leaves its own, which
-    # is how requests arriving together with one long prefix (a system prompt, N users)
-    # compute it once. A branch point of a prefix still being computed.
+    # prefilling request saves one where a waiting request's prompt leaves its own (a
+    # branch point of a prefix still being computed), which is how requests arriving
+    # together with one long prefix (a system prompt, N users) compute it once.
+    def _stop_prefilling(self, request_id: str) -> None:
+        assert self._prefilling is not None
+        if request_id in self._prefilling:
+            self._prefilling.remove(request_id)
+            self._prefilling_version += 1
+
     def _ask_shared_checkpoints(self) -> None:
         """Before this step's allocations: a running request still prefilling a prefix that
         a waiting request shares saves a state checkpoint where the waiting one leaves it.
-        Only the requests that could be admitted soon are looked at, so a long queue costs
-        little per step."""
+        Only the requests that could be admitted soon are looked at, and each again only
+        when the prefilling requests change, so a long queue costs little per step."""
+        assert self._prefilling is not None
+        version = self._prefilling_version
         for req in islice(self.waiting, self.config.max_num_seqs):
-            length, owners = self._shared_match(req)
+            found = self._matches.get(req.request_id)
+            if found is None or found[0] != version:
+                length = self._prefilling.longest_match(req)
+                owners = self._prefilling.holders(req, length) if length else []
+                found = (version, length, owners)
+                self._matches[req.request_id] = found
+            _, length, owners = found
             for rid in owners:
                 owner = self.requests[rid]
                 asked = self._asked.setdefault(rid, set())
@@ -295,14 +303,13 @@ class Scheduler:
                     self.kv.want_checkpoint(owner, length)
 
     def _checkpoint_where_waiting_leave(self, req: Request, computed: int) -> None:
-        """req is admitted while waiting requests share a prefix of its prompt: it saves a
-        state checkpoint where they leave it, for them to hit."""
-        assert self._shared is not None
-        length, _ = self._shared.longest_match(
-            req, lambda rid: rid != req.request_id and not self._running(rid)
-            and rid not in self.loading)
-        if length > computed:
-            self._asked.setdefault(req.request_id, set()).add(length)
+        """req is being admitted while waiting requests share a prefix of its prompt: it
+        saves a state checkpoint where they leave it, for them to hit."""
+        assert self._waiting_prompts is not None
+        length = self._waiting_prompts.longest_match(req)
+        asked = self._asked.setdefault(req.request_id, set())
+        if length > computed and length not in asked:
+            asked.add(length)
             self.kv.want_checkpoint(req, length)
 
     def _preempted_alone(self, req: Request, target: int) -> None:
@@ -336,8 +343,10 @@ class Scheduler:
                                    if c.request_id != req.request_id]
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        self._running_version += 1
-        self._asked.pop(req.request_id, None)  # its checkpoints are forgotten with its blocks
+        if self._prefilling is not None and self._waiting_prompts is not None:
+            self._stop_prefilling(req.request_id)
+            self._waiting_prompts.add(req)
+            self._asked.pop(req.request_id, None)  # forgotten with its blocks
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(req, front=True)
@@ -369,13 +378,12 @@ class Scheduler:
         the step that was to compute their scheduled tokens failed, so the blocks of those
         tokens hold no valid KV and must not stay in the prefix cache."""
         for req in requests:
-            was_running = req.status == RequestStatus.RUNNING
             req.status = status
-            if self._shared is not None:
-                self._shared.remove(req.request_id)
+            if self._prefilling is not None and self._waiting_prompts is not None:
+                self._stop_prefilling(req.request_id)
+                self._waiting_prompts.remove(req.request_id)
                 self._matches.pop(req.request_id, None)
                 self._asked.pop(req.request_id, None)
-                self._running_version += was_running
             if req in self.running:
                 self.running.remove(req)
             elif req in self.waiting:
