@@ -27,6 +27,12 @@ if TYPE_CHECKING:
     from hybridkv.sched.structured.manager import StepGrammars
 
 
+# The most state checkpoints one request saves for other requests' prompts that leave its
+# own (each is a state block while it is written): prompts arriving together usually part
+# at one point (the end of a shared system prompt).
+SHARED_CHECKPOINTS = 4
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
@@ -298,7 +304,8 @@ class Scheduler:
             for rid in owners:
                 owner = self.requests[rid]
                 asked = self._asked.setdefault(rid, set())
-                if owner.num_computed_tokens < length and length not in asked:
+                if (owner.num_computed_tokens < length and length not in asked
+                        and len(asked) < SHARED_CHECKPOINTS):
                     asked.add(length)
                     self.kv.want_checkpoint(owner, length)
 
@@ -308,7 +315,7 @@ class Scheduler:
         assert self._waiting_prompts is not None
         length = self._waiting_prompts.longest_match(req)
         asked = self._asked.setdefault(req.request_id, set())
-        if length > computed and length not in asked:
+        if length > computed and length not in asked and len(asked) < SHARED_CHECKPOINTS:
             asked.add(length)
             self.kv.want_checkpoint(req, length)
 
