@@ -271,9 +271,39 @@ static inline __m256i nibbles32(const uint8_t *q) { /* 16 bytes: low nibbles, hi
 }
 #define HAVE_FAST_DEQUANT 1
 
+/* Q4_K / Q5_K: the 32 bytes v (at q + 16 s) hold sub-block s's codes in their low nibbles
+   and sub-block s + 1's in their high ones; Q5_K (five) adds bit s / s + 1 of each of the
+   32 high-bit bytes hv as 0x10. */
+static inline void k_subblock_codes(__m256i v, __m256i hv, int s, int five, __m256i *lo,
+                                    __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    *lo = _mm256_and_si256(v, m4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (five) {
+        const __m256i b0 = _mm256_set1_epi8((char)(1 << s));
+        const __m256i b1 = _mm256_set1_epi8((char)(1 << (s + 1)));
+        const __m256i x10 = _mm256_set1_epi8(0x10);
+        *lo = _mm256_or_si256(*lo, _mm256_and_si256(
+            _mm256_cmpeq_epi8(_mm256_and_si256(hv, b0), b0), x10));
+        *hi = _mm256_or_si256(*hi, _mm256_and_si256(
+            _mm256_cmpeq_epi8(_mm256_and_si256(hv, b1), b1), x10));
+    }
+}
+
+/* Q6_K: the codes (0..63) of values 128 h + 32 s .. + 31 of a block whose low bits are at
+   ql and whose high-bit bytes qh + 32 h are hb. */
+static inline __m256i q6k_codes(const uint8_t *ql, __m256i hb, int h, int s) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256i l = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32 * (s & 1)));
+    if (s >> 1) l = _mm256_srli_epi16(l, 4);
+    l = _mm256_and_si256(l, m4);
+    __m256i hi = _mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * s));
+    hi = _mm256_slli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(3)), 4);
+    return _mm256_or_si256(l, hi);
+}
+
 /* The block types through AVX2; returns 0 for a type left to the portable code. */
 static int dequant_blocks_avx2(int type, const uint8_t *p, int64_t nb, float *out) {
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
     switch (type) {
     case T_Q4_0:
         for (int64_t b = 0; b < nb; b++, p += 18, out += 32) {
@@ -328,17 +358,8 @@ static int dequant_blocks_avx2(int type, const uint8_t *p, int64_t nb, float *ou
                 scale_min_k4(sc, s, &s0, &m0);
                 scale_min_k4(sc, s + 1, &s1, &m1);
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 * s));
-                __m256i lo = _mm256_and_si256(v, m4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                if (five) {
-                    const __m256i b0 = _mm256_set1_epi8((char)(1 << s));
-                    const __m256i b1 = _mm256_set1_epi8((char)(1 << (s + 1)));
-                    const __m256i x10 = _mm256_set1_epi8(0x10);
-                    lo = _mm256_or_si256(lo, _mm256_and_si256(
-                        _mm256_cmpeq_epi8(_mm256_and_si256(hv, b0), b0), x10));
-                    hi = _mm256_or_si256(hi, _mm256_and_si256(
-                        _mm256_cmpeq_epi8(_mm256_and_si256(hv, b1), b1), x10));
-                }
+                __m256i lo, hi;
+                k_subblock_codes(v, hv, s, five, &lo, &hi);
                 const __m256 d0 = _mm256_set1_ps(d * s0), o0 = _mm256_set1_ps(-dmin * m0);
                 const __m256 d1 = _mm256_set1_ps(d * s1), o1 = _mm256_set1_ps(-dmin * m1);
                 cvt32(out + 32 * s, lo, d0, o0, d0, o0);
@@ -355,14 +376,10 @@ static int dequant_blocks_avx2(int type, const uint8_t *p, int64_t nb, float *ou
             for (int h = 0; h < 2; h++) {
                 const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
                 for (int s = 0; s < 4; s++) {
-                    __m256i l = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32 * (s & 1)));
-                    if (s >> 1) l = _mm256_srli_epi16(l, 4);
-                    l = _mm256_and_si256(l, m4);
-                    __m256i hi = _mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * s));
-                    hi = _mm256_slli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(3)), 4);
+                    const __m256i codes = q6k_codes(ql, hb, h, s);
                     const float da = d * (float)sc[8 * h + 2 * s];
                     const float db = d * (float)sc[8 * h + 2 * s + 1];
-                    cvt32(out + 128 * h + 32 * s, _mm256_or_si256(l, hi),
+                    cvt32(out + 128 * h + 32 * s, codes,
                           _mm256_set1_ps(da), _mm256_set1_ps(-32.f * da),
                           _mm256_set1_ps(db), _mm256_set1_ps(-32.f * db));
                 }
@@ -582,17 +599,8 @@ static inline __attribute__((always_inline)) void fused_row(
                 scale_min_k4(sc, s, &s0, &mins[s]);
                 scale_min_k4(sc, s + 1, &s1, &mins[s + 1]);
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 * s));
-                __m256i lo = _mm256_and_si256(v, m4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                if (five) {
-                    const __m256i b0 = _mm256_set1_epi8((char)(1 << s));
-                    const __m256i b1 = _mm256_set1_epi8((char)(1 << (s + 1)));
-                    const __m256i x10 = _mm256_set1_epi8(0x10);
-                    lo = _mm256_or_si256(lo, _mm256_and_si256(
-                        _mm256_cmpeq_epi8(_mm256_and_si256(hv, b0), b0), x10));
-                    hi = _mm256_or_si256(hi, _mm256_and_si256(
-                        _mm256_cmpeq_epi8(_mm256_and_si256(hv, b1), b1), x10));
-                }
+                __m256i lo, hi;
+                k_subblock_codes(v, hv, s, five, &lo, &hi);
                 const __m256 d0 = _mm256_set1_ps(d * s0), d1 = _mm256_set1_ps(d * s1);
                 bytes_to_floats(lo, f);
                 accum32(f, x + k + 32 * s, ldx, d0, d0, acc, NX);
@@ -987,17 +995,8 @@ static inline __attribute__((always_inline)) void int_row(
             for (int i = 0; i < NX; i++) sb[i] = sb2[i] = _mm256_setzero_ps();
             for (int s = 0; s < 8; s += 2) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 * s));
-                __m256i lo = _mm256_and_si256(v, m4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                if (five) {
-                    const __m256i b0 = _mm256_set1_epi8((char)(1 << s));
-                    const __m256i b1 = _mm256_set1_epi8((char)(1 << (s + 1)));
-                    const __m256i x10 = _mm256_set1_epi8(0x10);
-                    lo = _mm256_or_si256(lo, _mm256_and_si256(
-                        _mm256_cmpeq_epi8(_mm256_and_si256(hv, b0), b0), x10));
-                    hi = _mm256_or_si256(hi, _mm256_and_si256(
-                        _mm256_cmpeq_epi8(_mm256_and_si256(hv, b1), b1), x10));
-                }
+                __m256i lo, hi;
+                k_subblock_codes(v, hv, s, five, &lo, &hi);
                 const __m256i s0 = _mm256_set1_epi16(scs[s]), s1 = _mm256_set1_epi16(scs[s + 1]);
                 for (int i = 0; i < NX; i++) {
                     const int8_t *xi = xq + i * cols + k + 32 * s;
@@ -1323,7 +1322,6 @@ static inline void transpose8(const float *src, int64_t cols, float *dst) {
    codes here. */
 static int row_codes_avx2(int type, const uint8_t *p, int64_t nb, uint8_t *q, float *d,
                           float *o) {
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
     switch (type) {
     case T_Q4_0:
     case T_Q4_1:
@@ -1372,17 +1370,8 @@ static int row_codes_avx2(int type, const uint8_t *p, int64_t nb, uint8_t *q, fl
                                     : _mm256_setzero_si256();
             for (int s = 0; s < 8; s += 2) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 16 * s));
-                __m256i lo = _mm256_and_si256(v, m4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                if (five) {
-                    const __m256i b0 = _mm256_set1_epi8((char)(1 << s));
-                    const __m256i b1 = _mm256_set1_epi8((char)(1 << (s + 1)));
-                    const __m256i x10 = _mm256_set1_epi8(0x10);
-                    lo = _mm256_or_si256(lo, _mm256_and_si256(
-                        _mm256_cmpeq_epi8(_mm256_and_si256(hv, b0), b0), x10));
-                    hi = _mm256_or_si256(hi, _mm256_and_si256(
-                        _mm256_cmpeq_epi8(_mm256_and_si256(hv, b1), b1), x10));
-                }
+                __m256i lo, hi;
+                k_subblock_codes(v, hv, s, five, &lo, &hi);
                 _mm256_storeu_si256((__m256i *)(q + 32 * s), lo);
                 _mm256_storeu_si256((__m256i *)(q + 32 * s + 32), hi);
                 for (int h = 0; h < 2; h++) {
@@ -1406,12 +1395,8 @@ static int row_codes_avx2(int type, const uint8_t *p, int64_t nb, uint8_t *q, fl
             for (int h = 0; h < 2; h++) {
                 const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
                 for (int s = 0; s < 4; s++) {
-                    __m256i l = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32 * (s & 1)));
-                    if (s >> 1) l = _mm256_srli_epi16(l, 4);
-                    l = _mm256_and_si256(l, m4);
-                    __m256i hi = _mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * s));
-                    hi = _mm256_slli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(3)), 4);
-                    _mm256_storeu_si256((__m256i *)(q + 128 * h + 32 * s), _mm256_or_si256(l, hi));
+                    const __m256i codes = q6k_codes(ql, hb, h, s);
+                    _mm256_storeu_si256((__m256i *)(q + 128 * h + 32 * s), codes);
                     for (int e = 0; e < 2; e++) {
                         /* 16-value stretch 8 h + 2 s + e, its own scale */
                         const float dv = dd * (float)sc[8 * h + 2 * s + e];
