@@ -79,3 +79,34 @@ def test_an_unwritable_cache_is_a_build_error_that_auto_falls_back_from(tmp_path
     assert type(get_backend("auto", "cpu")) is TorchReferenceBackend
     with pytest.raises(ValueError, match="attention backend 'cpu' needs its C kernel"):
         get_backend("cpu", "cpu")
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_ssd_decode_updates_the_states_in_place_as_the_recurrence_does(groups):
+    """One Mamba-2 decode step on rows scattered over pages and slots (the others left
+    untouched): state * exp(dt A) + dt x (outer) B and y = state . C, B and C per group
+    of heads."""
+    torch.manual_seed(groups)
+    pages, slots, heads, head_dim, size = 3, 4, 4, 8, 16
+    states = torch.randn(pages, slots, heads, head_dim, size)
+    before = states.clone()
+    page = torch.tensor([2, 0, 1])
+    slot = torch.tensor([1, 3, 1])
+    rows = len(page)
+    decay = torch.rand(rows, heads)
+    dtx = torch.randn(rows, heads, head_dim)
+    b = torch.randn(rows, groups, size)
+    c = torch.randn(rows, groups, size)
+    per = heads // groups
+    bh, ch = b.repeat_interleave(per, 1), c.repeat_interleave(per, 1)  # [R, H, N]
+    expected = before[page, slot] * decay[:, :, None, None] + dtx[..., None] * bh[:, :, None]
+    y = cpu_ops.ssd_decode(states, page, slot, decay, dtx, b, c)
+    torch.testing.assert_close(states[page, slot], expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(y, torch.einsum("rhpn,rhn->rhp", expected, ch),
+                               rtol=1e-5, atol=1e-5)
+    untouched = torch.ones(pages, slots, dtype=torch.bool)
+    untouched[page, slot] = False
+    assert torch.equal(states[untouched], before[untouched])
+    assert cpu_ops.ssd_decode_takes(states)
+    assert not cpu_ops.ssd_decode_takes(states.transpose(3, 4))
+    assert not cpu_ops.ssd_decode_takes(states.double())

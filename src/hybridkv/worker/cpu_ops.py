@@ -25,6 +25,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     "hkv_rope_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64],
     "hkv_write_kv_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR,
                          _I64, _I64, _I64, _I64, _I64, _I64, _I64],
+    "hkv_ssd_decode_f32": [_PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
+                           _PTR],
 }
 _lib: ctypes.CDLL | None = None
 
@@ -85,6 +87,32 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
         k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
         k.shape[0], k.shape[1], k.shape[2], slot_mapping.data_ptr(), kv_cache.data_ptr(),
         cs[0], cs[1], cs[2], cs[3], cs[4], block_size, blocks_per_page)
+
+
+def ssd_decode_takes(states: torch.Tensor) -> bool:
+    """Whether ssd_decode takes these states: float32 on the CPU, [pages, slots, H, P, N]
+    with each (page, slot) state contiguous."""
+    if states.dtype != torch.float32 or states.device.type != "cpu" or states.dim() != 5:
+        return False
+    _, _, heads, head_dim, size = states.shape
+    return states.stride()[2:] == (head_dim * size, size, 1)
+
+
+def ssd_decode(states: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor,
+               decay: torch.Tensor, dtx: torch.Tensor, b: torch.Tensor, c: torch.Tensor
+               ) -> torch.Tensor:
+    """One Mamba-2 decode step in place on the states of rows (pages[r], slots[r]) of
+    `states` [pages, slots, H, P, N] (ssd_decode_takes): state = state * decay[r, h] +
+    dtx[r, h, p] b[r, g] (g: head h's group of B/C), returns y [R, H, P] = state . c[r, g].
+    decay [R, H], dtx [R, H, P], b / c [R, G, N]: float32, contiguous."""
+    rows, heads, head_dim = dtx.shape
+    offsets = (pages * states.stride(0) + slots * states.stride(1)).to(torch.int64)
+    y = torch.empty((rows, heads, head_dim), dtype=torch.float32)
+    library().hkv_ssd_decode_f32(
+        states.data_ptr(), offsets.data_ptr(), rows, heads, head_dim, states.shape[4],
+        b.shape[1], decay.data_ptr(), dtx.data_ptr(), b.data_ptr(), c.data_ptr(),
+        y.data_ptr())
+    return y
 
 
 def use_cpu_ops(model: nn.Module) -> None:

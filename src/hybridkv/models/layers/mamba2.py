@@ -21,6 +21,7 @@ from torch import nn
 from hybridkv.models.layers.norms import GatedRMSNorm
 from hybridkv.models.layers.ssd import ssd_scan
 from hybridkv.models.layers.state import Saves, causal_conv, request_states
+from hybridkv.worker import cpu_ops
 from hybridkv.worker.forward_context import ForwardContext
 from hybridkv.worker.state import StateMetadata
 
@@ -29,6 +30,7 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, cfg: Mapping[str, Any], layer: int) -> None:
         super().__init__()
         self.name = f"model.layers.{layer}.mamba"
+        self.native_ops = False  # a decode step's state update in one C call (cpu_ops.py)
         hidden = int(cfg["hidden_size"])
         self.num_heads = int(cfg.get("mamba_num_heads") or cfg["mamba_n_heads"])
         self.head_dim = int(cfg.get("mamba_head_dim") or cfg["mamba_d_head"])
@@ -104,18 +106,29 @@ class Mamba2Mixer(nn.Module):
             conv = conv + self.conv1d.bias
         x, b, c = nn.functional.silu(conv).split(
             [self.inner, self.n_groups * self.state_size, self.n_groups * self.state_size], -1)
-        num = x.shape[0]
-        per_group = self.num_heads // self.n_groups
+        num, groups = x.shape[0], self.n_groups
+        per_group = self.num_heads // groups
         dt = nn.functional.softplus(dt.float() + self.dt_bias.float())  # [R, heads]
         x = x.float().view(num, self.num_heads, self.head_dim)
-        b = b.float().view(num, self.n_groups, self.state_size).repeat_interleave(per_group, 1)
-        c = c.float().view(num, self.n_groups, self.state_size).repeat_interleave(per_group, 1)
+        b = b.float().view(num, groups, 1, 1, self.state_size)
+        c = c.float().view(num, groups, 1, self.state_size, 1)
         a = -torch.exp(self.A_log.float())
-        state = ssm_states[pages, slots].float()  # [R, heads, head_dim, state]
-        state = state * torch.exp(dt * a)[:, :, None, None] + \
-            (dt[:, :, None] * x)[..., None] * b[:, :, None, :]
+        if self.native_ops and cpu_ops.ssd_decode_takes(ssm_states):
+            y = cpu_ops.ssd_decode(ssm_states, pages, slots, torch.exp(dt * a).contiguous(),
+                                   (dt[:, :, None] * x).contiguous(),
+                                   b.reshape(num, groups, self.state_size).contiguous(),
+                                   c.reshape(num, groups, self.state_size).contiguous())
+            return (y + x * self.D.float()[None, :, None]).flatten(1).to(xbc.dtype)
+        # The gathered states [R, heads, head_dim, state] are a copy: updated in place there
+        # (an outer product broadcast into addcmul_, not materialised), then scattered
+        # back. B and C broadcast over their group's heads.
+        state = ssm_states[pages, slots].float()
+        state.mul_(torch.exp(dt * a)[:, :, None, None])
+        grouped = state.view(num, groups, per_group, self.head_dim, self.state_size)
+        grouped.addcmul_((dt[:, :, None] * x).view(num, groups, per_group, self.head_dim, 1), b)
         ssm_states[pages, slots] = state.to(ssm_states.dtype)
-        out = torch.einsum("rhpn,rhn->rhp", state, c) + x * self.D.float()[None, :, None]
+        out = torch.matmul(grouped, c).view(num, self.num_heads, self.head_dim)  # state . C
+        out = out + x * self.D.float()[None, :, None]
         return out.flatten(1).to(xbc.dtype)
 
     def _request(self, xbc: torch.Tensor, dt: torch.Tensor, conv_state: torch.Tensor,

@@ -69,3 +69,37 @@ void hkv_write_kv_f32(const float *k, int64_t k_stride0, int64_t k_stride1, cons
         }
     }
 }
+
+/* One Mamba-2 decode step of `rows` requests, each state updated in place:
+       state[h, p, :] = state[h, p, :] * decay[r, h] + dtx[r, h, p] * b[r, g, :]
+       y[r, h, p]     = state[h, p, :] . c[r, g, :]          (g: head h's group)
+   Row r's state [heads, head_dim, state_size] is contiguous at states + offsets[r]. One
+   pass reads and writes each state once; torch's formula gathers the rows' states, makes
+   an outer-product temporary the size of a state, scatters them back and reads them again
+   for the output. */
+void hkv_ssd_decode_f32(float *states, const int64_t *offsets, int64_t rows, int64_t heads,
+                        int64_t head_dim, int64_t state_size, int64_t groups,
+                        const float *decay, const float *dtx, const float *b, const float *c,
+                        float *y) {
+    const int64_t per = heads / groups;
+    for (int64_t r = 0; r < rows; r++) {
+        float *st = states + offsets[r];
+        for (int64_t h = 0; h < heads; h++) {
+            const float dcy = decay[r * heads + h];
+            const float *bg = b + (r * groups + h / per) * state_size;
+            const float *cg = c + (r * groups + h / per) * state_size;
+            for (int64_t p = 0; p < head_dim; p++) {
+                float *row = st + (h * head_dim + p) * state_size;
+                const float u = dtx[(r * heads + h) * head_dim + p];
+                float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t n = 0; n < state_size; n++) {
+                    const float v = row[n] * dcy + u * bg[n];
+                    row[n] = v;
+                    acc += v * cg[n];
+                }
+                y[(r * heads + h) * head_dim + p] = acc;
+            }
+        }
+    }
+}
