@@ -1,12 +1,13 @@
 """Which requests' prompts share a block-aligned prefix, by block hash.
 
 When several requests with one long common prefix arrive together (a new system prompt,
-N users at once), the prefix cache cannot help the ones admitted while the first is still
-prefilling it: they would compute the same prefix again, side by side. The scheduler asks
-this index how far a waiting request's prompt matches a prompt being prefilled, and holds
-the waiting request until that prefix is computed (then it hits the cache). A state layer
-(Mamba) can only hit at a checkpoint, so the prefilling request is asked to save one where
-the other's prompt leaves the shared prefix.
+N users at once), the first one prefills it and the others are admitted once it has (the
+running requests take each step's token budget first). Attention groups then hit its
+blocks, cached as they were computed; a state group (Mamba) hits only at a checkpoint,
+and the first request's prompt end lies past where the others' prompts leave it. The
+scheduler asks this index how far a waiting request's prompt matches a prompt being
+prefilled (or, when a request is admitted, the other waiting prompts), and has the
+prefilling request save a state checkpoint there.
 
 A block hash covers its whole prefix, so a prompt that has block i's hash has every block
 before it too: the longest match is found by bisection.

@@ -48,7 +48,7 @@ class MambaManager(SingleTypeManager):
         self.checkpoint_branch_points = True
         self.branch_points: dict[str, int] = {}  # tokens matched before diverging
         # Where other requests' prompts leave this one's while it prefills (see
-        # kv/shared_prompts.py): they wait for a checkpoint there.
+        # kv/shared_prompts.py): they hit a checkpoint there once admitted.
         self.shared_points: dict[str, set[int]] = {}
         # Hashes of blocks computed lately, when no other group tells where requests match
         # (None otherwise); per request, how many of its blocks are in there.
