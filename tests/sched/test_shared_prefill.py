@@ -133,7 +133,11 @@ def test_longest_match_is_the_longest_shared_whole_block_prefix(prompts, data):
         index.add(r)
     removed = data.draw(st.sets(st.sampled_from([r.request_id for r in requests])))
     for rid in removed:
+        before = index.version
         index.remove(rid)
+        assert index.version != before  # the scheduler's cached matches go stale
+        index.remove(rid)
+        assert index.version == before + 1  # nothing left to remove: nothing changed
     for r in requests:
         # Oracle: over the other prompts still indexed, the longest common prefix in whole
         # blocks of both prompts, short of r's last token; the prompts that share it.

@@ -25,6 +25,7 @@ class SharedPrompts:
     def __init__(self) -> None:
         self._holders: dict[BlockHash, list[str]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
+        self.version = 0  # changes whenever a request is added or removed
 
     def __len__(self) -> int:
         return len(self._hashes)
@@ -39,11 +40,15 @@ class SharedPrompts:
         full = request.num_prompt_tokens // request.hash_block_size
         hashes = request.block_hashes[:full]
         self._hashes[rid] = hashes
+        self.version += 1
         for h in hashes:
             self._holders.setdefault(h, []).append(rid)
 
     def remove(self, request_id: str) -> None:
-        for h in self._hashes.pop(request_id, ()):
+        if request_id not in self._hashes:
+            return
+        self.version += 1
+        for h in self._hashes.pop(request_id):
             holders = self._holders[h]
             holders.remove(request_id)
             if not holders:

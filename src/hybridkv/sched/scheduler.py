@@ -123,7 +123,6 @@ class Scheduler:
         on = kv_cache_manager.saves_branch_points
         self._prefilling = SharedPrompts() if on else None
         self._waiting_prompts = SharedPrompts() if on else None
-        self._prefilling_version = 0  # changes whenever _prefilling does
         # Per waiting request: (prefilling version, shared prefix tokens, the prefilling
         # requests whose prompts have it), as last computed.
         self._matches: dict[str, tuple[int, int, list[str]]] = {}
@@ -201,7 +200,7 @@ class Scheduler:
             budget -= num_new
             if (self._prefilling is not None and req.request_id in self._prefilling
                     and req.num_computed_tokens + num_new >= req.num_prompt_tokens):
-                self._stop_prefilling(req.request_id)  # its prompt is computed this step
+                self._prefilling.remove(req.request_id)  # its prompt is computed this step
             sent = self._num_sent_tokens[req.request_id]
             out.cached_requests.append(CachedRequestData(
                 req.request_id, req.token_ids[sent:], new_blocks, req.num_computed_tokens))
@@ -255,7 +254,6 @@ class Scheduler:
                 self._matches.pop(req.request_id, None)
                 if hit.num_computed_tokens + num_new < req.num_prompt_tokens:
                     self._prefilling.add(req)
-                    self._prefilling_version += 1
             req.num_computed_tokens = hit.num_computed_tokens
             by_tier = (connector.request_admitted(req, hit.num_computed_tokens)
                        if connector is not None else {"device": hit.num_computed_tokens})
@@ -280,19 +278,13 @@ class Scheduler:
     # prefilling request saves one where a waiting request's prompt leaves its own (a
     # branch point of a prefix still being computed), which is how requests arriving
     # together with one long prefix (a system prompt, N users) compute it once.
-    def _stop_prefilling(self, request_id: str) -> None:
-        assert self._prefilling is not None
-        if request_id in self._prefilling:
-            self._prefilling.remove(request_id)
-            self._prefilling_version += 1
-
     def _ask_shared_checkpoints(self) -> None:
         """Before this step's allocations: a running request still prefilling a prefix that
         a waiting request shares saves a state checkpoint where the waiting one leaves it.
         Only the requests that could be admitted soon are looked at, and each again only
         when the prefilling requests change, so a long queue costs little per step."""
         assert self._prefilling is not None
-        version = self._prefilling_version
+        version = self._prefilling.version
         for req in islice(self.waiting, self.config.max_num_seqs):
             found = self._matches.get(req.request_id)
             if found is None or found[0] != version:
@@ -303,21 +295,24 @@ class Scheduler:
             _, length, owners = found
             for rid in owners:
                 owner = self.requests[rid]
-                asked = self._asked.setdefault(rid, set())
-                if (owner.num_computed_tokens < length and length not in asked
-                        and len(asked) < SHARED_CHECKPOINTS):
-                    asked.add(length)
-                    self.kv.want_checkpoint(owner, length)
+                if owner.num_computed_tokens < length:
+                    self._ask_checkpoint(owner, length)
 
     def _checkpoint_where_waiting_leave(self, req: Request, computed: int) -> None:
         """req is being admitted while waiting requests share a prefix of its prompt: it
         saves a state checkpoint where they leave it, for them to hit."""
         assert self._waiting_prompts is not None
         length = self._waiting_prompts.longest_match(req)
+        if length > computed:
+            self._ask_checkpoint(req, length)
+
+    def _ask_checkpoint(self, req: Request, position: int) -> None:
+        """req saves a state checkpoint at `position` for another prompt, once per
+        position and at most SHARED_CHECKPOINTS of them."""
         asked = self._asked.setdefault(req.request_id, set())
-        if length > computed and length not in asked and len(asked) < SHARED_CHECKPOINTS:
-            asked.add(length)
-            self.kv.want_checkpoint(req, length)
+        if position not in asked and len(asked) < SHARED_CHECKPOINTS:
+            asked.add(position)
+            self.kv.want_checkpoint(req, position)
 
     def _preempted_alone(self, req: Request, target: int) -> None:
         """A request that cannot grow to `target` tokens with nothing else running cannot do
@@ -351,7 +346,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         if self._prefilling is not None and self._waiting_prompts is not None:
-            self._stop_prefilling(req.request_id)
+            self._prefilling.remove(req.request_id)
             self._waiting_prompts.add(req)
             self._asked.pop(req.request_id, None)  # forgotten with its blocks
         req.num_preemptions += 1
@@ -387,7 +382,7 @@ class Scheduler:
         for req in requests:
             req.status = status
             if self._prefilling is not None and self._waiting_prompts is not None:
-                self._stop_prefilling(req.request_id)
+                self._prefilling.remove(req.request_id)
                 self._waiting_prompts.remove(req.request_id)
                 self._matches.pop(req.request_id, None)
                 self._asked.pop(req.request_id, None)

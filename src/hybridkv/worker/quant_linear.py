@@ -267,8 +267,7 @@ def _product(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
         lib = library()
     if x.stride(1) != 1:
         x = x.contiguous()
-    if (PACKED_ROWS[0] <= m < PACKED_ROWS[1] and (FLOAT_ACTIVATIONS or m > int8_rows(qtype))
-            and _packed(x, data, qtype, rows, cols, out)):
+    if _takes_packed(m, qtype) and _packed(x, data, qtype, rows, cols, out):
         return out
     if m >= LARGE_M:
         # Prefill: dequantize a chunk of rows at a time (16 MiB of floats, L3-resident) and
@@ -289,6 +288,12 @@ def _product(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
     if rc != 0:
         raise MemoryError("the quantized matmul could not allocate its panel buffers")
     return out
+
+
+def _takes_packed(m: int, qtype: int) -> bool:
+    """Whether m rows of x take the packed float tiles: PACKED_ROWS, unless 8-bit
+    activations are on and the integer kernel takes that many rows."""
+    return PACKED_ROWS[0] <= m < PACKED_ROWS[1] and (FLOAT_ACTIVATIONS or m > int8_rows(qtype))
 
 
 def _packed_linear() -> int | None:
@@ -338,9 +343,8 @@ def gated_matmul(x: torch.Tensor, weight: QuantizedWeight, mode: int) -> torch.T
     in the float kernel's registers. None where the plain product runs these rows (outside
     PACKED_ROWS, 8-bit activations, no C kernels): the caller then applies the activation."""
     m = x.shape[0]
-    if (not PACKED_ROWS[0] <= m < PACKED_ROWS[1] or weight.rows % 2 or x.dim() != 2
-            or x.dtype != torch.float32 or x.device.type != "cpu" or not available()
-            or not (FLOAT_ACTIVATIONS or m > int8_rows(weight.qtype))):
+    if (weight.rows % 2 or x.dim() != 2 or x.dtype != torch.float32
+            or x.device.type != "cpu" or not available() or not _takes_packed(m, weight.qtype)):
         return None
     if x.stride(1) != 1:
         x = x.contiguous()
