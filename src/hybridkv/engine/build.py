@@ -27,6 +27,7 @@ from hybridkv.models.gguf_config import config_from_gguf
 from hybridkv.models.gguf_file import read_header
 from hybridkv.models.layer_mix import kv_layout_from_config
 from hybridkv.models.loader import LoadedModel, load_gguf_model, load_model, read_config
+from hybridkv.models.native_decode import attach as attach_native_decode
 from hybridkv.models.sources import resolve_model
 from hybridkv.sched.scheduler import Scheduler, SchedulerOutput
 from hybridkv.worker.cpu_attention import choose_backend
@@ -34,6 +35,7 @@ from hybridkv.worker.cpu_malloc import keep_buffers_in_heap, release_free_memory
 from hybridkv.worker.cpu_ops import use_cpu_ops
 from hybridkv.worker.kv_cache import torch_dtype
 from hybridkv.worker.model_runner import ModelRunner, RunnerOutput
+from hybridkv.worker.quantized import QuantizedParts
 from hybridkv.worker.threads import set_intra_op_threads
 
 logger = logging.getLogger(__name__)
@@ -182,6 +184,10 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
     text_cfg = hf_config.get("text_config") or hf_config
     if choose_backend(config.attention_backend, device) == "cpu":
         use_cpu_ops(loaded.model)  # the C norms and RoPE that go with the C attention
+        if any(isinstance(m, QuantizedParts) for m in loaded.model.modules()):
+            unfit = attach_native_decode(loaded.model)
+            if unfit is not None:
+                logger.info("decode steps run layer by layer: %s", unfit)
     max_pos = int(text_cfg.get("max_position_embeddings") or 8192)
     max_model_len = config.max_model_len or min(max_pos, 8192)
     if max_model_len > max_pos and not config.allow_long_max_model_len:

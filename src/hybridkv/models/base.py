@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -98,6 +98,11 @@ class CausalLM(nn.Module):
         h = self.embed(input_ids)
         per_layer = self.per_layer_inputs(input_ids, h)
         h = self.enter_layers(h)
+        native = self.native_decode
+        if native is not None and native.takes(h, ctx):
+            # A decode step on the common quantized layer: all layers in one C call.
+            h = native(h, positions, ctx)
+            return getattr(self.model, self.norm_name)(h)  # type: ignore[no-any-return]
         for i, layer in enumerate(self.model.layers):  # type: ignore[arg-type]
             if i == self.kv_shared_from:
                 # No layer from here on writes KV: with fast prefill only the tokens whose
@@ -122,6 +127,8 @@ class CausalLM(nn.Module):
     # head's bytes, plus an eighth for its bounds' norms).
     HEAD_BOUND_WEIGHTS = 1 << 24
     head_bound: HeadBound | None = None
+    # The layers as one C call for decode steps (models/native_decode.py), where they fit.
+    native_decode: Any = None
 
     def fuse_linears(self, kernel: str) -> None:
         """The LM head on `kernel` (see worker/linear.py); a tied head only on the CPU kernels

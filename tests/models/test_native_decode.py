@@ -1,0 +1,91 @@
+"""Decode steps through the layers' one C call (models/native_decode.py) against the same
+model run operator by operator: the same tokens and logits, on GGUF files of tiny random
+Llama and Gemma 3 models (sliding windows shorter than the prompts, several rows of
+different lengths at once), and the one-line reason where a model does not fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from hybridkv import LLM, SamplingParams
+from hybridkv.models import native_decode
+from tests.hooks import record_logits
+from tests.models.gguf_writer import write_gguf
+from tests.models.tiny import build_tiny_model
+
+pytest.importorskip("gguf")
+
+WIDE = dict(hidden_size=256, intermediate_size=512, head_dim=64, num_attention_heads=4,
+            num_key_value_heads=2)
+TYPES = {"token_embd": T.Q8_0, "attn_q": T.Q4_K, "attn_k": T.Q5_0, "attn_v": T.Q6_K,
+         "attn_output": T.Q5_K, "ffn_gate": T.Q4_0, "ffn_up": T.Q4_1, "ffn_down": T.Q5_1,
+         "output": T.Q8_0}
+CASES = {
+    "llama": ("llama", {}),
+    # q/k norms, sandwich norms, GELU-tanh, windows of 16 under 30-token prompts.
+    "gemma3": ("gemma3", dict(head_dim=256, num_attention_heads=2, num_key_value_heads=1,
+                              query_pre_attn_scalar=256, tie_word_embeddings=True)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def gguf_file(request, tmp_path_factory):
+    arch, overrides = CASES[request.param]
+    root = tmp_path_factory.mktemp(f"native_{request.param}")
+    model_dir = build_tiny_model(arch, root / "hf", **{**WIDE, **overrides})
+    return write_gguf(model_dir, root / "model.gguf", TYPES)
+
+
+def _model(llm):
+    return llm.engine.runner.model
+
+
+def _generate(llm, prompts, native):
+    """(tokens, logits) per prompt, with the model's native decode on or off."""
+    model = _model(llm)
+    kept = model.native_decode
+    model.native_decode = kept if native else None
+    try:
+        logits = record_logits(llm)
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12),
+                            use_tqdm=False)
+    finally:
+        model.native_decode = kept
+    return [o.token_ids for o in outs], [torch.stack(logits[o.request_id]) for o in outs]
+
+
+def test_native_decode_equals_the_operator_path(gguf_file, monkeypatch):
+    llm = LLM(str(gguf_file), max_model_len=128, kv_cache_memory="8MiB")
+    assert isinstance(_model(llm).native_decode, native_decode.NativeDecode)
+    calls: list[int] = []
+    run = native_decode.NativeDecode.__call__
+
+    def counted(self, h, positions, ctx):
+        calls.append(h.shape[0])
+        return run(self, h, positions, ctx)
+
+    monkeypatch.setattr(native_decode.NativeDecode, "__call__", counted)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, 250, (n,), generator=gen).tolist() for n in (30, 3, 17, 24)]
+    tokens, logits = _generate(llm, prompts, native=True)
+    # Every step after the prompts is a decode, of up to 4 rows.
+    assert calls and max(calls) == 4
+    seen = len(calls)
+    ref_tokens, ref_logits = _generate(llm, prompts, native=False)
+    assert len(calls) == seen
+    assert tokens == ref_tokens
+    for ours, ref in zip(logits, ref_logits, strict=True):
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_float_model_says_why_it_runs_layer_by_layer(tmp_path):
+    model_dir = build_tiny_model("llama", tmp_path / "hf")
+    llm = LLM(str(model_dir), max_model_len=64, kv_cache_memory="4MiB")
+    model = _model(llm)
+    assert model.native_decode is None
+    reason = native_decode.attach(model)
+    assert reason is not None and "\n" not in reason
+    assert "GGUF-quantized" in reason and "layer 0" in reason
+    assert model.native_decode is None
