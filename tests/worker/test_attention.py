@@ -9,9 +9,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hybridkv.worker.attention import (  # noqa: E402
+    CAUSAL_TILE,
     AttentionMetadata,
     AttentionParams,
     TorchReferenceBackend,
+    _attend_padded,
     get_backend,
 )
 
@@ -169,3 +171,22 @@ def paged_metadata(tables, lens, new, per_page, kernel_block):
     return AttentionMetadata(query_start_loc=loc, seq_lens=lens, block_table=kernel_table,
                              slot_mapping=torch.tensor(slots), block_size=BS,
                              kernel_block_size=kernel_block, blocks_per_page=per_page)
+
+
+@pytest.mark.parametrize("length", [2 * CAUSAL_TILE, 3 * CAUSAL_TILE + 17])
+def test_long_causal_prompts_in_query_tiles_equal_one_masked_softmax(length):
+    """The CPU's tiled causal path (query tiles over only the keys before them, query heads
+    of a KV head stacked) against a plain masked softmax, two prompts, two query heads a KV
+    head, a length that is no multiple of the tile."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, length, 4, 32, generator=gen)
+    keys = torch.randn(2, length, 2, 32, generator=gen)
+    values = torch.randn(2, length, 2, 24, generator=gen)
+    out = _attend_padded(q, keys, values, None, AttentionParams(scale=0.2))
+    k = keys.repeat_interleave(2, dim=2)
+    v = values.repeat_interleave(2, dim=2)
+    scores = torch.einsum("pqhd,plhd->phql", q.double(), k.double()) * 0.2
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    ref = torch.einsum("phql,plhd->pqhd", probs, v.double())
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
