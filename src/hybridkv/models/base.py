@@ -101,8 +101,9 @@ class CausalLM(nn.Module):
         native = self.native_decode
         if native is not None and native.takes(h, ctx):
             # A decode step on the common quantized layer: all layers in one C call.
-            h = native(h, positions, ctx)
-            return getattr(self.model, self.norm_name)(h)  # type: ignore[no-any-return]
+            out = native(h, positions, ctx)
+            if out is not None:
+                return getattr(self.model, self.norm_name)(out)  # type: ignore[no-any-return]
         for i, layer in enumerate(self.model.layers):  # type: ignore[arg-type]
             if i == self.kv_shared_from:
                 # No layer from here on writes KV: with fast prefill only the tokens whose

@@ -18,6 +18,7 @@ than `MAX_ROWS`, quantized K/V) takes the operator path.
 from __future__ import annotations
 
 import ctypes
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ from hybridkv.worker.cpu_attention import MAX_QUERY, CPUPagedBackend
 from hybridkv.worker.forward_context import ForwardContext
 from hybridkv.worker.linear import GatedLinear, Linear
 
+logger = logging.getLogger(__name__)
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 MAX_PARTS = 3
 # Rows below the quantized kernels' packed-tile range: the C matmul is the one the operator
@@ -144,6 +146,7 @@ class NativeDecode:
         self.cache_ptrs: list[int] = [0] * len(structs)
         self.group_of: list[int] = [-1] * len(structs)
         self._run = lib.hkv_decode_layers
+        self.refused: str | None = None  # set once a step's KV pages do not fit
 
     def _describe(self, i: int, layer: Any) -> Layer:
         where = f"layer {i}"
@@ -174,11 +177,11 @@ class NativeDecode:
                  for name in (n.mixer_norm, n.post_mixer_norm, n.ffn_norm, n.post_ffn_norm)}
         main = [v for v in norms.values() if v is not None]
         in_norm, ffn_norm = norms.get(n.mixer_norm), norms.get(n.ffn_norm)
-        if in_norm is None or ffn_norm is None or len({(o, e) for _, o, e in main}) != 1:
+        if in_norm is None or ffn_norm is None or len({kind[1:] for kind in main}) != 1:
             raise Unfit(f"{where}'s norms differ in kind")
         post_mixer, post_ffn = norms.get(n.post_mixer_norm), norms.get(n.post_ffn_norm)
         qk = [_norm(attn.q_norm, f"{where}'s q norm"), _norm(attn.k_norm, f"{where}'s k norm")]
-        qk_kinds = {(o, e) for v in qk if v is not None for _, o, e in [v]}
+        qk_kinds = {kind[1:] for kind in qk if kind is not None}
         if len(qk_kinds) > 1:
             raise Unfit(f"{where}'s q and k norms differ in kind")
         qk_offset, qk_eps = qk_kinds.pop() if qk_kinds else (0.0, 0.0)
@@ -212,8 +215,9 @@ class NativeDecode:
         """Whether this step runs here: every token a decode of its own request, at most
         MAX_ROWS of them, float32 K/V pages and the C attention backend."""
         m = h.shape[0]
-        if not (0 < m <= MAX_ROWS and h.dim() == 2 and h.dtype == torch.float32
-                and h.device.type == "cpu" and isinstance(ctx.backend, CPUPagedBackend)
+        if not (self.refused is None and 0 < m <= MAX_ROWS and h.dim() == 2
+                and h.dtype == torch.float32 and h.device.type == "cpu"
+                and isinstance(ctx.backend, CPUPagedBackend)
                 and ctx.kv_shared_ctx is None):
             return False
         for meta in ctx.metadata:
@@ -224,7 +228,7 @@ class NativeDecode:
                 return False
         return True
 
-    def _step(self, ctx: ForwardContext) -> _Step:
+    def _step(self, ctx: ForwardContext) -> _Step | None:
         keep: list[torch.Tensor] = []
         groups = (Group * len(ctx.metadata))()
         for g, meta in enumerate(ctx.metadata):
@@ -247,8 +251,11 @@ class NativeDecode:
             if cache.data_ptr() != self.cache_ptrs[i] or group != self.group_of[i]:
                 if (cache.dim() != 6 or cache.dtype != torch.float32
                         or cache.stride(5) != 1 or cache.device.type != "cpu"):
-                    raise Unfit(f"{name}'s KV pages are not float32 [pages, per_page, 2, "
-                                f"block, Hk, D] rows")
+                    # Not the pages the C kernels read: layer by layer from now on.
+                    self.refused = f"{name}'s KV pages are not float32 [pages, per_page, 2, " \
+                        f"block, Hk, D] rows"
+                    logger.info("decode steps run layer by layer: %s", self.refused)
+                    return None
                 layer = self.layers[i]
                 layer.cache = cache.data_ptr()
                 for j in range(5):
@@ -258,9 +265,12 @@ class NativeDecode:
         return _Step(groups, keep)
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor,
-                 ctx: ForwardContext) -> torch.Tensor:
-        """The layers' output for a step `takes` accepted; h [m, hidden] is not changed."""
+                 ctx: ForwardContext) -> torch.Tensor | None:
+        """The layers' output for a step `takes` accepted (h [m, hidden] is not changed);
+        None where the KV pages turn out not to be the kind the kernels read."""
         step = self._step(ctx)
+        if step is None:
+            return None
         m = h.shape[0]
         cos_ptrs = (_PTR * max(1, len(self.rotaries)))()
         sin_ptrs = (_PTR * max(1, len(self.rotaries)))()
