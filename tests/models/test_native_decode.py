@@ -22,20 +22,23 @@ WIDE = dict(hidden_size=256, intermediate_size=512, head_dim=64, num_attention_h
 TYPES = {"token_embd": T.Q8_0, "attn_q": T.Q4_K, "attn_k": T.Q5_0, "attn_v": T.Q6_K,
          "attn_output": T.Q5_K, "ffn_gate": T.Q4_0, "ffn_up": T.Q4_1, "ffn_down": T.Q5_1,
          "output": T.Q8_0}
+# Gate and up of one type: one matrix, whose packed product applies the activation.
+ONE_GATE_UP = {**TYPES, "ffn_up": T.Q4_0}
 CASES = {
-    "llama": ("llama", {}),
+    "llama": ("llama", {}, TYPES),
     # q/k norms, sandwich norms, GELU-tanh, windows of 16 under 30-token prompts.
     "gemma3": ("gemma3", dict(head_dim=256, num_attention_heads=2, num_key_value_heads=1,
-                              query_pre_attn_scalar=256, tie_word_embeddings=True)),
+                              query_pre_attn_scalar=256, tie_word_embeddings=True),
+               ONE_GATE_UP),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def gguf_file(request, tmp_path_factory):
-    arch, overrides = CASES[request.param]
+    arch, overrides, types = CASES[request.param]
     root = tmp_path_factory.mktemp(f"native_{request.param}")
     model_dir = build_tiny_model(arch, root / "hf", **{**WIDE, **overrides})
-    return write_gguf(model_dir, root / "model.gguf", TYPES)
+    return write_gguf(model_dir, root / "model.gguf", types)
 
 
 def _model(llm):
@@ -56,8 +59,9 @@ def _generate(llm, prompts, native):
     return [o.token_ids for o in outs], [torch.stack(logits[o.request_id]) for o in outs]
 
 
-def test_native_decode_equals_the_operator_path(gguf_file, monkeypatch):
-    llm = LLM(str(gguf_file), max_model_len=128, kv_cache_memory="8MiB")
+@pytest.mark.parametrize("num_prompts", [4, 20])  # the few-row kernel; the packed tiles
+def test_native_decode_equals_the_operator_path(gguf_file, monkeypatch, num_prompts):
+    llm = LLM(str(gguf_file), max_model_len=128, kv_cache_memory="16MiB")
     assert isinstance(_model(llm).native_decode, native_decode.NativeDecode)
     calls: list[int] = []
     run = native_decode.NativeDecode.__call__
@@ -68,10 +72,11 @@ def test_native_decode_equals_the_operator_path(gguf_file, monkeypatch):
 
     monkeypatch.setattr(native_decode.NativeDecode, "__call__", counted)
     gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(4, 250, (n,), generator=gen).tolist() for n in (30, 3, 17, 24)]
+    lengths = [(30, 3, 17, 24)[i % 4] + i for i in range(num_prompts)]
+    prompts = [torch.randint(4, 250, (n,), generator=gen).tolist() for n in lengths]
     tokens, logits = _generate(llm, prompts, native=True)
-    # Every step after the prompts is a decode, of up to 4 rows.
-    assert calls and max(calls) == 4
+    # Every step after the prompts is a decode, of up to all the prompts' rows.
+    assert calls and max(calls) == num_prompts
     seen = len(calls)
     ref_tokens, ref_logits = _generate(llm, prompts, native=False)
     assert len(calls) == seen

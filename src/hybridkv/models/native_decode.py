@@ -40,9 +40,9 @@ from hybridkv.worker.linear import GatedLinear, Linear
 logger = logging.getLogger(__name__)
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 MAX_PARTS = 3
-# Rows below the quantized kernels' packed-tile range: the C matmul is the one the operator
-# path calls there too.
-MAX_ROWS = min(quant_linear.PACKED_ROWS[0], MAX_QUERY) - 1
+# Decode rows a step may have here: the few-row kernel's range, then the packed tiles' (the
+# same switch as the operator path's, quant_linear.PACKED_ROWS).
+PACKED_FROM, MAX_ROWS = quant_linear.PACKED_ROWS[0], quant_linear.PACKED_ROWS[1] - 1
 _ACTIVATIONS = {"silu": 1, "gelu_pytorch_tanh": 2, "gelu_new": 2}
 
 
@@ -71,7 +71,8 @@ class Group(ctypes.Structure):
 
 class Kernels(ctypes.Structure):
     _fields_ = [("rms_norm", _PTR), ("rope", _PTR), ("write_kv", _PTR), ("attention", _PTR),
-                ("matmul", _PTR)]
+                ("matmul", _PTR), ("matmul_packed", _PTR), ("linear", _PTR), ("buf", _PTR),
+                ("panels", _I64), ("packed_from", _I64)]
 
 
 class Unfit(ValueError):
@@ -136,12 +137,24 @@ class NativeDecode:
         self.layers = (Layer * len(structs))(*structs)
         lib = library()
         attention = native.load("paged_attention").hkv_paged_attention
-        ops = cpu_ops.library()
+        ops, quant = cpu_ops.library(), quant_linear.library()
+        # The packed tiles where the operator path would take them: their kernel builds and
+        # every matrix's columns come in 8s; otherwise up to PACKED_FROM - 1 rows only.
+        linear = quant_linear.packed_kernel()
+        widths = {c for L in self.layers
+                  for c in (self.hidden, L.heads * L.head_dim, L.intermediate)}
+        self.max_rows = MAX_ROWS if linear is not None and all(c % 8 == 0 for c in widths) \
+            else PACKED_FROM - 1
+        panels = max(1, torch.get_num_threads())
+        self.packed_buf = torch.empty(int(quant.hkv_quant_packed_floats(panels, max(widths)))
+                                      if self.max_rows >= PACKED_FROM else 1)
         self.kernels = Kernels(_address(ops.hkv_rms_norm_f32), _address(ops.hkv_rope_f32),
                                _address(ops.hkv_write_kv_f32), _address(attention),
-                               _address(quant_linear.library().hkv_quant_matmul))
+                               _address(quant.hkv_quant_matmul),
+                               _address(quant.hkv_quant_matmul_packed), linear,
+                               self.packed_buf.data_ptr(), panels, PACKED_FROM)
         self.scratch = torch.empty(int(lib.hkv_decode_scratch(self.layers, len(structs),
-                                                                MAX_ROWS, self.hidden)),
+                                                                self.max_rows, self.hidden)),
                                    dtype=torch.float32)
         self.cache_ptrs: list[int] = [0] * len(structs)
         self.group_of: list[int] = [-1] * len(structs)
@@ -213,9 +226,11 @@ class NativeDecode:
 
     def takes(self, h: torch.Tensor, ctx: ForwardContext) -> bool:
         """Whether this step runs here: every token a decode of its own request, at most
-        MAX_ROWS of them, float32 K/V pages and the C attention backend."""
+        `max_rows` of them, float32 K/V pages and the C attention backend."""
         m = h.shape[0]
-        if not (self.refused is None and 0 < m <= MAX_ROWS and h.dim() == 2
+        if m >= PACKED_FROM and not quant_linear.FLOAT_ACTIVATIONS:
+            return False  # 8-bit activations: the operator path picks kernels per type
+        if not (self.refused is None and 0 < m <= self.max_rows and h.dim() == 2
                 and h.dtype == torch.float32 and h.device.type == "cpu"
                 and isinstance(ctx.backend, CPUPagedBackend)
                 and ctx.kv_shared_ctx is None):
@@ -286,7 +301,8 @@ class NativeDecode:
                        self.scratch.data_ptr(), torch.get_num_threads())
         if rc != 0:
             what = "the attention kernel refused its arguments" if rc > 100 else \
-                "a quantized product could not allocate its buffers"
+                "a quantized product could not allocate its buffers" if rc == 2 else \
+                "the packed product refused a matrix"
             raise RuntimeError(f"the native decode layers failed (code {rc}): {what}")
         return out
 

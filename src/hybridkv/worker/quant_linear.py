@@ -311,6 +311,11 @@ def _packed_linear() -> int | None:
     return _linear_address or None
 
 
+def packed_kernel() -> int | None:
+    """The float tile kernel's address the packed products pass on (None: not built)."""
+    return _packed_linear()
+
+
 def _packed(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, cols: int,
             out: torch.Tensor, mode: int = 0) -> bool:
     """out = x W^T (mode 0) or the gated product (a gated mode of worker/cpu_linear.py: W

@@ -34,9 +34,15 @@ typedef int (*attention_fn)(const float *, int64_t, int64_t, float *, int64_t, i
                             const float *, const float *, int64_t, const int64_t *, int64_t);
 typedef int (*matmul_fn)(const float *, int64_t, int64_t, const uint8_t *, int64_t, int,
                          int64_t, int64_t, float *, int64_t);
+typedef int (*packed_fn)(const float *, int64_t, int64_t, const uint8_t *, int64_t, int,
+                         int64_t, int64_t, float *, int64_t, int, float *, int64_t, void *);
 
+/* The kernels, and from `packed_from` rows on the packed path's (quant.c's panels through
+   linear.c's tiles: its scratch `buf` for `panels` panels), as the operator path switches. */
 typedef struct {
-    void *rms_norm, *rope, *write_kv, *attention, *matmul;
+    void *rms_norm, *rope, *write_kv, *attention, *matmul, *matmul_packed, *linear;
+    float *buf;
+    int64_t panels, packed_from;
 } hkv_kernels;
 
 /* One quantized matrix: rows of `cols` values, `ldw` bytes apart. */
@@ -95,12 +101,24 @@ static void gated(const float *gu, int64_t m, int64_t n, int act, float *out) {
     }
 }
 
+/* y = x W^T for one matrix, or act(x G^T) * (x U^T) (mode: 1 SiLU, 2 GELU-tanh; the
+   packed path only) with its n / 2 gate rows then n / 2 up rows. */
+static int product1(const hkv_kernels *k, const float *x, int64_t m, int64_t ldx,
+                    const hkv_qmatrix *w, int64_t cols, float *y, int64_t ldy, int mode) {
+    if (m >= k->packed_from) {
+        const int rc = ((packed_fn)k->matmul_packed)(
+            x, m, ldx, w->w, w->ldw, (int)w->type, mode ? w->rows / 2 : w->rows, cols, y, ldy,
+            mode, k->buf, k->panels, k->linear);
+        return rc == -2 ? 2 : rc != 0 ? 3 : 0;
+    }
+    return ((matmul_fn)k->matmul)(x, m, ldx, w->w, w->ldw, (int)w->type, w->rows, cols, y,
+                                  ldy) != 0 ? 2 : 0;
+}
+
 static int product(const hkv_kernels *k, const float *x, int64_t m, int64_t ldx,
                    const hkv_qmatrix *parts, int64_t n, int64_t cols, float *y, int64_t ldy) {
     for (int64_t p = 0; p < n; p++) {
-        const int rc = ((matmul_fn)k->matmul)(x, m, ldx, parts[p].w, parts[p].ldw,
-                                              (int)parts[p].type, parts[p].rows, cols, y,
-                                              ldy);
+        const int rc = product1(k, x, m, ldx, &parts[p], cols, y, ldy, 0);
         if (rc != 0) return rc;
         y += parts[p].rows;
     }
@@ -128,7 +146,8 @@ int64_t hkv_decode_scratch(const hkv_layer *layers, int64_t n, int64_t m, int64_
 }
 
 /* h [m, hidden] (rows contiguous) through layers 0..n-1, in place. cos/sin: per RoPE table,
-   [m, rotary_dim] rows. Returns 0, or the first kernel's failure code. */
+   [m, rotary_dim] rows. Returns 0; 2 where a product could not allocate, 3 where the packed
+   path refused a matrix, 100 + the attention kernel's code where it refused. */
 int hkv_decode_layers(const hkv_layer *layers, int64_t n, const hkv_group *groups,
                       const hkv_kernels *k, const float *const *cos, const float *const *sin,
                       float *h, int64_t m, int64_t hidden, float *scratch, int64_t threads) {
@@ -184,9 +203,15 @@ int hkv_decode_layers(const hkv_layer *layers, int64_t n, const hkv_group *group
 
         ((rms_norm_fn)k->rms_norm)(h, hidden, 0, x, m, 1, hidden, L->pre_ffn_norm,
                                    L->norm_offset, L->eps);
-        if ((rc = product(k, x, m, hidden, L->gate_up, L->n_gate_up, hidden, gu, 2 * I)) != 0)
-            return rc;
-        gated(gu, m, I, (int)L->act, act);
+        if (m >= k->packed_from && L->n_gate_up == 1) {
+            /* Gate and up in one matrix: the tiles apply the activation and product. */
+            if ((rc = product1(k, x, m, hidden, L->gate_up, hidden, act, I, (int)L->act)) != 0)
+                return rc;
+        } else {
+            if ((rc = product(k, x, m, hidden, L->gate_up, L->n_gate_up, hidden, gu, 2 * I)))
+                return rc;
+            gated(gu, m, I, (int)L->act, act);
+        }
         if ((rc = product(k, act, m, I, &L->down, 1, I, o, hidden)) != 0) return rc;
         add_normed(k, h, o, m, hidden, L->post_ffn_norm, L->norm_offset, L->eps);
     }
