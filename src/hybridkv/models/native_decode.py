@@ -6,13 +6,15 @@ residual adds), each a Python call, a torch dispatch and an allocation, ~6-7 ms 
 ~30 ms step. `NativeDecode` describes the layers once, at load, as the C side's structs
 (norm weights, quantized matrices, attention shape, KV pages), and runs a step in which
 every token is a decode through them in one call, with the same kernels the operator path
-calls (so the same values, up to the gated activation's last bit).
+calls (so the same values, up to float rounding of the gated activation where the operator
+path applies it in torch).
 
 It takes the common layer only: pre-norm attention with optional q/k norms, RoPE and
 Gemma's sandwich norms, then a gated SiLU / GELU-tanh MLP, every projection GGUF-quantized
-without bias, float32 K/V pages and the C attention backend. `NativeDecode.of_model` says
-in one line why a model does not fit; a step that does not fit (prefill tokens, more rows
-than `MAX_ROWS`, quantized K/V) takes the operator path.
+without bias, float32 K/V pages and the C attention backend. `attach` says in one line
+why a model does not fit; a step that does not fit (prefill tokens, more rows
+than `max_rows`, quantized K/V, 8-bit activations from PACKED_FROM rows) takes the operator
+path.
 """
 
 from __future__ import annotations
