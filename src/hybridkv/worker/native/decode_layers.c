@@ -84,20 +84,8 @@ static void gated(const float *gu, int64_t m, int64_t n, int act, float *out) {
     for (int64_t i = 0; i < m; i++) {
         const float *g = gu + i * 2 * n, *u = g + n;
         float *o = out + i * n;
-        if (act == 1) {
 #pragma omp simd
-            for (int64_t j = 0; j < n; j++) { /* x * sigmoid(x), from exp(-|x|) */
-                const float x = g[j], e = exp_nonpositive(-fabsf(x));
-                o[j] = x * (x >= 0.f ? 1.f : e) / (1.f + e) * u[j];
-            }
-        } else {
-#pragma omp simd
-            for (int64_t j = 0; j < n; j++) { /* x/2 (1 + tanh(sqrt(2/pi)(x + 0.044715x^3))) */
-                const float x = g[j], z = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-                const float e = exp_nonpositive(-2.f * fabsf(z)), t = (1.f - e) / (1.f + e);
-                o[j] = 0.5f * x * (1.f + (z >= 0.f ? t : -t)) * u[j];
-            }
-        }
+        for (int64_t j = 0; j < n; j++) o[j] = gated_act(g[j], u[j], act);
     }
 }
 

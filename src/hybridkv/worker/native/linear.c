@@ -103,22 +103,7 @@ static inline v16 gated16(v16 g, v16 u, int mode) {
         _mm256_storeu_ps(out + h, gated8(_mm256_loadu_ps(gs + h), _mm256_loadu_ps(us + h),
                                          mode));
 #else
-    for (int l = 0; l < 16; l++) {
-        const float x = gs[l];
-        float a;
-        if (mode == GATED_SILU) { /* x * sigmoid(x), from exp(-|x|) so nothing overflows */
-            const float e = exp_nonpositive(-fabsf(x));
-            a = x * (x >= 0.f ? 1.f : e) / (1.f + e);
-        } else if (mode == GATED_GELU_TANH) { /* x/2 (1 + tanh(sqrt(2/pi)(x + 0.044715x^3))) */
-            const float z = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-            const float e = exp_nonpositive(-2.f * fabsf(z));
-            const float t = (1.f - e) / (1.f + e);
-            a = 0.5f * x * (1.f + (z >= 0.f ? t : -t));
-        } else {
-            a = x > 0.f ? x : 0.f;
-        }
-        out[l] = a * us[l];
-    }
+    for (int l = 0; l < 16; l++) out[l] = gated_act(gs[l], us[l], mode);
 #endif
     return load16(out);
 }

@@ -27,6 +27,24 @@ static inline float exp_nonpositive(float x) {
     return x < -87.f ? 0.f : p * scale.f;
 }
 
+/* act(x) * u for the gated MLPs' activations (mode 1: SiLU, 2: GELU with tanh, else ReLU),
+   each exp through exp_nonpositive so nothing overflows. */
+static inline float gated_act(float x, float u, int mode) {
+    float a;
+    if (mode == 1) { /* x * sigmoid(x), from exp(-|x|) */
+        const float e = exp_nonpositive(-fabsf(x));
+        a = x * (x >= 0.f ? 1.f : e) / (1.f + e);
+    } else if (mode == 2) { /* x/2 (1 + tanh(sqrt(2/pi)(x + 0.044715x^3))) */
+        const float z = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+        const float e = exp_nonpositive(-2.f * fabsf(z));
+        const float t = (1.f - e) / (1.f + e);
+        a = 0.5f * x * (1.f + (z >= 0.f ? t : -t));
+    } else {
+        a = x > 0.f ? x : 0.f;
+    }
+    return a * u;
+}
+
 /* 16 floats as one SIMD value; unaligned loads and stores through memcpy. */
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
