@@ -302,9 +302,9 @@ class NativeDecode:
                        cos_ptrs, sin_ptrs, out.data_ptr(), m, self.hidden,
                        self.scratch.data_ptr(), torch.get_num_threads())
         if rc != 0:
-            what = "the attention kernel refused its arguments" if rc > 100 else \
-                "a quantized product could not allocate its buffers" if rc == 2 else \
-                "the packed product refused a matrix"
+            what = {2: "a quantized product could not allocate its buffers",
+                    3: "the packed product refused a matrix",
+                    4: "the attention kernel refused its arguments"}.get(rc, "unknown")
             raise RuntimeError(f"the native decode layers failed (code {rc}): {what}")
         return out
 

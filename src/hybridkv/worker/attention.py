@@ -665,7 +665,8 @@ def _attend_padded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     num_reqs, num_q, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[2]
     group = num_heads // num_kv_heads
-    if allowed is None and num_q >= 2 * CAUSAL_TILE and q.device.type == "cpu" and \
+    if allowed is None and params.softcap is None and params.sinks is None and \
+            num_q >= 2 * CAUSAL_TILE and q.device.type == "cpu" and \
             q.dtype == torch.float32 and keys.shape[1] == num_q:
         return _causal_tiles(q, keys, values, params.scale)
     if params.softcap is None and params.sinks is None:

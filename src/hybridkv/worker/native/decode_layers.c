@@ -135,7 +135,7 @@ int64_t hkv_decode_scratch(const hkv_layer *layers, int64_t n, int64_t m, int64_
 
 /* h [m, hidden] (rows contiguous) through layers 0..n-1, in place. cos/sin: per RoPE table,
    [m, rotary_dim] rows. Returns 0; 2 where a product could not allocate, 3 where the packed
-   path refused a matrix, 100 + the attention kernel's code where it refused. */
+   path refused a matrix, 4 where the attention kernel refused its arguments. */
 int hkv_decode_layers(const hkv_layer *layers, int64_t n, const hkv_group *groups,
                       const hkv_kernels *k, const float *const *cos, const float *const *sin,
                       float *h, int64_t m, int64_t hidden, float *scratch, int64_t threads) {
@@ -185,7 +185,7 @@ int hkv_decode_layers(const hkv_layer *layers, int64_t n, const hkv_group *group
             G->blocks_per_page, G->block_table, G->table_stride, G->rows, G->num_rows,
             G->query_start_loc, G->seq_lens, L->heads, L->kv_heads, D, L->scale, L->window,
             0, L->softcap, NULL, NULL, 0, NULL, G->num_rows > 1 ? threads : 1);
-        if (rc != 0) return 100 + rc;
+        if (rc != 0) return 4;
         if ((rc = product(k, att, m, qw, &L->o, 1, qw, o, hidden)) != 0) return rc;
         add_normed(k, h, o, m, hidden, L->post_attn_norm, L->norm_offset, L->eps);
 

@@ -182,8 +182,9 @@ static inline __attribute__((always_inline)) void i8_group(
     const float *xd, float *y, int64_t ldy, const int NX) {
     __m256 accf[8];
     for (int i = 0; i < NX; i++) accf[i] = _mm256_setzero_ps();
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
     const __m256i ones = _mm256_set1_epi16(1);
-    (void)ones;
+#endif
     for (int64_t b = 0; b < nb; b++) {
         __m256i acc[8];
         for (int i = 0; i < NX; i++) acc[i] = _mm256_setzero_si256();
