@@ -93,6 +93,38 @@ class CausalLM(nn.Module):
     def leave_layers(self, h: torch.Tensor) -> torch.Tensor:
         return h
 
+    @staticmethod
+    def _cut_rows(layer: nn.Module, h: torch.Tensor, positions: torch.Tensor,
+                  ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(h, positions) after `layer` at the step's sampled rows alone, or None where the
+        layer's KV group does not allow it (see ForwardContext.cut_to_sampled)."""
+        rows = ctx.sampled_tokens
+        assert rows is not None
+        if layer.rows_only:
+            h, positions = h[rows], positions[rows]
+            return (layer(h, positions, ctx) if rows.numel() else h), positions
+        out = layer.forward_rows(h, positions, ctx)
+        return None if out is None else (out, positions[rows])
+
+    @property
+    def _cut_layer(self) -> int | None:
+        """The first layer from which only the sampled rows need computing, or None: the
+        last that mixes tokens, where that is a plain attention layer (it writes every
+        token's K/V and computes the rest for those rows), else the first of the per-row
+        layers after it (NemotronH's trailing MLPs). The residual stream must be the rows
+        themselves in and out (no AltUp streams)."""
+        cls = type(self)
+        if cls.enter_layers is not CausalLM.enter_layers or \
+                cls.leave_layers is not CausalLM.leave_layers:
+            return None
+        layers = list(self.model.layers)  # type: ignore[arg-type]
+        i = len(layers)
+        while i > 0 and getattr(layers[i - 1], "rows_only", False):
+            i -= 1
+        if i > 0 and getattr(layers[i - 1], "cuts_rows", False):
+            return i - 1
+        return i if i < len(layers) else None
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         h = self.embed(input_ids)
@@ -104,7 +136,19 @@ class CausalLM(nn.Module):
             out = native(h, positions, ctx)
             if out is not None:
                 return getattr(self.model, self.norm_name)(out)  # type: ignore[no-any-return]
+        # Past the last layer only the sampled rows are read: from `cut_at` on, the layers
+        # run on those rows alone (the one at `cut_at` still writes every token's K/V).
+        cut_at = self._cut_layer if per_layer is None and ctx.sampled_ctx is not None \
+            else None
         for i, layer in enumerate(self.model.layers):  # type: ignore[arg-type]
+            if i == cut_at:
+                cut = self._cut_rows(layer, h, positions, ctx)
+                if cut is not None:  # else its group does not allow it: every row goes on
+                    h, positions = cut
+                    ctx.rows_cut = True
+                    if h.shape[0] == 0:  # nothing samples: the K/V was all to compute
+                        break
+                    continue
             if i == self.kv_shared_from:
                 # No layer from here on writes KV: with fast prefill only the tokens whose
                 # logits are sampled need to go on.

@@ -373,6 +373,10 @@ class AttentionBackend(Protocol):
                 params: AttentionParams) -> torch.Tensor:
         """Write k/v (None for a layer that reads another layer's cache), then attend."""
 
+    def write(self, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
+              meta: AttentionMetadata, params: AttentionParams) -> None:
+        """Only the write half of `forward`."""
+
 
 class TorchReferenceBackend:
     name = "torch"

@@ -61,6 +61,13 @@ class ForwardContext:
     # `kv_shared_tokens` indexes those tokens; `kv_shared_ctx` is the context of that batch.
     kv_shared_tokens: torch.Tensor | None = None
     kv_shared_ctx: ForwardContext | None = None
+    # A step where some tokens sample nothing (a prompt's earlier tokens): the rows that
+    # sample and the context of that cut batch. A model's last layer then writes K/V for
+    # every token and computes the rest for those rows only (nothing reads the others);
+    # it sets `rows_cut` when it returned only those rows.
+    sampled_tokens: torch.Tensor | None = None
+    sampled_ctx: ForwardContext | None = None
+    rows_cut: bool = False
 
     def enter_kv_shared_layers(self) -> tuple[ForwardContext, torch.Tensor | None]:
         """Called by a model before its first KV-sharing layer: (the context for the rest of
@@ -68,6 +75,24 @@ class ForwardContext:
         if self.kv_shared_ctx is None:
             return self, None
         return self.kv_shared_ctx, self.kv_shared_tokens
+
+    def cut_to_sampled(self, layer_name: str
+                       ) -> tuple[ForwardContext, torch.Tensor] | None:
+        """(the cut batch's context, the sampled rows) when the step has rows that sample
+        nothing and `layer_name`'s group is plain attention pages (q4 pages keep their
+        step's full-precision keys per layer call), else None."""
+        if self.sampled_ctx is None or self.sampled_tokens is None:
+            return None
+        meta = self.metadata[self.layer_group[layer_name]]
+        if not isinstance(meta, AttentionMetadata) or meta.key_groups:
+            return None
+        return self.sampled_ctx, self.sampled_tokens
+
+    def write_kv(self, layer_name: str, k: torch.Tensor | None, v: torch.Tensor | None,
+                 params: AttentionParams) -> None:
+        """The layer's K/V of this step into their slots, without attending."""
+        meta = self.metadata[self.layer_group[layer_name]]
+        self.backend.write(k, v, self.kv_caches[layer_name], meta, params)
 
     def state(self, layer_name: str) -> tuple[Any, tuple[torch.Tensor, ...]]:
         """A state layer's group metadata (StateMetadata) and its state tensors."""

@@ -355,23 +355,26 @@ class ModelRunner:
                              rope_tables=self.rope_tables, max_position=max(inputs.seq_lens) - 1)
         sample_t = torch.tensor(inputs.sample_indices, dtype=torch.int64, device=self.device)
         # Only when some tokens are not sampled (prefill): a pure decode step has none to cut.
-        reduced = (self.config.kv_sharing_fast_prefill
-                   and len(inputs.sample_indices) < len(inputs.input_ids))
-        if reduced:
-            ctx.kv_shared_tokens = sample_t
-            ctx.kv_shared_ctx = ForwardContext(
+        cut = len(inputs.sample_indices) < len(inputs.input_ids)
+        reduced = self.config.kv_sharing_fast_prefill and cut
+        if cut:
+            sampled_ctx = ForwardContext(
                 self.backend, self.kv_caches,
                 self._sampled_tokens_metadata(metadata, inputs.scheduled,
                                               set(inputs.sample_ids), sample_t),
                 self.layer_group, rope_tables=self.rope_tables,
                 max_position=ctx.max_position)
+            if reduced:
+                ctx.kv_shared_tokens, ctx.kv_shared_ctx = sample_t, sampled_ctx
+            else:
+                ctx.sampled_tokens, ctx.sampled_ctx = sample_t, sampled_ctx
         ids_t = torch.tensor(inputs.input_ids, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(inputs.positions, dtype=torch.int64, device=self.device)
         hidden = self.model(ids_t, pos_t, ctx)
         if not inputs.sample_ids:
             return RunnerOutput({}, {})
         # Cut down to the sampled tokens, the model returns only their rows, in order.
-        sampled_hidden = hidden if reduced else hidden[sample_t]
+        sampled_hidden = hidden if reduced or ctx.rows_cut else hidden[sample_t]
         if self._all_plain_greedy(inputs.sample_ids):
             # Every row takes the argmax of the model's own logits (masked, where a grammar
             # holds it) and nothing reads them: the model may reduce its head a block at a

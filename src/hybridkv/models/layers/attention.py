@@ -185,10 +185,37 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                gate: torch.Tensor | None, ctx: ForwardContext) -> torch.Tensor:
+        out = ctx.attention(self.name, q, k, v, self.attention_params(ctx))
+        return self.output(out, gate)
+
+    def attention_params(self, ctx: ForwardContext) -> AttentionParams:
         params = self.params if self.sinks is None else replace(self.params, sinks=self.sinks)
         if self.kv_deriver is not None:
             params = replace(params, derive_kv=partial(self.kv_deriver, ctx=ctx))
-        out = ctx.attention(self.name, q, k, v, params).flatten(1)
+        return params
+
+    def output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The attention's output [T, Hq, D] -> [T, hidden]."""
+        out = out.flatten(1)
         if gate is not None:
             out = out * torch.sigmoid(gate.flatten(1))
         return self.o_proj(out)  # type: ignore[no-any-return]
+
+    @property
+    def cuts_rows(self) -> bool:
+        """Whether `forward_rows` computes what `forward` does (variants that change
+        `forward` itself do not say so)."""
+        return type(self).forward is Attention.forward and type(self).attend is Attention.attend
+
+    def forward_rows(self, h: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                     rows: torch.Tensor, rows_ctx: ForwardContext) -> torch.Tensor | None:
+        """`forward(h, positions, ctx)[rows]`, for the rows `rows_ctx` describes: every
+        token's K/V is written, and attention and o_proj run for those rows alone (None
+        when there are none)."""
+        q, k, v, gate = self.rotated_qkv(h, positions, ctx)
+        params = self.attention_params(ctx)
+        ctx.write_kv(self.name, k, v, params)
+        if rows.numel() == 0:
+            return None
+        out = rows_ctx.attention(self.name, q[rows], None, None, params)
+        return self.output(out, None if gate is None else gate[rows])

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hybridkv.models.layers.attention import Attention
 from hybridkv.models.layers.norms import RMSNorm
 from hybridkv.worker.forward_context import ForwardContext
 
@@ -58,6 +59,10 @@ class DecoderLayer(nn.Module):
         if n.mixer is not None:
             x = getattr(self, n.mixer)(self._norm(n.mixer_norm, h), positions, ctx)
             h = h + self._out(n.post_mixer_norm, x)
+        return self._ffn(h)
+
+    def _ffn(self, h: torch.Tensor) -> torch.Tensor:
+        n = self.names
         if n.ffns:
             x = self._norm(n.ffn_norm, h)
             y = getattr(self, n.ffns[0])(x)
@@ -65,6 +70,35 @@ class DecoderLayer(nn.Module):
                 y = y + getattr(self, name)(x)
             h = h + self._out(n.post_ffn_norm, y)
         return h
+
+    @property
+    def rows_only(self) -> bool:
+        """Whether each row's output depends on that row alone (no mixer: NemotronH's MLP
+        layers), so the layer may run on any subset of the rows."""
+        return type(self) is DecoderLayer and self.names.mixer is None
+
+    @property
+    def cuts_rows(self) -> bool:
+        """Whether `forward_rows` may run: a plain attention mixer, nothing else per row."""
+        mixer = getattr(self, self.names.mixer) if self.names.mixer is not None else None
+        return type(self) is DecoderLayer and isinstance(mixer, Attention) and mixer.cuts_rows
+
+    def forward_rows(self, h: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+                     ) -> torch.Tensor | None:
+        """`forward(h, positions, ctx)` at the step's sampled rows only, with every token's
+        K/V written (a model's last layer, where nothing reads the other rows); None where
+        the step or the layer's group does not allow it (see ForwardContext.cut_to_sampled)."""
+        n = self.names
+        assert n.mixer is not None
+        cut = ctx.cut_to_sampled(getattr(self, n.mixer).name)
+        if cut is None:
+            return None
+        rows_ctx, rows = cut
+        x = getattr(self, n.mixer).forward_rows(self._norm(n.mixer_norm, h), positions, ctx,
+                                                rows, rows_ctx)
+        if x is None:  # no row samples (a prompt chunk before its last): K/V was all
+            return h[rows]
+        return self._ffn(h[rows] + self._out(n.post_mixer_norm, x))
 
     def _norm(self, name: str | None, x: torch.Tensor) -> torch.Tensor:
         return x if name is None else getattr(self, name)(x)  # type: ignore[no-any-return]

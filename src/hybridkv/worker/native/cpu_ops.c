@@ -22,10 +22,13 @@ void hkv_rms_norm_f32(const float *x, int64_t x_stride0, int64_t x_stride1, floa
 #pragma omp simd reduction(+ : ss)
             for (int64_t d = 0; d < dim; d++) ss += row[d] * row[d];
             const float inv = 1.f / sqrtf(ss / (float)dim + eps);
-            if (w == NULL)
+            if (w == NULL) {
+#pragma omp simd
                 for (int64_t d = 0; d < dim; d++) dst[d] = row[d] * inv;
-            else
+            } else {
+#pragma omp simd
                 for (int64_t d = 0; d < dim; d++) dst[d] = row[d] * inv * (offset + w[d]);
+            }
         }
 }
 
@@ -41,6 +44,7 @@ void hkv_rope_f32(const float *x, int64_t x_stride0, int64_t x_stride1, float *o
         for (int64_t h = 0; h < n1; h++) {
             const float *row = x + t * x_stride0 + h * x_stride1;
             float *dst = out + (t * n1 + h) * dim;
+#pragma omp simd
             for (int64_t i = 0; i < half; i++) {
                 dst[i] = row[i] * c[i] - row[i + half] * s[i];
                 dst[i + half] = row[i + half] * c[i + half] + row[i] * s[i + half];
