@@ -173,18 +173,31 @@ def paged_metadata(tables, lens, new, per_page, kernel_block):
                              kernel_block_size=kernel_block, blocks_per_page=per_page)
 
 
-@pytest.mark.parametrize("length", [2 * CAUSAL_TILE, 3 * CAUSAL_TILE + 17])
-def test_long_causal_prompts_in_query_tiles_equal_one_masked_softmax(length):
+@pytest.mark.parametrize("products", ["linear kernel", "torch"])
+@pytest.mark.parametrize(("length", "kv_heads", "value_dim"), [
+    (2 * CAUSAL_TILE, 2, 24), (3 * CAUSAL_TILE + 17, 2, 24),
+    (3 * CAUSAL_TILE + 17, 1, 80)])  # one KV head: its output rows written in place
+def test_long_causal_prompts_in_query_tiles_equal_one_masked_softmax(length, kv_heads,
+                                                                     value_dim, products,
+                                                                     monkeypatch):
     """The CPU's tiled causal path (query tiles over only the keys before them, query heads
-    of a KV head stacked) against a plain masked softmax, two prompts, two query heads a KV
-    head, a length that is no multiple of the tile."""
+    of a KV head stacked), its products on the linear kernel's panels or in torch, against
+    a plain masked softmax: two prompts, grouped query heads, a length that is no multiple
+    of the tile, value widths that are no multiple of a panel."""
+    from hybridkv.worker import cpu_linear
+
+    if products == "torch":
+        monkeypatch.setattr(cpu_linear, "strided_product", lambda: None)
+    elif cpu_linear.strided_product() is None:
+        pytest.skip("the linear kernel does not build here")
     gen = torch.Generator().manual_seed(3)
+    group = 4 // kv_heads
     q = torch.randn(2, length, 4, 32, generator=gen)
-    keys = torch.randn(2, length, 2, 32, generator=gen)
-    values = torch.randn(2, length, 2, 24, generator=gen)
+    keys = torch.randn(2, length, kv_heads, 32, generator=gen)
+    values = torch.randn(2, length, kv_heads, value_dim, generator=gen)
     out = _attend_padded(q, keys, values, None, AttentionParams(scale=0.2))
-    k = keys.repeat_interleave(2, dim=2)
-    v = values.repeat_interleave(2, dim=2)
+    k = keys.repeat_interleave(group, dim=2)
+    v = values.repeat_interleave(group, dim=2)
     scores = torch.einsum("pqhd,plhd->phql", q.double(), k.double()) * 0.2
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)

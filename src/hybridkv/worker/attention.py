@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from hybridkv.kv.spec import KEY_GROUP, q4_kv_layout
+from hybridkv.worker import cpu_linear
 from hybridkv.worker.kv_quant import (
     dequantize_key_groups,
     dequantize_rows,
@@ -709,18 +710,45 @@ def _causal_tiles(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
     on both sides), float32 on the CPU: queries in tiles of CAUSAL_TILE positions, each over
     only the keys up to its last position, the query heads of one KV head stacked into one
     matrix product. torch's CPU flash kernel ran Gemma 3's 512-token prompt (4 query heads
-    over 1 KV head of 256) at ~43 GFLOP/s of the causal half; two GEMMs a tile run at the
-    core's GEMM rate and skip ~44% of the square at 512 tokens."""
+    over 1 KV head of 256) at ~43 GFLOP/s of the causal half; two products a tile skip ~44%
+    of the square at 512 tokens.
+
+    The products run on the linear kernel (worker/native/linear.c) where it builds: K and
+    V packed once into its panels, each tile's product over a prefix of them. At these
+    shapes (256 rows, K of 256 or up to L) torch's GEMM ran at ~70 GFLOP/s, the packed
+    panels at the core's GEMM rate."""
     num_reqs, num_q, num_heads, head_dim = q.shape
     num_kv_heads, value_dim = keys.shape[2], values.shape[-1]
     group = num_heads // num_kv_heads
     out = torch.empty((num_reqs, num_q, num_heads, value_dim), dtype=q.dtype)
-    qg = q.view(num_reqs, num_q, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
-    k_t = keys.permute(0, 2, 3, 1)  # [P, Hk, D, L]
-    v_h = values.permute(0, 2, 1, 3)  # [P, Hk, L, Dv]
     # Row r of a tile is query position a + r // group; it sees keys up to that position.
     rows = torch.arange(CAUSAL_TILE * group) // group
     after = torch.arange(CAUSAL_TILE)[None, :] > rows[:, None]  # [tile rows, tile keys]
+    if cpu_linear.strided_product() is not None:
+        scores = torch.empty((CAUSAL_TILE * group, num_q), dtype=q.dtype)
+        for p in range(num_reqs):
+            for h in range(num_kv_heads):
+                heads = slice(h * group, (h + 1) * group)
+                # [L * G, D] rows (position-major), the scale folded in once.
+                q_rows = (q[p, :, heads] * scale).reshape(num_q * group, head_dim)
+                k_panels, _ = cpu_linear.pack(keys[p, :, h], None)  # [L/64, D, 64]
+                v_panels = _value_panels(values[p, :, h])  # [Dv/64, L, 64]
+                o_rows = out[p, :, heads].view(num_q * group, value_dim) if group == \
+                    num_heads else torch.empty((num_q * group, value_dim), dtype=q.dtype)
+                for a in range(0, num_q, CAUSAL_TILE):
+                    b = min(num_q, a + CAUSAL_TILE)
+                    n = (b - a) * group
+                    s = scores[:n, :b]
+                    cpu_linear.product_into(q_rows[a * group:b * group], k_panels, head_dim, s)
+                    s[:, a:b].masked_fill_(after[:n, :b - a], float("-inf"))
+                    probs = torch.softmax(s, dim=-1)
+                    cpu_linear.product_into(probs, v_panels, b, o_rows[a * group:b * group])
+                if group != num_heads:
+                    out[p, :, heads] = o_rows.view(num_q, group, value_dim)
+        return out
+    qg = q.view(num_reqs, num_q, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+    k_t = keys.permute(0, 2, 3, 1)  # [P, Hk, D, L]
+    v_h = values.permute(0, 2, 1, 3)  # [P, Hk, L, Dv]
     for a in range(0, num_q, CAUSAL_TILE):
         b = min(num_q, a + CAUSAL_TILE)
         n = b - a
@@ -732,6 +760,15 @@ def _causal_tiles(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
         out[:, a:b] = o.view(num_reqs, num_kv_heads, n, group, value_dim).permute(
             0, 2, 1, 3, 4).reshape(num_reqs, n, num_heads, value_dim)
     return out
+
+
+def _value_panels(values: torch.Tensor) -> torch.Tensor:
+    """values [L, Dv] as the linear kernel's panels of V^T, [ceil(Dv / 64), L, 64]: a
+    strided copy where Dv is whole panels (`pack` transposes, ~2x the time here)."""
+    length, width = values.shape
+    if width % cpu_linear.PANEL:
+        return cpu_linear.pack(values.t(), None)[0]
+    return values.reshape(length, -1, cpu_linear.PANEL).permute(1, 0, 2).contiguous()
 
 
 def _page_rows(flat: torch.Tensor) -> tuple[torch.Tensor | None, int]:

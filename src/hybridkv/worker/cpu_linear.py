@@ -37,6 +37,31 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+_STRIDED_SIGNATURE: list[Any] = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64,
+                                 _INT]
+
+
+def strided_product() -> Any:
+    """The kernel behind `product_into`, or None where the library cannot be built."""
+    return native.function("linear", "hkv_linear_f32_strided", _STRIDED_SIGNATURE)
+
+
+def product_into(x: torch.Tensor, panels: torch.Tensor, k: int, out: torch.Tensor) -> None:
+    """out [m, n] = x [m, k] times the first k rows of each of `panels` [p, K >= k, 64]
+    (`pack`'s layout: panel i holds columns 64 i .. 64 i + 63; n <= 64 p), a product over a
+    prefix of K without repacking. x and out: float32 CPU rows of unit stride; the kernel
+    must build (`strided_product`)."""
+    if not (x.stride(-1) == 1 and out.stride(-1) == 1 and panels.is_contiguous()
+            and k <= panels.shape[1] and out.shape[1] <= PANEL * panels.shape[0]
+            and x.shape[0] == out.shape[0]):
+        raise ValueError(f"product_into takes rows of unit stride and a prefix of the "
+                         f"panels, not x {tuple(x.shape)}, panels {tuple(panels.shape)}, "
+                         f"k {k}, out {tuple(out.shape)}")
+    strided_product()(x.data_ptr(), x.shape[0], x.stride(0), panels.data_ptr(), k,
+                      panels.shape[1] * PANEL, None, out.data_ptr(), out.shape[1],
+                      out.stride(0), PLAIN)
+
+
 def _panels(rows: torch.Tensor, width: int) -> torch.Tensor:
     """[n, ...] -> [ceil(n / width), width, ...], zero rows appended."""
     padded = rows.new_zeros((-(-rows.shape[0] // width) * width, *rows.shape[1:]))

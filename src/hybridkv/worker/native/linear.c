@@ -356,8 +356,8 @@ static void few_rows_times_panel(const float *x, int64_t ldx, const float *panel
    ([tiles][6][64]), which are finished once the last block is in. Returns -1 when a
    thread's partial sums cannot be allocated (the caller then takes the unblocked path). */
 static int blocked_panels(const float *xp, int64_t tiles, int64_t m, const float *packed,
-                          int64_t panels, int64_t k, const float *bias, float *y, int64_t n,
-                          int64_t ldy, int64_t width, int mode, int parallel) {
+                          int64_t panels, int64_t k, int64_t ps, const float *bias, float *y,
+                          int64_t n, int64_t ldy, int64_t width, int mode, int parallel) {
     int failed = 0;
 #pragma omp parallel if (parallel)
     {
@@ -370,7 +370,7 @@ static int blocked_panels(const float *xp, int64_t tiles, int64_t m, const float
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
             if (failed) continue;
-            const float *panel = packed + p * k * PANEL;
+            const float *panel = packed + p * ps;
             for (int64_t k0 = 0; k0 < k; k0 += K_BLOCK) {
                 const int64_t kn = k - k0 < K_BLOCK ? k - k0 : K_BLOCK;
                 for (int64_t t = 0; t < tiles; t++) {
@@ -405,8 +405,20 @@ static int blocked_panels(const float *xp, int64_t tiles, int64_t m, const float
 /* y [m, n] (row stride ldy) = epilogue(x [m, k] (row stride ldx) times the packed weights
    [panels, k, 64] + bias [panels * 64] or NULL). n: output columns (the intermediate size
    for a gated mode, whose panels give 32 outputs each). */
+void hkv_linear_f32_strided(const float *x, int64_t m, int64_t ldx, const float *packed,
+                            int64_t k, int64_t ps, const float *bias, float *y, int64_t n,
+                            int64_t ldy, int mode);
+
 void hkv_linear_f32(const float *x, int64_t m, int64_t ldx, const float *packed, int64_t k,
                     const float *bias, float *y, int64_t n, int64_t ldy, int mode) {
+    hkv_linear_f32_strided(x, m, ldx, packed, k, k * PANEL, bias, y, n, ldy, mode);
+}
+
+/* The same with panels `ps` floats apart, of which the first k rows are read: a product
+   over a prefix of K (the keys before a causal tile's last query, worker/attention.py). */
+void hkv_linear_f32_strided(const float *x, int64_t m, int64_t ldx, const float *packed,
+                            int64_t k, int64_t ps, const float *bias, float *y, int64_t n,
+                            int64_t ldy, int mode) {
     const int64_t width = mode == PLAIN ? PANEL : PANEL / 2;
     const int64_t panels = (n + width - 1) / width;
     const int64_t blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK;
@@ -424,8 +436,8 @@ void hkv_linear_f32(const float *x, int64_t m, int64_t ldx, const float *packed,
                     for (int64_t kk = 0; kk < k; kk++)
                         dst[kk * TILE_ROWS] = r < m ? x[r * ldx + kk] : 0.f;
                 }
-            if (k >= K_BLOCKED && blocked_panels(xp, tiles, m, packed, panels, k, bias, y, n, ldy,
-                                              width, mode, parallel) == 0) {
+            if (k >= K_BLOCKED && blocked_panels(xp, tiles, m, packed, panels, k, ps, bias, y,
+                                                 n, ldy, width, mode, parallel) == 0) {
                 free(xp);
                 return;
             }
@@ -435,7 +447,7 @@ void hkv_linear_f32(const float *x, int64_t m, int64_t ldx, const float *packed,
                     const int64_t cols = n - p * width < width ? n - p * width : width;
                     const int rows = m - t * TILE_ROWS < TILE_ROWS ? (int)(m - t * TILE_ROWS)
                                                                    : TILE_ROWS;
-                    const float *panel = packed + p * k * PANEL;
+                    const float *panel = packed + p * ps;
                     const float *b = bias == NULL ? NULL : bias + p * PANEL;
                     float *yt = y + t * TILE_ROWS * ldy + p * width;
                     const float *xt = xp + t * k * TILE_ROWS;
@@ -456,12 +468,12 @@ void hkv_linear_f32(const float *x, int64_t m, int64_t ldx, const float *packed,
             const int64_t cols = n - p * width < width ? n - p * width : width;
             const int64_t r1 = (b + 1) * ROW_BLOCK < m ? (b + 1) * ROW_BLOCK : m;
             if (blocks == 1 && m >= 2 * TILE_ROWS)
-                few_rows_times_panel(x, ldx, packed + p * k * PANEL, k,
+                few_rows_times_panel(x, ldx, packed + p * ps, k,
                                      bias == NULL ? NULL : bias + p * PANEL, y + p * width,
                                      ldy, cols, m, mode,
-                                     (const char *)(packed + panels * k * PANEL));
+                                     (const char *)(packed + (panels - 1) * ps + k * PANEL));
             else
-                rows_times_panel(x, ldx, packed + p * k * PANEL, k,
+                rows_times_panel(x, ldx, packed + p * ps, k,
                                  bias == NULL ? NULL : bias + p * PANEL, y + p * width, ldy,
                                  cols, b * ROW_BLOCK, r1, mode);
         }
