@@ -153,6 +153,23 @@ def test_mamba_checkpoints_at_the_prompt_end_make_the_next_request_hit():
     m.check_integrity()
 
 
+def test_mamba_prompt_of_whole_blocks_also_checkpoints_one_block_before_its_end():
+    """A prompt of 16 tokens saves states at 16 and at 12. A next prompt that parts from it
+    at its last token (a chat client resending it with the answer's text after it, which
+    tokenized the last word differently) resumes at 12, not from the start; an exact
+    continuation still resumes at 16."""
+    m = toy_manager(full(), mamba(), num_pages=60)
+    a = request("a", PROMPT[:16])
+    new = m.allocate_slots(a, a.num_tokens)
+    assert [position for _, position, _ in new.checkpoints] == [12, 16]
+    a.num_computed_tokens = a.num_tokens
+    parted = request("b", PROMPT[:15] + [7, 8, 9])
+    assert m.get_computed_blocks(parted).num_computed_tokens == 12
+    continued = request("c", PROMPT[:16] + [7, 8])
+    assert m.get_computed_blocks(continued).num_computed_tokens == 16
+    m.check_integrity()
+
+
 def test_mamba_branch_point_checkpoint():
     m = toy_manager(full(), mamba(), num_pages=60)
     admit(m, request("a", PROMPT))  # checkpoint at 16
@@ -297,10 +314,27 @@ def test_mamba_takes_checkpoint_blocks_only_with_prefix_caching(caching):
     else:
         assert new.checkpoints == ()  # nothing could ever hit it: no block, nothing to save
         assert m.pool.num_used_blocks(1) == 1  # the live state only
-    for token in range(8):
+    for token in range(8):  # the output crosses 20 and 24
         decode(m, a, token)
     assert m.pool.num_used_blocks(1) == 1
     m.free(a)
     assert m.pool.num_used_blocks(1) == 0
-    assert len(m.pool.groups[1].cached) == (1 if caching else 0)
+    # The prompt end's checkpoint and the output's latest (24: the one at 20 left the cache).
+    assert sorted(b.value for b in m.pool.groups[1].cached.values()) == (
+        [16, 24] if caching else [])
+    m.check_integrity()
+
+
+def test_mamba_output_checkpoint_makes_the_next_turn_hit_after_the_answer():
+    """A chat's next turn resends the prompt and the answer: it resumes from the answer's
+    last block boundary, not from the prompt's end."""
+    m = toy_manager(full(), mamba(), num_pages=60)
+    a = request("a", PROMPT)  # 18 tokens
+    admit(m, a)
+    answer = [40 + i for i in range(9)]  # 18 -> 27 tokens computed: boundaries 20, 24
+    for token in answer:
+        decode(m, a, token)
+    m.free(a)
+    b = request("b", PROMPT + answer + [7, 7, 7])
+    assert m.get_computed_blocks(b).num_computed_tokens == 24
     m.check_integrity()

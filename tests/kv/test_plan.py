@@ -183,8 +183,10 @@ def test_one_request_of_max_model_len_runs_alone_at_the_planners_minimum(caching
         return hit.num_computed_tokens
 
     shared = list(range(1, 257))
-    # Leaves a state checkpoint at 256 (its prompt end) and attention blocks up to 288.
-    run("warm", shared, 300)
+    # A state checkpoint at 256 (a prompt's end), attention blocks up to 304 and a state
+    # checkpoint at 304 only (the second prompt's end), which "long" parts from at 288.
+    run("warm", shared, 256)
+    run("warm2", shared + [7] * 32 + [5] * 20, 308)
     prompt = shared + [7] * 32 + list(range(1000, 1180))  # 468 tokens, decoded to 512
     assert run("long", prompt, 512) == (256 if caching else 0)
     assert all(gs.num_used == 0 for gs in m.pool.groups)

@@ -8,7 +8,8 @@ requests that share random prefixes, run one after another (look up, compute the
 free):
 
     branch point  = the longest block-aligned common prefix with any earlier prompt
-    checkpoints   = each earlier request's prompt end and branch point (block-aligned)
+    checkpoints   = each earlier request's prompt end and branch point (block-aligned), and
+                    the block boundary before its prompt's last token
     hit           = the longest such checkpoint whose prefix the request starts with, short
                     of its last token
 """
@@ -60,7 +61,8 @@ def test_branch_points_and_hits_match_the_oracle(prompts: list[list[int]],
                    if tuple(tokens[:c]) in checkpoints), default=0)
         assert admit(m, req) == hit, f"request {i}"
         assert state.branch_points[req.request_id] == branch, f"request {i}"
-        for position in (len(tokens) // BLOCK * BLOCK, branch):
+        for position in (len(tokens) // BLOCK * BLOCK, (len(tokens) - 1) // BLOCK * BLOCK,
+                         branch):
             if position:
                 checkpoints.add(tuple(tokens[:position]))
         m.free(req)

@@ -371,11 +371,13 @@ class MambaSpec(KVCacheSpec):
     def checkpoint_blocks(self, max_model_len: int, max_num_batched_tokens: int,
                           checkpoint_interval: int) -> int:
         # In the step that resumes from a hit, a request holds the checkpoint it resumes
-        # from and takes one for each position its tokens cross: the prompt end, the branch
-        # point and every interval position. All are block-aligned and within the request.
-        # E.g. block 16, interval 4 (64 tokens), 512-token steps: 1 + 2 + 9 = 12 blocks.
+        # from and takes one for each position its tokens cross: the prompt end (two for a
+        # prompt of whole blocks: kv/managers/mamba.py), the branch point and every
+        # interval position (the output's block boundaries only in steps of output alone,
+        # which cross no prompt end). All are block-aligned and within the request.
+        # E.g. block 16, interval 4 (64 tokens), 512-token steps: 1 + 3 + 9 = 13 blocks.
         num_tokens = min(max_num_batched_tokens, max_model_len)
-        crossed = 2
+        crossed = 3
         if checkpoint_interval:
             crossed += num_tokens // (checkpoint_interval * self.block_size) + 1
         return 1 + min(crossed, max_model_len // self.block_size)

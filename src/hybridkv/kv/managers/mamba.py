@@ -6,12 +6,14 @@ checkpoint taken exactly at the hit point; the hit's block list is then
 state. The checkpoint is released once the request has computed past it.
 
 Checkpoints are saved at block-aligned positions: the end of the prompt (rounded down to a
-block), the branch point (how far the request matched cached blocks before its tokens
-diverged: the next request with that prefix hits there) and, optionally, every
-`checkpoint_interval` blocks. A step whose tokens cross such a position gets a block for it;
-the block is registered under the prefix hash at once (like attention blocks, it is written
-in this very step) and held until the next step, so that nothing reuses it before the model
-runner has written it.
+block; a prompt of whole blocks also one block earlier, see `prompt_end_points`), the last
+block boundary its output has reached (one per request, moved on as it decodes: the next
+turn of a chat resends that output), the branch point (how far the request matched cached
+blocks before its tokens diverged: the next request with that prefix hits there) and,
+optionally, every `checkpoint_interval` blocks. A step whose tokens cross such a position
+gets a block for it; the block is registered under the prefix hash at once (like attention
+blocks, it is written in this very step) and held until the next step, so that nothing
+reuses it before the model runner has written it.
 
 Branch points come from the other groups' lookups (how far full-attention blocks matched).
 A model with no full-attention group (pure Mamba; RecurrentGemma's sliding windows, whose
@@ -58,6 +60,7 @@ class MambaManager(SingleTypeManager):
         self._step_end: dict[str, int] = {}
         self._pending: dict[str, list[Block]] = {}  # checkpoint blocks being written
         self._handed_out: dict[str, list[tuple[int, Block]]] = {}
+        self._output_checkpoint: dict[str, Block] = {}  # the latest, per decoding request
 
     @property
     def num_live_blocks(self) -> int:
@@ -127,18 +130,34 @@ class MambaManager(SingleTypeManager):
             n += 1
         return n * self.block_size
 
+    def prompt_end_points(self, request: KVRequest) -> tuple[int, int]:
+        """The prompt's end rounded down to a block, and the block boundary before its last
+        token. They differ for a prompt of whole blocks: a chat client resends the prompt
+        with the answer's text after it, and the prompt's last token may tokenize
+        differently joined to that text (a word split at the prompt's end), so the next
+        prompt can part from this one at its last token. The second checkpoint caps what
+        that costs at one block; an exact continuation still resumes from the first."""
+        n, bs = request.num_prompt_tokens, self.block_size
+        return n // bs * bs, (n - 1) // bs * bs
+
     def checkpoint_positions(self, request: KVRequest, start: int, end: int) -> list[int]:
         """Block-aligned positions in (start, end] whose state this request should save
         (skipping prefixes already checkpointed)."""
         if not self.save_checkpoints:
             return []
         bs = self.block_size
-        wanted = {request.num_prompt_tokens // bs * bs,
+        wanted = {*self.prompt_end_points(request),
                   self.branch_points.get(request.request_id, 0) // bs * bs,
                   *(p // bs * bs for p in self.shared_points.get(request.request_id, ()))}
         if self.checkpoint_interval:
             step = self.checkpoint_interval * bs
             wanted.update(range((start // step + 1) * step, end + 1, step))
+        if start >= request.num_prompt_tokens and end // bs * bs > start:
+            # The output's last block boundary, in steps of output alone (a resumed request
+            # recomputing its prompt and output takes it at its next boundary), so that no
+            # step crosses it and the prompt's end: the planner counts the blocks one step
+            # can take (kv/spec.py).
+            wanted.add(end // bs * bs)
         hashes = request.block_hashes
         return sorted(p for p in wanted if start < p <= end and p // bs <= len(hashes)
                       and hashes[p // bs * self.stride - 1] not in self.cached)
@@ -173,10 +192,21 @@ class MambaManager(SingleTypeManager):
         if checkpoints:
             self._pending[rid] = checkpoints
             self._handed_out[rid] = list(zip(positions, checkpoints, strict=True))
+            if positions[-1] > request.num_prompt_tokens:
+                self._move_output_checkpoint(rid, checkpoints[-1])
         if live:
             self.has_live_state.add(rid)
             self.req_blocks.setdefault(rid, []).extend(live)
         return live
+
+    def _move_output_checkpoint(self, request_id: str, block: Block) -> None:
+        """`block` is the request's newest output checkpoint: the one before it spares
+        less than it does for anything that continues this output, so it leaves the cache
+        (unless a request is resuming from it: it then goes with the usual eviction)."""
+        previous = self._output_checkpoint.get(request_id)
+        self._output_checkpoint[request_id] = block
+        if previous is not None and previous is not block:
+            self.pool.evict_blocks(self.group_id, [previous])
 
     def take_checkpoints(self, request_id: str) -> list[tuple[int, Block]]:
         return self._handed_out.pop(request_id, [])
@@ -198,6 +228,7 @@ class MambaManager(SingleTypeManager):
         self._handed_out.pop(rid, None)
         self._planned.pop(rid, None)
         self._step_end.pop(rid, None)
+        self._output_checkpoint.pop(rid, None)  # it stays cached: the next turn's hit
         pending = self._pending.pop(rid, None)
         if pending:
             self.pool.free(self.group_id, pending)
@@ -219,12 +250,15 @@ class MambaManager(SingleTypeManager):
         if not self.save_checkpoints:
             return NEVER
         bs = self.block_size
-        candidates = [request.num_prompt_tokens // bs * bs,
+        candidates = [*self.prompt_end_points(request),
                       self.branch_points.get(request.request_id, 0) // bs * bs,
                       *(p // bs * bs for p in self.shared_points.get(request.request_id, ()))]
         if self.checkpoint_interval:
             step = self.checkpoint_interval * bs
             candidates.append((after // step + 1) * step)
+        # The output's next block boundary.
+        if after >= request.num_prompt_tokens:
+            candidates.append((after // bs + 1) * bs)
         return min((p for p in candidates if p > after), default=NEVER)
 
     def cache_blocks(self, request: KVRequest, num_tokens: int) -> None:
