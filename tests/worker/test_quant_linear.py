@@ -247,7 +247,7 @@ def test_matmul_on_two_threads_and_into_out(qtype: int, activations: str,
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        for m in (1, 7, 40, 200):  # 40: the packed float tiles; 200: torch's GEMM
+        for m in (1, 7, 40, 200):  # 40 and 200: the packed float tiles
             x = torch.randn(m, cols)
             check_matmul(ql.matmul(x, data, qtype, cols), x, raw, qtype, cols, w)
             out = torch.full((m, rows + 3), float("nan"))[:, 1:rows + 1]
@@ -353,16 +353,26 @@ def test_gated_product_equals_activation_of_gate_times_up(qtype: int, act: str) 
 
 
 @needs_c
+@pytest.mark.parametrize("tiles", [True, False], ids=["float tiles", "torch GEMM"])
 @pytest.mark.parametrize("qtype", [1, 7, 13], ids=["F16", "Q5_1", "Q5_K"])
-def test_prefill_in_chunks_of_rows(qtype: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """From LARGE_M rows the product runs torch's GEMM on dequantized chunks of rows."""
+def test_prefill_in_chunks_of_rows(qtype: int, tiles: bool,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """From LARGE_M rows the product runs on chunks of dequantized weights: the float
+    kernel's tiles over chunks of panels (x packed once a chunk), or, where that kernel does
+    not build (PREFILL_PACKED off here), torch's GEMM on chunks of rows."""
+    if tiles and ql._packed_linear() is None:
+        pytest.skip("the float linear kernel does not build here")
+    monkeypatch.setattr(ql, "PREFILL_PACKED", tiles)
     rows, cols = 70, 256
     raw = weights(qtype, rows, cols, seed=5)
     w = reference(raw, qtype, cols)
     data = as_tensor(raw)
     x = torch.randn(ql.LARGE_M + 3, cols)
+    ql._packed_buffers.__dict__.clear()
     close_matmul(ql.matmul(x, data, qtype, cols), x, w)  # one chunk, straight into out
-    monkeypatch.setattr(ql, "_CHUNK_FLOATS", 16 * cols)  # chunks of 16 rows, a partial last
+    assert bool(ql._packed_buffers.__dict__) == tiles
+    # Chunks of 16 rows (one 64-row panel for the tiles), a partial last.
+    monkeypatch.setattr(ql, "_CHUNK_FLOATS", 16 * cols)
     close_matmul(ql.matmul(x, data, qtype, cols), x, w)
     out = torch.empty(x.shape[0], rows + 1)[:, 1:]
     close_matmul(ql.matmul(x[:, :], data, qtype, cols, out=out), x, w)

@@ -22,7 +22,9 @@ Which path y = x W^T takes (M: the rows of x):
   * Otherwise x in float: up to 4 rows (8 for Q8_0) the fused kernel, then the C dot
     panels; from 16 rows (PACKED_ROWS; past the 8-bit limit when that is on) a few panels
     of W at a time dequantized into the float linear kernel's layout and multiplied by its
-    register tiles; from LARGE_M rows (prefill) dequantized chunks and torch's GEMM.
+    register tiles; from LARGE_M rows (prefill) the same tiles over chunks of ~16 MiB of
+    panels, x packed once a chunk (torch's GEMM on dequantized chunks of rows where the
+    float kernel does not build).
     F32/F16/BF16 always float.
   * By default (set_float_activations(True); HYBRIDKV_QUANT_FLOAT_ACTIVATIONS unset or 1)
     x stays in float everywhere.
@@ -68,9 +70,12 @@ _TYPES: dict[int, tuple[str, int, int]] = {
 }
 SUPPORTED: dict[int, str] = {t: name for t, (name, _, _) in _TYPES.items()}
 
-# x rows from which the product dequantizes chunks of _CHUNK_FLOATS weights into float and
-# runs torch's GEMM on them (the dequantization costs ~0.15 ns a weight, once per call):
-# measured level with the packed tiles below at 128 rows and 1.0-1.1x them at 512.
+# x rows from which the product dequantizes chunks of _CHUNK_FLOATS weights (~0.15 ns a
+# weight, once per call) and multiplies each chunk whole: through the float kernel's tiles
+# (PREFILL_PACKED), or torch's GEMM where that kernel does not build. On an AVX2 core
+# torch's GEMM measured 1.0-1.1x the few-panel tiles at 512 rows; the tiles over a whole
+# chunk, x packed once, ran Gemma 3 270M's 512-token prompt 1.16x faster than torch's GEMM
+# on an AVX-512 core (SmolLM2 1.23x), the same tokens.
 LARGE_M = 128
 _CHUNK_FLOATS = 1 << 22  # 16 MiB: torch's GEMM loses speed on narrower chunks
 # x rows [lo, hi) for which a few panels of W at a time are dequantized into the float
@@ -81,6 +86,8 @@ _CHUNK_FLOATS = 1 << 22  # 16 MiB: torch's GEMM loses speed on narrower chunks
 # which catches up at 128; below 16 rows the dot tiles' cheaper dequantization wins (at 8
 # rows by 1.1-1.3x).
 PACKED_ROWS = (16, LARGE_M)
+PREFILL_PACKED = True  # LARGE_M rows and more on the float tiles (tests turn it off)
+_PANEL = 64  # linear.c's panel width
 _linear_address: int | None = None
 # The chunk buffers, per thread (two engines in one process must not share one).
 _packed_buffers = threading.local()
@@ -293,7 +300,9 @@ def _product(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
 def _takes_packed(m: int, qtype: int) -> bool:
     """Whether m rows of x take the packed float tiles: PACKED_ROWS, unless 8-bit
     activations are on and the integer kernel takes that many rows."""
-    return PACKED_ROWS[0] <= m < PACKED_ROWS[1] and (FLOAT_ACTIVATIONS or m > int8_rows(qtype))
+    if m >= PACKED_ROWS[1]:
+        return PREFILL_PACKED
+    return PACKED_ROWS[0] <= m and (FLOAT_ACTIVATIONS or m > int8_rows(qtype))
 
 
 def _packed_linear() -> int | None:
@@ -326,7 +335,11 @@ def _packed(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, cols: int,
         return False
     lib = library()
     # One panel per thread per chunk: the float kernel splits a chunk's panels over them.
+    # A prefill's chunk is ~_CHUNK_FLOATS of weights: the kernel packs x once per chunk.
     panels = max(1, torch.get_num_threads())
+    if x.shape[0] >= LARGE_M:
+        width = _PANEL // 2 if mode else _PANEL
+        panels = max(panels, min(-(-n // width), _CHUNK_FLOATS // (_PANEL * cols)))
     buffers: dict[str, torch.Tensor] = _packed_buffers.__dict__
     key = f"{cols}x{panels}"
     buf = buffers.get(key)
