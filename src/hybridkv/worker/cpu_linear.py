@@ -52,8 +52,8 @@ def product_into(x: torch.Tensor, panels: torch.Tensor, k: int, out: torch.Tenso
     prefix of K without repacking. x and out: float32 CPU rows of unit stride; the kernel
     must build (`strided_product`)."""
     if not (x.stride(-1) == 1 and out.stride(-1) == 1 and panels.is_contiguous()
-            and k <= panels.shape[1] and out.shape[1] <= PANEL * panels.shape[0]
-            and x.shape[0] == out.shape[0]):
+            and k <= min(panels.shape[1], x.shape[1])
+            and out.shape[1] <= PANEL * panels.shape[0] and x.shape[0] == out.shape[0]):
         raise ValueError(f"product_into takes rows of unit stride and a prefix of the "
                          f"panels, not x {tuple(x.shape)}, panels {tuple(panels.shape)}, "
                          f"k {k}, out {tuple(out.shape)}")
