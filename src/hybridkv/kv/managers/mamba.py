@@ -192,7 +192,10 @@ class MambaManager(SingleTypeManager):
         if checkpoints:
             self._pending[rid] = checkpoints
             self._handed_out[rid] = list(zip(positions, checkpoints, strict=True))
-            if positions[-1] > request.num_prompt_tokens:
+            # A step of output alone whose last checkpoint is its end's block boundary:
+            # the output's checkpoint (checkpoint_positions).
+            if request.num_computed_tokens >= request.num_prompt_tokens and \
+                    positions[-1] == self._step_end.get(rid, 0) // bs * bs:
                 self._move_output_checkpoint(rid, checkpoints[-1])
         if live:
             self.has_live_state.add(rid)
