@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridkv.worker import native
+from hybridkv.worker import cpu_linear, native
 
 # GGML type id -> (name, values per block, bytes per block).
 _TYPES: dict[int, tuple[str, int, int]] = {
@@ -87,7 +87,6 @@ _CHUNK_FLOATS = 1 << 22  # 16 MiB: torch's GEMM loses speed on narrower chunks
 # rows by 1.1-1.3x).
 PACKED_ROWS = (16, LARGE_M)
 PREFILL_PACKED = True  # LARGE_M rows and more on the float tiles (tests turn it off)
-_PANEL = 64  # linear.c's panel width
 _linear_address: int | None = None
 # The chunk buffers, per thread (two engines in one process must not share one).
 _packed_buffers = threading.local()
@@ -310,8 +309,6 @@ def _packed_linear() -> int | None:
     not build."""
     global _linear_address
     if _linear_address is None:
-        from hybridkv.worker import cpu_linear
-
         try:
             _linear_address = ctypes.cast(cpu_linear.library().hkv_linear_f32,
                                           ctypes.c_void_p).value or 0
@@ -338,8 +335,8 @@ def _packed(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, cols: int,
     # A prefill's chunk is ~_CHUNK_FLOATS of weights: the kernel packs x once per chunk.
     panels = max(1, torch.get_num_threads())
     if x.shape[0] >= LARGE_M:
-        width = _PANEL // 2 if mode else _PANEL
-        panels = max(panels, min(-(-n // width), _CHUNK_FLOATS // (_PANEL * cols)))
+        width = cpu_linear.PANEL // 2 if mode else cpu_linear.PANEL
+        panels = max(panels, min(-(-n // width), _CHUNK_FLOATS // (cpu_linear.PANEL * cols)))
     buffers: dict[str, torch.Tensor] = _packed_buffers.__dict__
     key = f"{cols}x{panels}"
     buf = buffers.get(key)
