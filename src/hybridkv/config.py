@@ -19,6 +19,7 @@ from hybridkv.connector.offload.store import parse_tier_spec
 from hybridkv.connector.scheduler import STORE_POLICIES
 from hybridkv.kv.cache_dtype import check_kv_cache_dtype, check_state_dtype, parse_skip
 from hybridkv.kv.plan import parse_bytes
+from hybridkv.kv.spec import DEFAULT_CHECKPOINT_TAIL
 from hybridkv.sched.checks import check_bool, check_int
 from hybridkv.sched.scheduler import SchedulerConfig
 from hybridkv.worker.config import RunnerConfig
@@ -69,6 +70,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # or "priority": lower `priority` values first
     mamba_checkpoint_interval: int = 0  # also save state checkpoints every N blocks
     mamba_checkpoint_branch_points: bool = True  # and where requests leave a cached prefix
+    # and at each of the last N block boundaries of a prompt and of an output (where a
+    # chat's next turn parts from this one: an edited message, a resent answer)
+    mamba_checkpoint_tail: int = DEFAULT_CHECKPOINT_TAIL
     # "value": weigh cached blocks by prefix tokens per byte; "lru". Default: value for
     # models with state layers, lru otherwise.
     kv_eviction: str | None = None
@@ -147,6 +151,8 @@ class EngineConfig:
                 check_int(name, getattr(self, name), low=1, what="an integer >= 1 or None")
         check_int("mamba_checkpoint_interval", self.mamba_checkpoint_interval, low=0,
                   what="an integer >= 0 (0 = no interval checkpoints)")
+        check_int("mamba_checkpoint_tail", self.mamba_checkpoint_tail, low=1,
+                  what="an integer >= 1 (block boundaries at a prompt's and an output's end)")
         for f in fields(self):
             if f.type == "bool":
                 check_bool(f.name, getattr(self, f.name))
@@ -251,5 +257,6 @@ class EngineConfig:
         return {"enable_caching": self.enable_prefix_caching,
                 "checkpoint_interval": self.mamba_checkpoint_interval,
                 "checkpoint_branch_points": self.mamba_checkpoint_branch_points,
+                "checkpoint_tail": self.mamba_checkpoint_tail,
                 "eviction": self.kv_eviction, "hash_seed": self.block_hash_seed,
                 "hash_algo": self.block_hash_algo}

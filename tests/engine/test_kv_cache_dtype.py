@@ -97,12 +97,15 @@ def test_caching_chunking_and_preemption_change_no_token(arch, dtype, model):
     # Preemption: six requests near the smallest budget the planner accepts for int8 pages.
     many = prompts(5, (41, 75, 100, 57, 90, 66))
     _, plain = run(model(arch), many, enable_prefix_caching=False, max_model_len=128, **q)
-    # (A state group's block is most of a hybrid's minimum: it needs the minimum itself.)
+    # (A state group's block is most of a hybrid's minimum: it needs the minimum itself,
+    # with one block of prompt tail checkpoints.)
     scale = 1.0 if arch == "nemotron_h" else 1.25
     budget = int(planner_minimum(model(arch), max_model_len=128, batch=32,
-                                 kv_cache_dtype=dtype, kv_sharing=True) * scale)
+                                 kv_cache_dtype=dtype, kv_sharing=True,
+                                 checkpoint_tail=1) * scale)
     small = LLM(str(model(arch)), **{**COMMON, "kv_cache_memory": budget, "max_model_len": 128,
-                                     "max_num_batched_tokens": 32}, **q)
+                                     "max_num_batched_tokens": 32, "mamba_checkpoint_tail": 1},
+                **q)
     out = small.generate(many, SamplingParams(max_tokens=NUM_NEW))
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     assert small.engine.scheduler.num_preemptions > 0

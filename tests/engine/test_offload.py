@@ -246,8 +246,11 @@ def test_preemption_and_chunked_prefill_under_a_tiny_budget(arch, scale, model, 
     prompts = make_prompts(5, (41, 75, 100, 57, 90, 66))
     options = dict(max_model_len=128, max_num_batched_tokens=32)
     expected = reference(arch, prompts, **options)
-    budget = int(planner_minimum(model(arch), max_model_len=128, batch=32) * scale)
-    llm = offload_llm(model(arch), kv_cache_memory=budget, kv_offload_cpu="64MiB", **options)
+    # (With one block of prompt tail checkpoints: more would leave room to spare.)
+    budget = int(planner_minimum(model(arch), max_model_len=128, batch=32,
+                                 checkpoint_tail=1) * scale)
+    llm = offload_llm(model(arch), kv_cache_memory=budget, kv_offload_cpu="64MiB",
+                      mamba_checkpoint_tail=1, **options)
     synchronous_loads(llm)
     assert tokens_of(llm.generate(prompts, GREEDY)) == expected
     assert llm.engine.scheduler.num_preemptions > 0

@@ -170,6 +170,39 @@ def test_mamba_prompt_of_whole_blocks_also_checkpoints_one_block_before_its_end(
     m.check_integrity()
 
 
+def test_mamba_checkpoints_the_prompts_tail_where_an_edited_last_message_parts():
+    """With a tail of 3 blocks, a prompt of 26 tokens saves states at 16, 20 and 24. A chat
+    client that edits the last message (here from token 17 on) resumes at 16; with the
+    tail of one block it would resume from the start."""
+    for tail, expected in ((3, 16), (1, 0)):
+        m = toy_manager(full(), mamba(), num_pages=60, checkpoint_tail=tail)
+        prompt = list(range(1, 27))
+        a = request("a", prompt)
+        new = m.allocate_slots(a, a.num_tokens)
+        a.num_computed_tokens = a.num_tokens
+        assert [p for _, p, _ in new.checkpoints] == ([16, 20, 24] if tail == 3 else [24])
+        edited = request("b", prompt[:17] + [9, 9, 9, 9, 9])
+        assert m.get_computed_blocks(edited).num_computed_tokens == expected
+        m.check_integrity()
+
+
+def test_mamba_keeps_the_outputs_last_tail_checkpoints():
+    """With a tail of 2 blocks the output keeps its last two block boundaries' states (24
+    and 28 once it reached 30; 20 left the cache). A resend whose answer tokenizes
+    differently from token 26 on resumes at 24."""
+    m = toy_manager(full(), mamba(), num_pages=60, checkpoint_tail=2)
+    a = request("a", PROMPT)  # 18 tokens: prompt checkpoints at 12 and 16
+    admit(m, a)
+    answer = [40 + i for i in range(12)]  # 18 -> 30: boundaries 20, 24, 28
+    for token in answer:
+        decode(m, a, token)
+    m.free(a)
+    assert sorted(b.value for b in m.pool.groups[1].cached.values()) == [12, 16, 24, 28]
+    resend = request("b", PROMPT + answer[:8] + [7, 7, 7])
+    assert m.get_computed_blocks(resend).num_computed_tokens == 24
+    m.check_integrity()
+
+
 def test_mamba_branch_point_checkpoint():
     m = toy_manager(full(), mamba(), num_pages=60)
     admit(m, request("a", PROMPT))  # checkpoint at 16

@@ -153,7 +153,8 @@ def test_one_request_of_max_model_len_runs_alone_at_the_planners_minimum(caching
     """Anything the planner accepts runs one request of max_model_len alone, checkpoints
     included. With caching the request takes the most state blocks one step can take: it
     resumes from a checkpoint (256) while attention matched further (288, the branch point),
-    and its one prefill step crosses the branch point and its prompt end."""
+    and its one prefill step crosses the branch point and every checkpoint of its prompt's
+    tail (the default, DEFAULT_CHECKPOINT_TAIL blocks)."""
     from hybridkv.kv.manager import KVCacheManager
     from hybridkv.kv.request import KVRequest
 
@@ -183,11 +184,12 @@ def test_one_request_of_max_model_len_runs_alone_at_the_planners_minimum(caching
         return hit.num_computed_tokens
 
     shared = list(range(1, 257))
-    # A state checkpoint at 256 (a prompt's end), attention blocks up to 304 and a state
-    # checkpoint at 304 only (the second prompt's end), which "long" parts from at 288.
+    # State checkpoints up to 256 (a prompt's tail), attention blocks up to 368 and state
+    # checkpoints only from 320 (the second prompt's tail), which "long" parts from at 288.
     run("warm", shared, 256)
-    run("warm2", shared + [7] * 32 + [5] * 20, 308)
-    prompt = shared + [7] * 32 + list(range(1000, 1180))  # 468 tokens, decoded to 512
+    run("warm2", shared + [7] * 32 + [5] * 84, 376)
+    # 464 tokens (whole blocks: five tail checkpoints, 400 to 464), decoded to 512.
+    prompt = shared + [7] * 32 + list(range(1000, 1176))
     assert run("long", prompt, 512) == (256 if caching else 0)
     assert all(gs.num_used == 0 for gs in m.pool.groups)
     m.check_integrity()

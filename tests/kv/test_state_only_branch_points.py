@@ -8,8 +8,8 @@ requests that share random prefixes, run one after another (look up, compute the
 free):
 
     branch point  = the longest block-aligned common prefix with any earlier prompt
-    checkpoints   = each earlier request's prompt end and branch point (block-aligned), and
-                    the block boundary before its prompt's last token
+    checkpoints   = each earlier request's branch point and the block boundaries in its
+                    prompt's last `tail` blocks of tokens, its end included
     hit           = the longest such checkpoint whose prefix the request starts with, short
                     of its last token
 """
@@ -43,13 +43,13 @@ def prompt_lists(draw: st.DrawFn) -> list[list[int]]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(prompt_lists(), st.booleans())
+@given(prompt_lists(), st.booleans(), st.integers(1, 3))
 def test_branch_points_and_hits_match_the_oracle(prompts: list[list[int]],
-                                                 with_window: bool) -> None:
+                                                 with_window: bool, tail: int) -> None:
     # State alone (Mamba), or beside a sliding window (RecurrentGemma): no full-attention
     # group either way. Nothing is evicted, so a window before a checkpoint is cached too.
     specs = (sliding(8), mamba()) if with_window else (mamba(),)
-    m = toy_manager(*specs, num_pages=800)
+    m = toy_manager(*specs, num_pages=800, checkpoint_tail=tail)
     state = m.managers[-1]
     checkpoints: set[tuple[int, ...]] = set()
     for i, tokens in enumerate(prompts):
@@ -61,8 +61,8 @@ def test_branch_points_and_hits_match_the_oracle(prompts: list[list[int]],
                    if tuple(tokens[:c]) in checkpoints), default=0)
         assert admit(m, req) == hit, f"request {i}"
         assert state.branch_points[req.request_id] == branch, f"request {i}"
-        for position in (len(tokens) // BLOCK * BLOCK, (len(tokens) - 1) // BLOCK * BLOCK,
-                         branch):
+        ends = range(BLOCK, len(tokens) + 1, BLOCK)
+        for position in [p for p in ends if p >= len(tokens) - tail * BLOCK] + [branch]:
             if position:
                 checkpoints.add(tuple(tokens[:position]))
         m.free(req)

@@ -48,11 +48,14 @@ def toy_config(*specs: KVCacheSpec, num_pages: int, blocks_per_page: int = 1) ->
 
 
 def toy_manager(*specs: KVCacheSpec, num_pages: int, blocks_per_page: int = 1,
-                enable_caching: bool = True, max_model_len: int = 1024) -> KVCacheManager:
+                enable_caching: bool = True, max_model_len: int = 1024,
+                checkpoint_tail: int = 1) -> KVCacheManager:
+    # Toy prompts are a few blocks of 4 tokens: state groups keep one block of a prompt's
+    # and an output's tail unless a test asks for more.
     return KVCacheManager(toy_config(*specs, num_pages=num_pages,
                                      blocks_per_page=blocks_per_page),
                           max_model_len=max_model_len, enable_caching=enable_caching,
-                          enable_events=True)
+                          enable_events=True, checkpoint_tail=checkpoint_tail)
 
 
 def request(rid: str, tokens: list[int], **kw: object) -> KVRequest:

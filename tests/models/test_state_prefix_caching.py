@@ -49,8 +49,9 @@ def test_multi_turn_hits_the_checkpoint_at_the_end_of_turn_one(model_dir):
     assert out2.token_ids == plain.generate(turn2, GREEDY)[0].token_ids
 
 
-def test_a_shared_system_prompt_hits_at_the_branch_point(model_dir):
-    cached, plain = engines(model_dir)
+@pytest.mark.parametrize("tail", [1, 4])
+def test_a_shared_system_prompt_hits_at_the_branch_point(model_dir, tail):
+    cached, plain = engines(model_dir, mamba_checkpoint_tail=tail)
     system = tokens(3, 100)
     stats = cached.engine.kv_manager.stats
     outputs = []
@@ -60,11 +61,12 @@ def test_a_shared_system_prompt_hits_at_the_branch_point(model_dir):
         [out] = cached.generate(prompt, GREEDY)
         outputs.append(stats.num_hit_tokens - before)
         assert out.token_ids == plain.generate(prompt, GREEDY)[0].token_ids, f"request {i}"
-    # The first request checkpoints its prompt end (112) only, so the second finds no state
-    # inside the shared 96 tokens; it saves one at its branch point, where the third hits.
-    # (Without attention layers, Mamba's state group remembers computed block hashes to
-    # find the branch point.)
-    assert outputs == [0, 0, 96]
+    # With a tail of one block the first request checkpoints its prompt end (112) only, so
+    # the second finds no state inside the shared 96 tokens; it saves one at its branch
+    # point, where the third hits. (Without attention layers, Mamba's state group
+    # remembers computed block hashes to find the branch point.) With four (the default)
+    # the first request's tail, 64 to 112, already holds the state at 96.
+    assert outputs == ([0, 0, 96] if tail == 1 else [0, 96, 96])
 
 
 def test_checkpoint_interval_and_chunked_prefill(model_dir):

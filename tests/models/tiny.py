@@ -125,10 +125,11 @@ ARCHS["gemma4_text"] = ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
 
 def planner_minimum(model_dir: Path, *, max_model_len: int, batch: int,
                     caching: bool = True, kv_cache_dtype: str = "auto",
-                    kv_sharing: bool = False) -> int:
+                    kv_sharing: bool = False, checkpoint_tail: int | None = None) -> int:
     """The smallest KV budget (to 1 KiB) the planner accepts for a saved model: tests that
     want memory pressure scale it. `kv_cache_dtype`: its pages so stored; `kv_sharing`:
-    layers reading another's KV own no pages (as the engine plans them)."""
+    layers reading another's KV own no pages (as the engine plans them);
+    `checkpoint_tail`: state checkpoints at a prompt's end (None: the engine's default)."""
     from hybridkv.kv.cache_dtype import apply_cache_dtype
     from hybridkv.kv.plan import plan_kv_cache
     from hybridkv.models.layer_mix import kv_layout_from_config, load_hf_config
@@ -139,7 +140,9 @@ def planner_minimum(model_dir: Path, *, max_model_len: int, batch: int,
         try:
             plan_kv_cache(specs, kib * 1024, max_model_len=max_model_len,
                           max_num_batched_tokens=batch, enable_caching=caching,
-                          kv_sharing=layout.kv_sharing if kv_sharing else None)
+                          kv_sharing=layout.kv_sharing if kv_sharing else None,
+                          **({} if checkpoint_tail is None else
+                             {"checkpoint_tail": checkpoint_tail}))
         except ValueError:
             continue
         return kib * 1024

@@ -18,8 +18,10 @@ SYSTEM = list(range(1000, 1026))  # 26 tokens: 6 whole blocks of 4, then 2 more
 
 
 def make(*specs, budget=8, branch_points=True, num_pages=200):
+    # One block of prompt tail (toy prompts are a few blocks of 4): the only state
+    # checkpoint where the users' prompts part is the branch point.
     kv = KVCacheManager(toy_config(*specs, num_pages=num_pages), max_model_len=256,
-                        checkpoint_branch_points=branch_points)
+                        checkpoint_branch_points=branch_points, checkpoint_tail=1)
     return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8,
                                      max_model_len=256), kv)
 

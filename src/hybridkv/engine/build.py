@@ -156,7 +156,8 @@ def _fitting_len(layout: Any, budget: int, wanted: int, config: EngineConfig) ->
                           hybrid=not config.disable_hybrid_kv_cache,
                           kv_sharing=layout.kv_sharing,
                           enable_caching=config.enable_prefix_caching,
-                          checkpoint_interval=config.mamba_checkpoint_interval)
+                          checkpoint_interval=config.mamba_checkpoint_interval,
+                          checkpoint_tail=config.mamba_checkpoint_tail)
             return True
         except ValueError:
             return False
@@ -224,7 +225,8 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
                          hybrid=not config.disable_hybrid_kv_cache,
                          kv_sharing=layout.kv_sharing,
                          enable_caching=config.enable_prefix_caching,
-                         checkpoint_interval=config.mamba_checkpoint_interval)
+                         checkpoint_interval=config.mamba_checkpoint_interval,
+                         checkpoint_tail=config.mamba_checkpoint_tail)
     if config.kv_sharing_fast_prefill and getattr(loaded.model, "kv_shared_from",
                                                   None) is None:
         raise ValueError(

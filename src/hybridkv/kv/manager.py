@@ -20,7 +20,7 @@ from hybridkv.kv.hashing import make_block_hasher
 from hybridkv.kv.managers.base import NEVER
 from hybridkv.kv.plan import KVCacheConfig
 from hybridkv.kv.request import KVRequest
-from hybridkv.kv.spec import FullAttentionSpec
+from hybridkv.kv.spec import DEFAULT_CHECKPOINT_TAIL, FullAttentionSpec
 
 
 class KVCacheBlocks:
@@ -64,6 +64,7 @@ class KVCacheManager:
     def __init__(self, config: KVCacheConfig, *, max_model_len: int,
                  enable_caching: bool = True, enable_events: bool = False,
                  checkpoint_interval: int = 0, checkpoint_branch_points: bool = True,
+                 checkpoint_tail: int = DEFAULT_CHECKPOINT_TAIL,
                  eviction: str | None = None, hash_seed: str | bytes | None = None,
                  hash_algo: str = "xxh3") -> None:
         self.config = config
@@ -90,7 +91,7 @@ class KVCacheManager:
             for m in self.managers:
                 m.set_checkpoint_policy(interval=checkpoint_interval,
                                         branch_points=checkpoint_branch_points,
-                                        remember_blocks=no_full)
+                                        tail=checkpoint_tail, remember_blocks=no_full)
         self.stats = PrefixCacheStats(hit_tokens_per_group=[0] * len(self.managers))
         self._no_blocks = KVCacheBlocks(tuple([] for _ in self.managers))
         # Per request: token counts below which allocate_slots has nothing to do.

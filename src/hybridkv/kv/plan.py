@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from hybridkv.kv.spec import (
+    DEFAULT_CHECKPOINT_TAIL,
     ChunkedLocalAttentionSpec,
     EncoderOnlySpec,
     FullAttentionSpec,
@@ -215,6 +216,7 @@ def plan_kv_cache(
     strict: bool = True,
     enable_caching: bool = True,
     checkpoint_interval: int = 0,
+    checkpoint_tail: int = DEFAULT_CHECKPOINT_TAIL,
 ) -> KVCachePlan:
     """Plan the KV cache of a model whose layers need `layer_specs` within `memory_bytes`.
 
@@ -223,7 +225,8 @@ def plan_kv_cache(
     `strict=False` a budget too small for one request is a warning instead: the `--no-hybrid`
     comparison of a model that only fits with hybrid management). With `enable_caching`,
     state layers also take checkpoint blocks (every `checkpoint_interval` blocks, 0: only at
-    prompt ends and branch points), and one request of `max_model_len` must fit with them.
+    prompt ends and branch points; the last `checkpoint_tail` blocks of a prompt each), and
+    one request of `max_model_len` must fit with them.
     """
     if memory_bytes <= 0:
         raise ValueError(f"KV cache memory must be positive, got {memory_bytes} bytes")
@@ -253,7 +256,8 @@ def plan_kv_cache(
     config = KVCacheConfig(groups=tuple(groups), large_page_bytes=large_page,
                            num_large_pages=memory_bytes // large_page)
     problem = _one_request_problem(config, memory_bytes, max_model_len, max_num_batched_tokens,
-                                   checkpoint_interval if enable_caching else None)
+                                   checkpoint_interval if enable_caching else None,
+                                   checkpoint_tail)
     if problem and strict:
         raise ValueError(problem)
     plan = _figures(config, specs, memory_bytes, max_model_len, max_num_batched_tokens, hybrid)
@@ -279,7 +283,8 @@ def _check_kv_sharing(layer_specs: Mapping[str, KVCacheSpec],
 
 
 def one_request_pages(config: KVCacheConfig, max_model_len: int, max_num_batched_tokens: int,
-                      checkpoint_interval: int | None) -> int:
+                      checkpoint_interval: int | None,
+                      checkpoint_tail: int = DEFAULT_CHECKPOINT_TAIL) -> int:
     """Large pages one request of `max_model_len` needs at its peak, the null page included
     (`checkpoint_interval` None: no prefix caching, so no state checkpoints)."""
     pages = 1
@@ -287,16 +292,16 @@ def one_request_pages(config: KVCacheConfig, max_model_len: int, max_num_batched
         blocks = g.spec.peak_blocks(max_model_len, max_num_batched_tokens)
         if checkpoint_interval is not None:
             blocks += g.spec.checkpoint_blocks(max_model_len, max_num_batched_tokens,
-                                               checkpoint_interval)
+                                               checkpoint_interval, checkpoint_tail)
         pages += cdiv(blocks, g.blocks_per_large_page)
     return pages
 
 
 def _one_request_problem(config: KVCacheConfig, memory_bytes: int, max_model_len: int,
                          max_num_batched_tokens: int,
-                         checkpoint_interval: int | None) -> str | None:
+                         checkpoint_interval: int | None, checkpoint_tail: int) -> str | None:
     pages = one_request_pages(config, max_model_len, max_num_batched_tokens,
-                              checkpoint_interval)
+                              checkpoint_interval, checkpoint_tail)
     if pages > config.num_large_pages:
         need = pages * config.large_page_bytes
         return (

@@ -142,9 +142,10 @@ class KVCacheSpec:
         raise NotImplementedError
 
     def checkpoint_blocks(self, max_model_len: int, max_num_batched_tokens: int,
-                          checkpoint_interval: int) -> int:
+                          checkpoint_interval: int, checkpoint_tail: int = 1) -> int:
         """Blocks one request holds at most on top of `peak_blocks` when the prefix cache
-        saves state checkpoints (`checkpoint_interval` in blocks, 0: none). State kinds only."""
+        saves state checkpoints (`checkpoint_interval` in blocks, 0: none; the last
+        `checkpoint_tail` blocks of a prompt each). State kinds only."""
         return 0
 
     def transient_blocks(self, max_num_batched_tokens: int) -> int:
@@ -338,6 +339,13 @@ class CrossAttentionSpec(AttentionSpec):
         return self.max_encoder_len * self.bytes_per_token
 
 
+# State checkpoints a request keeps near its ends, in blocks: at each of the last this many
+# block boundaries of its prompt and of its output (kv/managers/mamba.py). A chat's next
+# request parts from this one there: an edited last message, or an answer whose text
+# tokenizes differently when it is sent back.
+DEFAULT_CHECKPOINT_TAIL = 4
+
+
 @dataclass(frozen=True, kw_only=True)
 class MambaSpec(KVCacheSpec):
     """A fixed-size recurrent state per request (conv state + SSM state, or a linear-attention
@@ -369,15 +377,16 @@ class MambaSpec(KVCacheSpec):
         return 1 + self.num_speculative_blocks
 
     def checkpoint_blocks(self, max_model_len: int, max_num_batched_tokens: int,
-                          checkpoint_interval: int) -> int:
+                          checkpoint_interval: int, checkpoint_tail: int = 1) -> int:
         # In the step that resumes from a hit, a request holds the checkpoint it resumes
-        # from and takes one for each position its tokens cross: the prompt end (two for a
-        # prompt of whole blocks: kv/managers/mamba.py), the branch point and every
-        # interval position (the output's block boundaries only in steps of output alone,
-        # which cross no prompt end). All are block-aligned and within the request.
-        # E.g. block 16, interval 4 (64 tokens), 512-token steps: 1 + 3 + 9 = 13 blocks.
+        # from and takes one for each position its tokens cross: the boundaries of the
+        # prompt's tail (`checkpoint_tail` + 1 for a prompt of whole blocks:
+        # kv/managers/mamba.py), the branch point and every interval position (the output's
+        # block boundaries only in steps of output alone, which cross no prompt end). All
+        # are block-aligned and within the request. E.g. block 16, tail 1, interval 4 (64
+        # tokens), 512-token steps: 1 + 3 + 9 = 13 blocks.
         num_tokens = min(max_num_batched_tokens, max_model_len)
-        crossed = 3
+        crossed = checkpoint_tail + 2
         if checkpoint_interval:
             crossed += num_tokens // (checkpoint_interval * self.block_size) + 1
         return 1 + min(crossed, max_model_len // self.block_size)

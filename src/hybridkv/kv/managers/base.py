@@ -189,10 +189,11 @@ class SingleTypeManager:
         """Another request's prompt leaves this one's at `position` (tokens): state kinds
         save a checkpoint there when this request computes past it."""
 
-    def set_checkpoint_policy(self, *, interval: int, branch_points: bool,
+    def set_checkpoint_policy(self, *, interval: int, branch_points: bool, tail: int = 1,
                               remember_blocks: bool = False) -> None:
-        """Turn state checkpoints on (the prefix cache is on): at prompt ends, every
-        `interval` blocks too (0: never), and at branch points or not (state kinds only).
+        """Turn state checkpoints on (the prefix cache is on): at the last `tail` block
+        boundaries of prompts and outputs, every `interval` blocks too (0: never), and at
+        branch points or not (state kinds only).
         `remember_blocks`: no full-attention group finds branch points, so the state groups
         keep the hashes of computed blocks to find them."""
 

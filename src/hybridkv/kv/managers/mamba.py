@@ -5,10 +5,10 @@ checkpoint taken exactly at the hit point; the hit's block list is then
 `[null, ..., null, checkpoint]`, whose last entry the model runner copies into the live
 state. The checkpoint is released once the request has computed past it.
 
-Checkpoints are saved at block-aligned positions: the end of the prompt (rounded down to a
-block; a prompt of whole blocks also one block earlier, see `prompt_end_points`), the last
-block boundary its output has reached (one per request, moved on as it decodes: the next
-turn of a chat resends that output), the branch point (how far the request matched cached
+Checkpoints are saved at block-aligned positions: the last `checkpoint_tail` block
+boundaries of the prompt (see `prompt_end_points`), the last `checkpoint_tail` block
+boundaries its output has reached (older ones leave the cache as it decodes: the next turn
+of a chat resends that output), the branch point (how far the request matched cached
 blocks before its tokens diverged: the next request with that prefix hits there) and,
 optionally, every `checkpoint_interval` blocks. A step whose tokens cross such a position
 gets a block for it; the block is registered under the prefix hash at once (like attention
@@ -24,7 +24,7 @@ recently seen forgotten first) and measure the match against those.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from itertools import chain
 
@@ -47,6 +47,7 @@ class MambaManager(SingleTypeManager):
         # a checkpoint, so its block would be taken for nothing.
         self.save_checkpoints = False
         self.checkpoint_interval = 0  # in blocks; 0 = only prompt ends and branch points
+        self.checkpoint_tail = 1  # block boundaries kept at a prompt's and an output's end
         self.checkpoint_branch_points = True
         self.branch_points: dict[str, int] = {}  # tokens matched before diverging
         # Where other requests' prompts leave this one's while it prefills (see
@@ -60,7 +61,8 @@ class MambaManager(SingleTypeManager):
         self._step_end: dict[str, int] = {}
         self._pending: dict[str, list[Block]] = {}  # checkpoint blocks being written
         self._handed_out: dict[str, list[tuple[int, Block]]] = {}
-        self._output_checkpoint: dict[str, Block] = {}  # the latest, per decoding request
+        # The latest `checkpoint_tail` of each decoding request's output, oldest first.
+        self._output_checkpoints: dict[str, deque[Block]] = {}
 
     @property
     def num_live_blocks(self) -> int:
@@ -113,10 +115,11 @@ class MambaManager(SingleTypeManager):
         if self.saves_branch_points:
             self.shared_points.setdefault(request_id, set()).add(position)
 
-    def set_checkpoint_policy(self, *, interval: int, branch_points: bool,
+    def set_checkpoint_policy(self, *, interval: int, branch_points: bool, tail: int = 1,
                               remember_blocks: bool = False) -> None:
         self.save_checkpoints = True
         self.checkpoint_interval = interval
+        self.checkpoint_tail = tail
         self.checkpoint_branch_points = branch_points
         self.seen = OrderedDict() if remember_blocks and branch_points else None
 
@@ -130,15 +133,17 @@ class MambaManager(SingleTypeManager):
             n += 1
         return n * self.block_size
 
-    def prompt_end_points(self, request: KVRequest) -> tuple[int, int]:
-        """The prompt's end rounded down to a block, and the block boundary before its last
-        token. They differ for a prompt of whole blocks: a chat client resends the prompt
-        with the answer's text after it, and the prompt's last token may tokenize
-        differently joined to that text (a word split at the prompt's end), so the next
-        prompt can part from this one at its last token. The second checkpoint caps what
-        that costs at one block; an exact continuation still resumes from the first."""
+    def prompt_end_points(self, request: KVRequest) -> range:
+        """The block boundaries in the prompt's last `checkpoint_tail` blocks' worth of
+        tokens, its end included: a chat's next prompt parts from this one near its end.
+        An edited last message parts where that message began; a resend with the answer's
+        text after it can part at the prompt's last token (a word split at the prompt's end
+        tokenizes differently joined to that text). With a tail of one block that is the
+        prompt's end rounded down to a block, plus the boundary one block earlier for a
+        prompt of whole blocks; an exact continuation resumes from the last one."""
         n, bs = request.num_prompt_tokens, self.block_size
-        return n // bs * bs, (n - 1) // bs * bs
+        first = max(1, -(-(n - self.checkpoint_tail * bs) // bs))
+        return range(first * bs, n // bs * bs + 1, bs)
 
     def checkpoint_positions(self, request: KVRequest, start: int, end: int) -> list[int]:
         """Block-aligned positions in (start, end] whose state this request should save
@@ -196,20 +201,23 @@ class MambaManager(SingleTypeManager):
             # the output's checkpoint (checkpoint_positions).
             if request.num_computed_tokens >= request.num_prompt_tokens and \
                     positions[-1] == self._step_end.get(rid, 0) // bs * bs:
-                self._move_output_checkpoint(rid, checkpoints[-1])
+                self._add_output_checkpoint(rid, checkpoints[-1])
         if live:
             self.has_live_state.add(rid)
             self.req_blocks.setdefault(rid, []).extend(live)
         return live
 
-    def _move_output_checkpoint(self, request_id: str, block: Block) -> None:
-        """`block` is the request's newest output checkpoint: the one before it spares
-        less than it does for anything that continues this output, so it leaves the cache
-        (unless a request is resuming from it: it then goes with the usual eviction)."""
-        previous = self._output_checkpoint.get(request_id)
-        self._output_checkpoint[request_id] = block
-        if previous is not None and previous is not block:
-            self.pool.evict_blocks(self.group_id, [previous])
+    def _add_output_checkpoint(self, request_id: str, block: Block) -> None:
+        """`block` is the request's newest output checkpoint. The next turn resends the
+        output and resumes at the last of these its tokens still match; one older than the
+        last `checkpoint_tail` spares less than they do, so it leaves the cache (unless a
+        request is resuming from it: it then goes with the usual eviction)."""
+        kept = self._output_checkpoints.setdefault(request_id, deque())
+        if kept and kept[-1] is block:
+            return
+        kept.append(block)
+        if len(kept) > self.checkpoint_tail:
+            self.pool.evict_blocks(self.group_id, [kept.popleft()])
 
     def take_checkpoints(self, request_id: str) -> list[tuple[int, Block]]:
         return self._handed_out.pop(request_id, [])
@@ -231,7 +239,7 @@ class MambaManager(SingleTypeManager):
         self._handed_out.pop(rid, None)
         self._planned.pop(rid, None)
         self._step_end.pop(rid, None)
-        self._output_checkpoint.pop(rid, None)  # it stays cached: the next turn's hit
+        self._output_checkpoints.pop(rid, None)  # they stay cached: the next turn's hit
         pending = self._pending.pop(rid, None)
         if pending:
             self.pool.free(self.group_id, pending)
