@@ -142,7 +142,7 @@ class KVCacheSpec:
         raise NotImplementedError
 
     def checkpoint_blocks(self, max_model_len: int, max_num_batched_tokens: int,
-                          checkpoint_interval: int, checkpoint_tail: int = 1) -> int:
+                          checkpoint_interval: int, checkpoint_tail: int) -> int:
         """Blocks one request holds at most on top of `peak_blocks` when the prefix cache
         saves state checkpoints (`checkpoint_interval` in blocks, 0: none; the last
         `checkpoint_tail` blocks of a prompt each). State kinds only."""
@@ -377,7 +377,7 @@ class MambaSpec(KVCacheSpec):
         return 1 + self.num_speculative_blocks
 
     def checkpoint_blocks(self, max_model_len: int, max_num_batched_tokens: int,
-                          checkpoint_interval: int, checkpoint_tail: int = 1) -> int:
+                          checkpoint_interval: int, checkpoint_tail: int) -> int:
         # In the step that resumes from a hit, a request holds the checkpoint it resumes
         # from and takes one for each position its tokens cross: the boundaries of the
         # prompt's tail (`checkpoint_tail` + 1 for a prompt of whole blocks:
