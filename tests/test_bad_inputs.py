@@ -168,6 +168,7 @@ ENGINE = [
     ({"enable_prefix_caching": "false"}, "enable_prefix_caching"),
     ({"enable_chunked_prefill": 1}, "enable_chunked_prefill"),
     ({"mamba_checkpoint_interval": -3}, "mamba_checkpoint_interval"),
+    ({"mamba_checkpoint_tail": 0}, "mamba_checkpoint_tail must be an integer >= 1"),
     ({"max_model_len": "1024"}, "max_model_len"),
     ({"max_model_len": 0}, "max_model_len"),
     ({"max_model_len": 4096}, "max_position_embeddings (512)"),
