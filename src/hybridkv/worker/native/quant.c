@@ -24,7 +24,8 @@
    then matches a float matmul on the dequantized weights to float rounding): one to four
    x rows (eight for Q8_0) take the fused kernel: each block's integers become 8-float
    vectors in registers, dotted with every x row, the block's scale applied once per block
-   (a min, through the x block's sum). More rows take panels: a thread dequantizes a few
+   (a min, through the x block's sum); with AVX-512 one x row (a batch-1 decode step) takes
+   16-float vectors widened straight from the blocks' bytes (fused_row1_512). More rows take panels: a thread dequantizes a few
    weight rows (24 KiB) once and reuses them for every x row through 4 x 3 register tiles
    of 8-float dot products. (worker/quant_linear.py sends 16 to 127 rows to
    hkv_quant_matmul_packed below, linear.c's float tiles on dequantized panels, and from 128
@@ -659,6 +660,126 @@ static int fused_type(int type) {
            type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HAVE_FUSED_ROW1_512 1
+/* fused_row for one x row with AVX-512: 16 codes widen from 16 bytes straight to a 16-lane
+   vector, and Q5's fifth bits and Q5_K's come from mask registers, where the AVX2 code
+   builds 32 byte codes first and widens them in four pieces. Same sums as fused_row: per
+   block the scale times the codes' dot product with x, the mins through x's block sums. */
+static inline __m512 codes_ps(__m512i q) { return _mm512_cvtepi32_ps(q); }
+static inline __m512i widen_u8(const uint8_t *p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* The types with 32-value blocks (`type` a constant: one loop each, no branch inside). */
+static inline __attribute__((always_inline)) float row32_512(
+    const int type, const uint8_t *p, int64_t cols, const float *x, const float *xs) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    float off = 0.f;
+    const __m512i m15 = _mm512_set1_epi32(15), s16 = _mm512_set1_epi32(16);
+    const int five = type == T_Q5_0 || type == T_Q5_1;
+    const int with_min = type == T_Q4_1 || type == T_Q5_1;
+    const int64_t size = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 24;
+    const int64_t qs = 2 + 2 * with_min + 4 * five;
+    for (int64_t k = 0, b = 0; k < cols; k += 32, b++, p += size) {
+        const __m512i v = widen_u8(p + qs);
+        __m512i lo = _mm512_and_si512(v, m15), hi = _mm512_srli_epi32(v, 4);
+        if (five) {
+            const uint32_t bits = rd32(p + 2 + 2 * with_min);
+            if (with_min) {
+                lo = _mm512_mask_or_epi32(lo, (__mmask16)bits, lo, s16);
+                hi = _mm512_mask_or_epi32(hi, (__mmask16)(bits >> 16), hi, s16);
+            } else { /* minus 16 where the fifth bit is clear: or-ing it in, minus 16 */
+                lo = _mm512_mask_sub_epi32(lo, (__mmask16)~bits, lo, s16);
+                hi = _mm512_mask_sub_epi32(hi, (__mmask16)~(bits >> 16), hi, s16);
+            }
+        } else if (!with_min) { /* Q4_0: minus 8 */
+            lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(8));
+            hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(8));
+        }
+        const __m512 t = _mm512_fmadd_ps(codes_ps(hi), _mm512_loadu_ps(x + k + 16),
+                                         _mm512_mul_ps(codes_ps(lo), _mm512_loadu_ps(x + k)));
+        const __m512 d = _mm512_set1_ps(half_to_float(rd16(p)));
+        if (b & 1) acc1 = _mm512_fmadd_ps(d, t, acc1);
+        else acc0 = _mm512_fmadd_ps(d, t, acc0);
+        if (with_min) off += half_to_float(rd16(p + 2)) * xs[b];
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + off;
+}
+
+/* Whether fused_row1_512 takes `type` (Q6_K measured level with the AVX2 code, which builds
+   its codes from high bits shared by four sub-blocks: it stays there). */
+static int fused_row1_512_type(int type) {
+    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 ||
+           type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K;
+}
+
+static float fused_row1_512(int type, const uint8_t *p, int64_t cols, const float *x,
+                            const float *xs) {
+    switch (type) {
+    case T_Q4_0: return row32_512(T_Q4_0, p, cols, x, xs);
+    case T_Q4_1: return row32_512(T_Q4_1, p, cols, x, xs);
+    case T_Q5_0: return row32_512(T_Q5_0, p, cols, x, xs);
+    case T_Q5_1: return row32_512(T_Q5_1, p, cols, x, xs);
+    default: break;
+    }
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    float off = 0.f;
+    const __m512i m15 = _mm512_set1_epi32(15), s16 = _mm512_set1_epi32(16);
+    switch (type) {
+    case T_Q8_0:
+        for (int64_t k = 0, b = 0; k < cols; k += 32, b++, p += 34) {
+            const __m512i lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 2)));
+            const __m512i hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 18)));
+            const __m512 t = _mm512_fmadd_ps(codes_ps(hi), _mm512_loadu_ps(x + k + 16),
+                                             _mm512_mul_ps(codes_ps(lo), _mm512_loadu_ps(x + k)));
+            const __m512 d = _mm512_set1_ps(half_to_float(rd16(p)));
+            if (b & 1) acc1 = _mm512_fmadd_ps(d, t, acc1);
+            else acc0 = _mm512_fmadd_ps(d, t, acc0);
+        }
+        break;
+    case T_Q4_K:
+    case T_Q5_K: {
+        const int five = type == T_Q5_K;
+        const int64_t size = five ? 176 : 144;
+        for (int64_t k = 0, b = 0; k < cols; k += 256, b += 8, p += size) {
+            const float d = half_to_float(rd16(p)), dmin = half_to_float(rd16(p + 2));
+            const uint8_t *sc = p + 4, *qh = p + 16, *q = p + (five ? 48 : 16);
+            float mins = 0.f;
+            for (int s = 0; s < 8; s += 2) {
+                float s0, s1, m0, m1;
+                scale_min_k4(sc, s, &s0, &m0);
+                scale_min_k4(sc, s + 1, &s1, &m1);
+                mins += m0 * xs[b + s] + m1 * xs[b + s + 1];
+                __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
+                for (int h = 0; h < 32; h += 16) { /* values h .. h + 15 of both sub-blocks */
+                    const __m512i v = widen_u8(q + 16 * s + h);
+                    __m512i lo = _mm512_and_si512(v, m15), hi = _mm512_srli_epi32(v, 4);
+                    if (five) {
+                        const __m128i hb = _mm_loadu_si128((const __m128i *)(qh + h));
+                        lo = _mm512_mask_or_epi32(
+                            lo, _mm_test_epi8_mask(hb, _mm_set1_epi8((char)(1 << s))), lo, s16);
+                        hi = _mm512_mask_or_epi32(
+                            hi, _mm_test_epi8_mask(hb, _mm_set1_epi8((char)(2 << s))), hi, s16);
+                    }
+                    const float *xk = x + k + 32 * s + h;
+                    t0 = _mm512_fmadd_ps(codes_ps(lo), _mm512_loadu_ps(xk), t0);
+                    t1 = _mm512_fmadd_ps(codes_ps(hi), _mm512_loadu_ps(xk + 32), t1);
+                }
+                acc0 = _mm512_fmadd_ps(_mm512_set1_ps(d * s0), t0, acc0);
+                acc1 = _mm512_fmadd_ps(_mm512_set1_ps(d * s1), t1, acc1);
+            }
+            off -= dmin * mins;
+        }
+        break;
+    }
+    default:
+        break;
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + off;
+}
+#endif
+
 static void fused_matmul(const float *x, int64_t m, int64_t ldx, const uint8_t *w,
                          int64_t ldw, int type, int64_t rows, int64_t cols, float *y,
                          int64_t ldy, const float *xs, int64_t ldxs) {
@@ -670,6 +791,12 @@ static void fused_matmul(const float *x, int64_t m, int64_t ldx, const uint8_t *
             const float *xi = x + i * ldx, *si = xs + i * ldxs;
             float *yi = y + i * ldy + r;
             const uint8_t *p = w + r * ldw;
+#if defined(HAVE_FUSED_ROW1_512)
+            if (nx == 1 && fused_row1_512_type(type)) {
+                *yi = fused_row1_512(type, p, cols, xi, si);
+                continue;
+            }
+#endif
             switch (nx) {
             case 4: fused_row(type, p, cols, xi, ldx, si, ldxs, yi, ldy, 4); break;
             case 3: fused_row(type, p, cols, xi, ldx, si, ldxs, yi, ldy, 3); break;
