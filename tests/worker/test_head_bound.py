@@ -61,14 +61,17 @@ def head_and_bound(kind: str, vocab: int, cols: int) -> tuple[torch.Tensor, Head
     return w, bound
 
 
-def test_the_copy_holds_the_values_it_reports():
+@pytest.mark.parametrize("half_scales", [False, True])
+def test_the_copy_holds_the_values_it_reports(half_scales):
     w = float_head(70, 96)
     w[3] = 0.0  # zero blocks: scale 0, values 0
-    q, d, values = quantize_blocks(w)
+    q, d, values = quantize_blocks(w, half_scales=half_scales)
     assert torch.equal(q.float().view(70, 3, 32) * d[:, :, None], values.view(70, 3, 32))
     assert (q[3] == 0).all() and (d[3] == 0).all()
     assert (w - values).abs().max() <= w.abs().max() / 127 * 0.51
     assert q.abs().max() == 127
+    if half_scales:  # what the kernel reads: the scales are halves exactly
+        assert torch.equal(d.to(torch.float16).to(torch.float32), d)
 
 
 def test_a_q8_0_head_keeps_its_own_values():
@@ -83,7 +86,7 @@ def test_the_kernel_computes_what_the_copy_and_x_hold(rows, portable):
     # 300 tokens: the last group of 8 is part padding; 70 rows: two calls' worth.
     w, bound = head_and_bound("float", 300, 96)
     x = hidden(rows, 96, seed=rows)
-    wq = quantized_x(w)  # the head's copy: the same rounding as x's
+    wq = quantize_blocks(w, half_scales=True)[2]  # the head's copy: x's rounding, half scales
     hb.force_portable(portable)
     try:
         approx = bound.approx(x)

@@ -3,10 +3,10 @@ exact: every token the pre-pass cannot rule out is scored again at full precisio
 
 At a 262k x 640 head the logits are most of a small model's step: 671 MB of float32 rows
 read at batch 1, 10.7 GFLOP at batch 32. The pre-pass keeps an 8-bit copy of the head
-(per 32 values a float32 scale max|w| / 127 and 32 int8 values; a quarter of a float
+(per 32 values a half-precision scale max|w| / 127 and 32 int8 values; ~27% of a float
 head's bytes), packed eight tokens at a time for native/head_bound.c's kernel, which on
-an AVX2 core computes it ~2x faster than a float GEMM at 32 rows and reads a quarter of
-the bytes at one row. x is rounded to 8 bits per 32 values alike. Each logit's error is
+an AVX2 core computes it ~2x faster than a float GEMM at 32 rows and reads those bytes at
+one row. x is rounded to 8 bits per 32 values alike (with float32 scales). Each logit's error is
 bounded:
 
     |approx - exact| <= sum_b ||e_b|| ||w_hat_v,b|| + ||x_b|| ||w_v,b - w_hat_v,b||
@@ -66,7 +66,7 @@ class HeadBound:
     """The pre-pass copy of a head and what the bound needs of each vocabulary row."""
 
     packed: torch.Tensor  # int8 [groups, blocks, 8, 32]: see native/head_bound.c
-    scales: torch.Tensor  # float32 [groups, blocks, 8]
+    scales: torch.Tensor  # float16 [groups, blocks, 8]
     vocab: int
     cols: int
     wnorm: torch.Tensor  # float32 [vocab]: ||w_hat_v||
@@ -89,7 +89,7 @@ class HeadBound:
             return None
         nb, groups = cols // BLOCK, -(-vocab // GROUP)
         packed = torch.zeros((groups, nb, GROUP, BLOCK), dtype=torch.int8)
-        scales = torch.zeros((groups, nb, GROUP), dtype=torch.float32)
+        scales = torch.zeros((groups, nb, GROUP), dtype=torch.float16)
         wnorm = torch.empty(vocab, dtype=torch.float32)
         dnorm = torch.empty(vocab, dtype=torch.float32)
         wblock = torch.empty((vocab, nb), dtype=torch.float32)
@@ -97,7 +97,7 @@ class HeadBound:
         for r0 in range(0, vocab, _ROWS):
             w = rows(r0, min(vocab, r0 + _ROWS))
             n = w.shape[0]
-            q, d, approx = quantize_blocks(w)
+            q, d, approx = quantize_blocks(w, half_scales=True)
             g0, g1 = r0 // GROUP, -(-(r0 + n) // GROUP)
             pad = (g1 - g0) * GROUP - n
             if pad:
@@ -259,14 +259,19 @@ class HeadBound:
         return HeadCandidates(scale(values), ids, torch.zeros(ids.shape[0], dtype=torch.bool))
 
 
-def quantize_blocks(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_blocks(t: torch.Tensor, half_scales: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float32 [n, cols] (cols a multiple of 32) -> (int8 values [n, cols], float32 scales
     [n, cols / 32], the float32 values they hold [n, cols]): per 32 values d = max|t| / 127
     and round(t * (1 / d)) to nearest even (0 for a block of zeros). The head's copy and
-    x are rounded alike."""
+    x are rounded alike; the copy's scales are rounded to IEEE halves first (`half_scales`,
+    as the kernel reads them: a value then rounds to at most 127.06 d, still 127). A Q8_0
+    head's scales are halves already, so its values stay as they are."""
     n, cols = t.shape
     blocks = t.reshape(n, cols // BLOCK, BLOCK)
     d = blocks.abs().amax(dim=2) / 127.0
+    if half_scales:
+        d = d.to(torch.float16).to(torch.float32)
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(blocks * inv[:, :, None]).clamp_(-127, 127)
     return (q.to(torch.int8).view(n, cols).contiguous(), d.contiguous(),

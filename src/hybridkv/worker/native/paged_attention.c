@@ -51,20 +51,6 @@ static inline const char *token_row(const kv_view *kv, const int64_t *table, int
            + (block % kv->blocks_per_page) * kv->slot_stride + offset * kv->token_stride;
 }
 
-/* An IEEE half (a row's scale) as a float; scales are finite, subnormals included. */
-static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-    union { uint32_t u; float f; } out;
-    if (exp == 0) {
-        out.f = (float)man * 5.9604644775390625e-08f; /* man * 2^-24 */
-        out.u |= sign;
-        return out.f;
-    }
-    out.u = sign | ((exp + 112) << 23) | (man << 13);
-    return out.f;
-}
-
 typedef int8_t i8x8 __attribute__((vector_size(8)));
 typedef uint8_t u8x8 __attribute__((vector_size(8)));
 

@@ -70,30 +70,6 @@ static void block_shape(int type, int64_t *values, int64_t *bytes) {
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 
-/* IEEE half -> float, subnormals, infinities and NaNs included. */
-static inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else { /* subnormal: man 2^-24 */
-        float f = (float)man * 5.9604644775390625e-08f;
-        memcpy(&bits, &f, 4);
-        bits |= sign;
-    }
-    float out;
-    memcpy(&out, &bits, 4);
-    return out;
-#endif
-}
-
 /* Q4_K / Q5_K: sub-block s's 6-bit scale and min from the 12 packed bytes. */
 static inline void scale_min_k4(const uint8_t *s, int j, float *sc, float *mn) {
     if (j < 4) {

@@ -8,6 +8,34 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* IEEE half -> float, subnormals, infinities and NaNs included. */
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: man 2^-24 */
+        float f = (float)man * 5.9604644775390625e-08f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+#endif
+}
+
 /* exp(x) for x <= 0 (scores minus their running max), written so loops over it vectorise:
    x = n ln2 + r with |r| <= ln2/2, exp(r) by its Taylor series to r^6 (relative error
    below 2e-7, as expf's last bit), times 2^n built in the exponent bits. Below -87 the
