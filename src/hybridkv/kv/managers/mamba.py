@@ -145,15 +145,21 @@ class MambaManager(SingleTypeManager):
         first = max(1, -(-(n - self.checkpoint_tail * bs) // bs))
         return range(first * bs, n // bs * bs + 1, bs)
 
+    def _request_points(self, request: KVRequest) -> list[int]:
+        """The positions this request saves wherever its steps cross them: its prompt's
+        tail, its branch point and where waiting prompts leave it (block-aligned)."""
+        bs = self.block_size
+        return [*self.prompt_end_points(request),
+                self.branch_points.get(request.request_id, 0) // bs * bs,
+                *(p // bs * bs for p in self.shared_points.get(request.request_id, ()))]
+
     def checkpoint_positions(self, request: KVRequest, start: int, end: int) -> list[int]:
         """Block-aligned positions in (start, end] whose state this request should save
         (skipping prefixes already checkpointed)."""
         if not self.save_checkpoints:
             return []
         bs = self.block_size
-        wanted = {*self.prompt_end_points(request),
-                  self.branch_points.get(request.request_id, 0) // bs * bs,
-                  *(p // bs * bs for p in self.shared_points.get(request.request_id, ()))}
+        wanted = set(self._request_points(request))
         if self.checkpoint_interval:
             step = self.checkpoint_interval * bs
             wanted.update(range((start // step + 1) * step, end + 1, step))
@@ -261,9 +267,7 @@ class MambaManager(SingleTypeManager):
         if not self.save_checkpoints:
             return NEVER
         bs = self.block_size
-        candidates = [*self.prompt_end_points(request),
-                      self.branch_points.get(request.request_id, 0) // bs * bs,
-                      *(p // bs * bs for p in self.shared_points.get(request.request_id, ()))]
+        candidates = self._request_points(request)
         if self.checkpoint_interval:
             step = self.checkpoint_interval * bs
             candidates.append((after // step + 1) * step)
