@@ -657,9 +657,11 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start N replicas on N consecutive ports (--port .. --port+N-1) "
                              "on disjoint cores, with one block hash seed, for a router "
                              "(default: 1)")
-    parser.add_argument("--data-parallel-rank", type=non_negative_int, default=0,
-                        help="this replica's rank (set by --data-parallel-size): KV events "
-                             "carry it and their ports are offset by it (default: 0)")
+    parser.add_argument("--replica-index", "--data-parallel-rank", dest="replica_index",
+                        type=non_negative_int, default=0,
+                        help="this replica's index (set by --data-parallel-size): its KV event "
+                             "ports are offset by it; its events say rank 0, the one engine "
+                             "behind its URL (default: 0)")
 
 
 def replica_options(args: argparse.Namespace) -> dict[str, object]:
@@ -667,7 +669,7 @@ def replica_options(args: argparse.Namespace) -> dict[str, object]:
                 kv_events_topic=args.kv_events_topic,
                 kv_events_replay_endpoint=args.kv_events_replay_endpoint,
                 kv_events_queue=args.kv_events_queue,
-                data_parallel_rank=args.data_parallel_rank)
+                replica_index=args.replica_index)
 
 
 def add_server_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:

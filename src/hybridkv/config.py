@@ -138,8 +138,10 @@ class EngineConfig:
     kv_events_replay_endpoint: str | None = None
     kv_events_queue: int = 10_000
     # This replica's index among `hybridkv serve --data-parallel-size N` replicas: its KV
-    # events carry it, and their endpoints' ports are offset by it (vLLM's layout).
-    data_parallel_rank: int = 0
+    # event endpoints' ports are offset by it (vLLM's layout). Its events still say
+    # data-parallel rank 0: each replica is its own server, the one engine behind its URL,
+    # and routers file a batch's blocks under the rank it names for the URL it came from.
+    replica_index: int = 0
 
     def __post_init__(self) -> None:
         # Every option is checked here, with one line naming it and what is accepted: a wrong
@@ -206,7 +208,7 @@ class EngineConfig:
             raise ValueError(f"kv_offload_load_timeout_s must be a number of seconds > 0, "
                              f"got {timeout!r}")
         check_int("kv_events_queue", self.kv_events_queue, low=1)
-        check_int("data_parallel_rank", self.data_parallel_rank, low=0)
+        check_int("replica_index", self.replica_index, low=0)
         if not isinstance(self.kv_events_topic, str):
             raise ValueError(f"kv_events_topic must be a string, got {self.kv_events_topic!r}")
         if self.kv_events_endpoint is not None:

@@ -62,6 +62,19 @@ def free_port() -> int:
         return port
 
 
+def free_port_pair() -> int:
+    """A free port whose successor is free too (`--data-parallel-size 2` takes PORT and
+    PORT + 1, for HTTP and for KV events alike)."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+
+
 class Subscriber:
     """A SUB socket connected to a publisher that binds (tcp://*:PORT), decoding with
     vLLM's structs; `seqs` are the sequence numbers received, in order."""

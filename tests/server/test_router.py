@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.connector.vllm_events import free_port
+from tests.connector.vllm_events import free_port, free_port_pair
 from tests.redis_server import RedisServer, running_redis
 from tests.server.conftest import LiveServer
 
@@ -335,21 +335,31 @@ def block_size(replica: LiveServer) -> int:
 def test_vllm_routers_kv_aware_policy_routes_by_hybridkvs_kv_events(demo_dir: Path) -> None:
     """vllm-router's `kv_aware` policy knows nothing of a replica's cache but what its KV
     events say (it recomputes block keys from the events' token ids, and tokenizes requests
-    through each replica's /tokenize): every prompt lands where its blocks are."""
+    through each replica's /tokenize): every prompt lands where its blocks are. The replicas
+    come from one `--data-parallel-size 2`, as docs/deployment.md runs them: the router files
+    a batch's blocks under the rank the batch names, so the second replica's must say 0."""
     if not Path(VLLM_ROUTER).exists():
         pytest.skip("vllm-router is not installed (pip install 'vllm-router>=0.1.17,<0.2')")
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("--data-parallel-size 2 needs 2 cores")
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        event_ports = [free_port(), free_port()]
-        # vllm-router subscribes with the empty topic; each replica binds its own endpoint.
-        replicas = [start_replicas(demo_dir, procs, "--kv-events-endpoint",
-                                   f"tcp://127.0.0.1:{port}", "--kv-events-topic", "",
-                                   n=1)[0] for port in event_ports]
+        http_port, event_port = free_port_pair(), free_port_pair()
+        # vllm-router subscribes with the empty topic; replica i binds event_port + i.
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "hybridkv.cli", "serve", str(demo_dir),
+             "--port", str(http_port), "--data-parallel-size", "2",
+             "--kv-cache-memory", "8MiB", "--max-model-len", "256", "--log-level", "warning",
+             "--kv-events-endpoint", f"tcp://127.0.0.1:{event_port}", "--kv-events-topic", ""],
+            env=REPLICA_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        replicas = [LiveServer(f"http://127.0.0.1:{http_port + i}", None) for i in range(2)]
+        for replica in replicas:
+            wait_for(f"{replica.url}/health", procs[-1], "a replica")
         [model] = [m["id"] for m in
                    httpx.get(f"{replicas[0].url}/v1/models", timeout=10).json()["data"]]
         port, metrics_port = free_port(), free_port()
-        sources = [arg for r, p in zip(replicas, event_ports, strict=True)
-                   for arg in ("--kv-event-source", f"{r.url}=tcp://127.0.0.1:{p}")]
+        sources = [arg for i, r in enumerate(replicas)
+                   for arg in ("--kv-event-source", f"{r.url}=tcp://127.0.0.1:{event_port + i}")]
         procs.append(subprocess.Popen(
             [VLLM_ROUTER, "--host", "127.0.0.1", "--port", str(port),
              "--worker-urls", *[r.url for r in replicas], "--policy", "kv_aware", *sources,

@@ -107,20 +107,11 @@ def test_a_live_server_publishes_kv_events(demo_dir: Path) -> None:
 
 
 def test_data_parallel_size_starts_replicas_on_consecutive_ports(demo_dir: Path) -> None:
-    from tests.connector.vllm_events import free_port
+    from tests.connector.vllm_events import free_port_pair
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cores")
-    port = free_port()
-    while True:  # two consecutive free ports
-        try:
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            break
-        except OSError:
-            port = free_port()
+    port = free_port_pair()
     proc = subprocess.Popen(
         [sys.executable, "-m", "hybridkv.cli", "serve", str(demo_dir), "--port", str(port),
          "--data-parallel-size", "2", "--kv-cache-memory", "8MiB", "--max-model-len", "256",

@@ -72,15 +72,15 @@ def binds(endpoint: str) -> bool:
             or endpoint.startswith(("ipc://", "inproc://")))
 
 
-def offset_endpoint(endpoint: str, rank: int) -> str:
-    """The endpoint of data-parallel rank `rank`: the port plus the rank (vLLM's layout);
-    ipc/inproc names get a `_dpN` suffix."""
-    if rank == 0:
+def offset_endpoint(endpoint: str, offset: int) -> str:
+    """The endpoint of replica `offset`: the port plus the offset (vLLM's layout for its
+    data-parallel ranks); ipc/inproc names get a `_dpN` suffix."""
+    if offset == 0:
         return endpoint
     if endpoint.startswith("tcp://"):
         base, port = endpoint.rsplit(":", 1)
-        return f"{base}:{int(port) + rank}"
-    return f"{endpoint}_dp{rank}"
+        return f"{base}:{int(port) + offset}"
+    return f"{endpoint}_dp{offset}"
 
 
 def external_hash(block_hash: BlockHash) -> int:
@@ -136,21 +136,25 @@ def encode_batch(ts: float, events: Sequence[KVCacheEvent], groups: Sequence[Gro
 
 class KVEventPublisher:
     """A PUB socket (and optionally a replay ROUTER socket) fed by a thread from a bounded
-    queue. `publish` is called by the engine each step and returns at once."""
+    queue. `publish` is called by the engine each step and returns at once.
+
+    `port_offset` moves the endpoints (replica i of `--data-parallel-size` binds PORT + i);
+    `data_parallel_rank` is what the batches say, the rank among the engines behind one
+    server's URL, which is 0 for every hybridkv server."""
 
     def __init__(self, endpoint: str, *, groups: Sequence[GroupInfo],
                  topic: str = DEFAULT_TOPIC, replay_endpoint: str | None = None,
-                 data_parallel_rank: int = 0, max_queue: int = 10_000,
+                 port_offset: int = 0, data_parallel_rank: int = 0, max_queue: int = 10_000,
                  buffer_steps: int = 10_000, hwm: int = 100_000) -> None:
         try:
             import zmq
         except ImportError as e:
             raise RuntimeError("KV events need pyzmq and msgpack: pip install "
                                "'hybridkv[events]'") from e
-        self.endpoint = offset_endpoint(check_endpoint(endpoint), data_parallel_rank)
+        self.endpoint = offset_endpoint(check_endpoint(endpoint), port_offset)
         self.replay_endpoint = (
             offset_endpoint(check_endpoint(replay_endpoint, "kv_events_replay_endpoint"),
-                            data_parallel_rank) if replay_endpoint is not None else None)
+                            port_offset) if replay_endpoint is not None else None)
         self.groups = tuple(groups)
         self.topic = topic.encode()
         self.data_parallel_rank = data_parallel_rank

@@ -269,7 +269,7 @@ class LLMEngine:
         publisher = KVEventPublisher(
             config.kv_events_endpoint, groups=group_infos(self.plan.config),
             topic=config.kv_events_topic, replay_endpoint=config.kv_events_replay_endpoint,
-            data_parallel_rank=config.data_parallel_rank, max_queue=config.kv_events_queue)
+            port_offset=config.replica_index, max_queue=config.kv_events_queue)
         self.kv_manager.pool.kv_events = []
         if self.connector is not None:
             self.connector.enable_kv_events()  # the tiers' stores and removals too

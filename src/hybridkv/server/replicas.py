@@ -1,7 +1,7 @@
 """`hybridkv serve --data-parallel-size N`: N engine processes on disjoint cores, on N
 consecutive ports, for an external router (smg, vllm-router, llm-d) in front of them.
 
-    replica i: hybridkv serve ... --port PORT+i --data-parallel-rank i, its CPU affinity the
+    replica i: hybridkv serve ... --port PORT+i --replica-index i, its CPU affinity the
                i-th of N equal, disjoint slices of this process's cores
 
 Every replica gets one block hash seed (the given one, else a fresh random one), so their
@@ -41,9 +41,9 @@ def core_slices(cores: Sequence[int], num_replicas: int) -> list[list[int]]:
     return out
 
 
-def replica_argv(argv: Sequence[str], rank: int, port: int) -> list[str]:
+def replica_argv(argv: Sequence[str], index: int, port: int) -> list[str]:
     """The `serve` arguments of one replica: the launcher's, less --data-parallel-size and
-    --port, plus its own port and rank."""
+    --port, plus its own port and index."""
     out: list[str] = []
     skip = False
     for arg in argv:
@@ -51,11 +51,11 @@ def replica_argv(argv: Sequence[str], rank: int, port: int) -> list[str]:
             skip = False
             continue
         name = arg.split("=", 1)[0]
-        if name in ("--data-parallel-size", "--port", "--data-parallel-rank"):
+        if name in ("--data-parallel-size", "--port", "--replica-index", "--data-parallel-rank"):
             skip = "=" not in arg
             continue
         out.append(arg)
-    return [*out, "--port", str(port), "--data-parallel-rank", str(rank)]
+    return [*out, "--port", str(port), "--replica-index", str(index)]
 
 
 def launch_replicas(argv: Sequence[str], *, num_replicas: int, port: int,
