@@ -1,7 +1,7 @@
 """KV events from a running engine, read by a tiny indexer that knows only the events, the
 documented hash and each group's hit rule: it predicts every next request's device hit
 exactly, for full attention, sliding window + full attention, and Mamba + attention, while
-the cache evicts."""
+the cache evicts and bursts of requests are preempted."""
 
 from __future__ import annotations
 
@@ -126,9 +126,18 @@ def run_workload(model_dir: Path, *, kv_cache_memory: str, num_requests: int = 2
             results.append((predicted, out.num_cached_tokens))
             if i == num_requests // 2:
                 assert llm.reset_prefix_cache()
+            if i % 8 == 4:
+                # A burst of long requests at once, more than the cache holds: the scheduler
+                # preempts some, freeing their blocks mid-request, and evicts; the next
+                # predictions must still be exact.
+                burst = [histories[u % 6][:150] + [rng.randrange(3, 250) for _ in range(30)]
+                         for u in range(8)]
+                llm.generate(burst, SamplingParams(max_tokens=48, temperature=0.0,
+                                                   ignore_eos=True), use_tqdm=False)
     finally:
         llm.close()
         sub.close()
+    assert engine.scheduler.num_preemptions > 0, "the bursts preempt"
     assert engine.kv_events.num_dropped == 0
     assert sub.seqs == list(range(len(sub.seqs))), "no sequence number skipped"
     return indexer, results
