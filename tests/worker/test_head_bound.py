@@ -74,6 +74,26 @@ def test_the_copy_holds_the_values_it_reports(half_scales):
         assert torch.equal(d.to(torch.float16).to(torch.float32), d)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_one_call_prepares_x_as_the_tensor_code_does(rows):
+    """The C step that rounds x and measures its error: the same values and scales as
+    quantize_blocks, the same error terms as error_terms (norms to float rounding)."""
+    _, bound = head_and_bound("float", 40, 96)
+    x = hidden(rows, 96, seed=7)
+    x[0, 32:64] = 0.0  # a block of zeros: scale 0
+    prepared = hb.prepare(x)
+    assert prepared is not None
+    q, d, terms = prepared
+    q_ref, d_ref, values = quantize_blocks(x)
+    assert torch.equal(q, q_ref) and torch.equal(d, d_ref)
+    ref = bound.error_terms(x, values)
+    for name in ("a", "b", "eb", "xb", "slack"):
+        torch.testing.assert_close(getattr(terms, name), getattr(ref, name),
+                                   rtol=1e-5, atol=1e-6)
+    x[rows - 1, 7] = float("nan")
+    assert hb.prepare(x) is None
+
+
 def test_a_q8_0_head_keeps_its_own_values():
     w, bound = head_and_bound("Q8_0", 64, 64)
     assert bound.dnorm is None and bound.dblock is None  # no weight error at all

@@ -210,15 +210,16 @@ class HeadBound:
         full logits handle NaN as torch does)."""
         if x.dim() != 2 or x.shape[1] != self.cols or x.dtype != torch.float32:
             return None
-        if not bool(torch.isfinite(x).all()):
-            return None
         x = x.contiguous()
         ids = torch.full((x.shape[0], k), -1, dtype=torch.int64)
         values = torch.full((x.shape[0], k), float("-inf"), dtype=torch.float32)
         for r0 in range(0, x.shape[0], MAX_ROWS):
             xs = x[r0:r0 + MAX_ROWS]
-            q, d, approx_x = quantize_blocks(xs)
-            found = self.candidates(xs, self._approx(q, d), k, self.error_terms(xs, approx_x))
+            prepared = prepare(xs)
+            if prepared is None:
+                return None  # a value of x that is not finite
+            q, d, terms = prepared
+            found = self.candidates(xs, self._approx(q, d), k, terms)
             if any(len(cand) == 0 for cand in found):
                 return None  # a bound that is not finite: the full path
             self._rescore(xs, found, k, ids[r0:r0 + MAX_ROWS], values[r0:r0 + MAX_ROWS])
@@ -227,6 +228,12 @@ class HeadBound:
     def _rescore(self, x: torch.Tensor, found: list[torch.Tensor], k: int,
                  ids: torch.Tensor, values: torch.Tensor) -> None:
         """The candidates' exact logits; each row's k best into ids, values."""
+        if k == 1 and len(found) == 1:  # a batch-1 step: one row, its argmax
+            [cand] = found
+            logits = (self.exact_rows(cand) * x[0]).sum(dim=1)
+            at = int(torch.argmax(logits))  # the first of equal values: the lowest id
+            ids[0, 0], values[0, 0] = cand[at], logits[at]
+            return
         counts = torch.tensor([len(c) for c in found])
         cand = torch.cat(found)
         owner = torch.repeat_interleave(torch.arange(len(found)), counts)
@@ -236,8 +243,9 @@ class HeadBound:
         if k == 1:
             best = torch.full((len(found),), float("-inf")).scatter_reduce(
                 0, owner, exact, "amax")
-            at = torch.where(exact == best[owner], torch.arange(len(cand)), len(cand))
-            first = torch.full((len(found),), len(cand)).scatter_reduce(0, owner, at, "amin")
+            where = torch.where(exact == best[owner], torch.arange(len(cand)), len(cand))
+            first = torch.full((len(found),), len(cand)).scatter_reduce(0, owner, where,
+                                                                        "amin")
             ids[:, 0], values[:, 0] = cand[first], exact[first]
             return
         start = 0
@@ -278,6 +286,21 @@ def quantize_blocks(t: torch.Tensor, half_scales: bool = False
             (q * d[:, :, None]).view(n, cols))
 
 
+def prepare(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, ErrorTerms] | None:
+    """quantize_blocks(x)'s values and scales and error_terms(x) in one C call (float32 x
+    [n, cols], contiguous); None where a value of x is not finite."""
+    n, cols = x.shape
+    nb = cols // BLOCK
+    q = torch.empty((n, cols), dtype=torch.int8)
+    d, eb, xb = (torch.empty((n, nb), dtype=torch.float32) for _ in range(3))
+    a, b, slack = (torch.empty(n, dtype=torch.float32) for _ in range(3))
+    if _function("hkv_head_prepare", _PREPARE_ARGS, ctypes.c_int)(
+            x.data_ptr(), n, cols, _ROUNDING, q.data_ptr(), d.data_ptr(), a.data_ptr(),
+            b.data_ptr(), eb.data_ptr(), xb.data_ptr(), slack.data_ptr()):
+        return None
+    return q, d, ErrorTerms(a, b, eb, xb, slack)
+
+
 def quantized_x(x: torch.Tensor) -> torch.Tensor:
     """x as the kernel reads it (quantize_blocks' values)."""
     return quantize_blocks(x)[2]
@@ -312,6 +335,8 @@ _SELECT_ARGS = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR
                 _PTR, _I64, _I64, _PTR, _PTR]
 # packed, scales, groups, cols, xq, xd, m, y, ldy
 _MATMUL_ARGS = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64]
+# x, n, cols, rounding, q, d, a, b, eb, xb, slack
+_PREPARE_ARGS = [_PTR, _I64, _I64, ctypes.c_float, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR]
 
 
 def _function(symbol: str, argtypes: list[Any], restype: Any = None

@@ -156,6 +156,52 @@ int hkv_head_bound_select(const float *approx, int64_t n, int64_t vocab, int64_t
     return failed ? -1 : 0;
 }
 
+/* What a step needs of its n rows of x before the pre-pass, in one call (the same values
+   as worker/head_bound.py's quantize_blocks and error_terms, which take ~15 small tensor
+   operations a row; after the head's pass has streamed through the caches they cost more
+   than all of this): per 32-value block d = max|x| / 127, q = round(x / d) to nearest even
+   (0 for a block of zeros) and the norms of x and of e = x - q d, whole and per block,
+   accumulated in double. slack = rounding * cols * (||x|| + ||e||), a = ||e|| + slack,
+   b = ||x|| + slack. Returns 1, with nothing else defined, where a value of x is not
+   finite (the caller's full logits then report it), else 0. */
+int hkv_head_prepare(const float *x, int64_t n, int64_t cols, float rounding, int8_t *q,
+                     float *d, float *a, float *b, float *eb, float *xb, float *slack) {
+    const int64_t nb = cols / 32;
+    for (int64_t r = 0; r < n; r++) {
+        const float *xr = x + r * cols;
+        double xsum = 0.0, esum = 0.0;
+        for (int64_t j = 0; j < nb; j++) {
+            const float *v = xr + 32 * j;
+            float amax = 0.f;
+            for (int t = 0; t < 32; t++) {
+                if (!__builtin_isfinite(v[t])) return 1;
+                const float m = v[t] < 0.f ? -v[t] : v[t];
+                amax = m > amax ? m : amax;
+            }
+            const float dj = amax / 127.0f, inv = dj != 0.f ? 1.0f / dj : 0.f;
+            double xs = 0.0, es = 0.0;
+            for (int t = 0; t < 32; t++) {
+                float qv = __builtin_rintf(v[t] * inv);
+                qv = qv > 127.f ? 127.f : qv < -127.f ? -127.f : qv;
+                q[r * cols + 32 * j + t] = (int8_t)qv;
+                const double e = (double)v[t] - (double)(qv * dj);
+                xs += (double)v[t] * (double)v[t];
+                es += e * e;
+            }
+            d[r * nb + j] = dj;
+            xb[r * nb + j] = (float)__builtin_sqrt(xs);
+            eb[r * nb + j] = (float)__builtin_sqrt(es);
+            xsum += xs;
+            esum += es;
+        }
+        const float xn = (float)__builtin_sqrt(xsum), en = (float)__builtin_sqrt(esum);
+        slack[r] = rounding * (float)cols * (xn + en);
+        a[r] = en + slack[r];
+        b[r] = xn + slack[r];
+    }
+    return 0;
+}
+
 /* The pre-pass logits from 8-bit head rows packed eight tokens at a time, for any number
    of rows of x.
 
