@@ -4,7 +4,9 @@ file when its binaries are there (`../shared/bench/peer-llamacpp/setup.sh` build
 Each figure comes from a fresh process pinned to one core (`--pin`), one thread, the engines
 alternating round by round; ratios are medians of the rounds' pairs:
 - batch 1 (llama-bench's figures): pp512 = tokens/s of one 512-token prompt, tg128 = tokens/s
-  of 128 decode steps after an 8-token prompt; token-id prompts, greedy, EOS ignored;
+  of the 128 decode steps after an 8-token prompt's first token (timed alone, as llama-bench
+  times its decode calls: the request's time less its prompt's and first token's);
+  token-id prompts, greedy, EOS ignored;
 - batched: N prompts of L tokens, K greedy tokens each, all in one batch (output tokens/s;
   the peers' workload, `gen_llamacpp` on llama.cpp's side);
 - resident memory: the peak RSS of the batch-1 process (the kernel's ru_maxrss, read for both
@@ -49,10 +51,16 @@ def child_single(model: str, repeats: int, spawned: float, activations: str
         t = time.perf_counter()
         llm.generate([prompt], greedy, use_tqdm=False)
         pp.append(512 / (time.perf_counter() - t))
+        # The 128 steps after the first token, as llama-bench times its 128 decode calls
+        # alone: the time of the whole request less that of its prompt and first token.
+        short = [x + 1 for x in prompt[:8]]
         t = time.perf_counter()
-        llm.generate([[x + 1 for x in prompt[:8]]], SamplingParams(
-            temperature=0.0, max_tokens=129, ignore_eos=True), use_tqdm=False)
-        tg.append(128 / (time.perf_counter() - t))
+        llm.generate([short], greedy, use_tqdm=False)
+        first = time.perf_counter() - t
+        t = time.perf_counter()
+        llm.generate([short], SamplingParams(temperature=0.0, max_tokens=129, ignore_eos=True),
+                     use_tqdm=False)
+        tg.append(128 / (time.perf_counter() - t - first))
     return {"pp512": statistics.median(pp), "tg128": statistics.median(tg), "load_s": load_s}
 
 

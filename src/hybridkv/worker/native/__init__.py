@@ -15,6 +15,7 @@ No torch here: callers pass data pointers (see worker/cpu_attention.py).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -60,6 +61,13 @@ def _cpu_identity() -> str:
         return platform.processor() or platform.machine()
     keep = [ln for ln in lines if ln.startswith(("model name", "flags", "Features"))]
     return "\n".join(dict.fromkeys(keep))  # the first core's lines are enough
+
+
+@functools.cache
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists `flag` (e.g. "avx512f") for this CPU: the kernels are
+    built with -march=native, so its instructions are theirs (False off Linux)."""
+    return flag in _cpu_identity().split()
 
 
 def load(name: str) -> ctypes.CDLL:
