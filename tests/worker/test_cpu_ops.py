@@ -110,3 +110,36 @@ def test_ssd_decode_updates_the_states_in_place_as_the_recurrence_does(groups):
     assert cpu_ops.ssd_decode_takes(states)
     assert not cpu_ops.ssd_decode_takes(states.transpose(3, 4))
     assert not cpu_ops.ssd_decode_takes(states.double())
+
+
+@pytest.mark.parametrize("head_dim", [64, 8])  # 64: the AVX-512 code where there is one
+@pytest.mark.parametrize("groups", [1, 2])
+def test_ssd_scan_equals_the_chunked_scan_it_replaces(head_dim, groups):
+    """A prompt's Mamba-2 scan in one C call, token by token, against models/layers/ssd.py's
+    chunked form (itself tested against the recurrence): the outputs, the final state and
+    each checkpoint, on strided B and C as the model splits them out of one projection, a
+    bf16 checkpoint taking the state rounded."""
+    from hybridkv.models.layers.ssd import ssd_scan
+
+    torch.manual_seed(head_dim + groups)
+    tokens, heads, size = 37, 4, 16
+    x = torch.randn(tokens, heads, head_dim)
+    dt = torch.rand(tokens, heads) * 0.5
+    a = -torch.rand(heads) * 2
+    bc = torch.randn(tokens, 2 * groups * size)
+    b = bc[:, :groups * size].view(tokens, groups, size)
+    c = bc[:, groups * size:].view(tokens, groups, size)
+    start = torch.randn(heads, head_dim, size)
+    expected_saves = {o: torch.empty_like(start) for o in (5, 16, 37)}
+    y_ref, final_ref = ssd_scan(x, dt, a, b, c, start.clone(), chunk_size=16,
+                                save_at=expected_saves)
+    saves = {5: torch.empty_like(start), 16: torch.empty_like(start),
+             37: torch.empty(start.shape, dtype=torch.bfloat16)}
+    kept = start.clone()
+    y, final = cpu_ops.ssd_scan(x, dt, a, b, c, start, saves)
+    assert torch.equal(start, kept), "the caller's state is left as it was"
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final, final_ref, rtol=1e-5, atol=1e-5)
+    for offset in (5, 16):
+        torch.testing.assert_close(saves[offset], expected_saves[offset], rtol=1e-5, atol=1e-5)
+    assert torch.equal(saves[37], final.to(torch.bfloat16))

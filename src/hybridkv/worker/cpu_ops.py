@@ -27,6 +27,8 @@ _SIGNATURES: dict[str, list[Any]] = {
                          _I64, _I64, _I64, _I64, _I64, _I64, _I64],
     "hkv_ssd_decode_f32": [_PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
                            _PTR],
+    "hkv_ssd_scan_f32": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR,
+                         _PTR, _I64, _PTR, _PTR],
 }
 _lib: ctypes.CDLL | None = None
 
@@ -113,6 +115,35 @@ def ssd_decode(states: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor,
         b.shape[1], decay.data_ptr(), dtx.data_ptr(), b.data_ptr(), c.data_ptr(),
         y.data_ptr())
     return y
+
+
+def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             c: torch.Tensor, state: torch.Tensor, save_at: dict[int, torch.Tensor]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """models/layers/ssd.py's ssd_scan (same arguments but the chunk size, same results to
+    float rounding) as the token-by-token recurrence in one C call: x [L, H, P], dt [L, H],
+    a [H], b / c [L, G, N], state [H, P, N], float32 on the CPU. Returns (y [L, H, P]
+    without the D skip, the final state); writes the state after `offset` tokens into
+    `save_at[offset]` (any dtype)."""
+    tokens, heads, head_dim = x.shape
+    groups, size = b.shape[1], b.shape[2]
+    final = state.float().contiguous().clone()
+    decay = torch.exp(dt * a).contiguous()  # [L, H]
+    b, c = b.contiguous(), c.contiguous()  # (held here: the C call reads them)
+    dtx = (x * dt[:, :, None]).contiguous()  # [L, H, P]
+    offsets = sorted(o for o in save_at if 0 < o <= tokens)
+    buffers = [torch.empty_like(final) for _ in offsets]
+    at = torch.tensor(offsets, dtype=torch.int64)
+    pointers = (ctypes.c_void_p * max(1, len(buffers)))(*[t.data_ptr() for t in buffers])
+    y = torch.empty((tokens, heads, head_dim), dtype=torch.float32)
+    work = torch.empty(head_dim * size)  # one head's state, turned [N, P]
+    library().hkv_ssd_scan_f32(
+        final.data_ptr(), tokens, heads, head_dim, size, groups, decay.data_ptr(),
+        dtx.data_ptr(), b.data_ptr(), c.data_ptr(), y.data_ptr(),
+        at.data_ptr(), len(offsets), ctypes.addressof(pointers), work.data_ptr())
+    for offset, buffer in zip(offsets, buffers, strict=True):
+        save_at[offset].copy_(buffer.to(save_at[offset].dtype))
+    return y, final
 
 
 def use_cpu_ops(model: nn.Module) -> None:

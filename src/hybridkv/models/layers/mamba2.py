@@ -32,7 +32,7 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, cfg: Mapping[str, Any], layer: int) -> None:
         super().__init__()
         self.name = f"model.layers.{layer}.mamba"
-        self.native_ops = False  # a decode step's state update in one C call (cpu_ops.py)
+        self.native_ops = False  # decode steps and prompts scanned in C (cpu_ops.py)
         hidden = int(cfg["hidden_size"])
         self.num_heads = int(cfg.get("mamba_num_heads") or cfg["mamba_n_heads"])
         self.head_dim = int(cfg.get("mamba_head_dim") or cfg["mamba_d_head"])
@@ -156,8 +156,11 @@ class Mamba2Mixer(nn.Module):
         x = x.float().view(num_tokens, self.num_heads, self.head_dim)
         b = b.float().view(num_tokens, self.n_groups, self.state_size)  # [L, groups, state]
         c = c.float().view(num_tokens, self.n_groups, self.state_size)
-        out, state = ssd_scan(x, dt, a, b, c, ssm_state.float(), chunk_size=self.chunk_size,
-                              save_at=save_at)
+        if self.native_ops and x.device.type == "cpu":
+            out, state = cpu_ops.ssd_scan(x, dt, a, b, c, ssm_state, save_at)
+        else:
+            out, state = ssd_scan(x, dt, a, b, c, ssm_state.float(),
+                                  chunk_size=self.chunk_size, save_at=save_at)
         ssm_state.copy_(state.to(ssm_state.dtype))
         out = out + x * self.D.float()[None, :, None]
         return out.flatten(1).to(xbc.dtype)

@@ -10,6 +10,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 /* out[t, h, :] = x[t, h, :] / rms(x[t, h, :]) * (offset + w); w NULL: no weight. */
 void hkv_rms_norm_f32(const float *x, int64_t x_stride0, int64_t x_stride1, float *out,
                       int64_t n0, int64_t n1, int64_t dim, const float *w, float offset,
@@ -105,5 +109,82 @@ void hkv_ssd_decode_f32(float *states, const int64_t *offsets, int64_t rows, int
                 y[(r * heads + h) * head_dim + p] = acc;
             }
         }
+    }
+}
+
+/* One request's Mamba-2 prompt, token by token (the recurrence hkv_ssd_decode_f32 steps,
+   which the chunked form in models/layers/ssd.py equals to float rounding):
+       state[h, p, :] = state[h, p, :] * decay[t, h] + dtx[t, h, p] * b[t, g, :]
+       y[t, h, p]     = state[h, p, :] . c[t, g, :]
+   state [heads, head_dim, state_size] in place; saves[k] (k < num_saves) receives the
+   state after save_at[k] tokens (0 < save_at[k] <= tokens, ascending), each a
+   [heads, head_dim, state_size] float buffer. Heads outermost, each head's state turned
+   to [state_size, head_dim] in `work` (head_dim * state_size floats) for the whole
+   prompt: the update and the output then run along head_dim with B's and C's values
+   broadcast, no sum across a vector's lanes, and the state (16 KiB at 64 x 64) stays in
+   L1 across the tokens. On one core 2-3x the chunked form's time at Nemotron-H's and
+   Mamba2's shapes (128-1,050 tokens). */
+static void to_np(const float *restrict src, float *restrict dst, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t k = 0; k < cols; k++) dst[k * rows + r] = src[r * cols + k];
+}
+
+/* One token of one head: st [state_size, head_dim] updated, y[0 .. head_dim) written. */
+static void ssd_token(float *restrict st, int64_t head_dim, int64_t state_size, float dcy,
+                      const float *restrict u, const float *bg, const float *cg,
+                      float *restrict yt) {
+#if defined(__AVX512F__)
+    if (head_dim == 64) { /* Mamba-2's usual head: y in four registers */
+        const __m512 d = _mm512_set1_ps(dcy);
+        const __m512 uv[4] = {_mm512_loadu_ps(u), _mm512_loadu_ps(u + 16),
+                              _mm512_loadu_ps(u + 32), _mm512_loadu_ps(u + 48)};
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                         _mm512_setzero_ps()};
+        for (int64_t n = 0; n < state_size; n++) {
+            float *col = st + n * 64;
+            const __m512 bn = _mm512_set1_ps(bg[n]), cn = _mm512_set1_ps(cg[n]);
+            for (int j = 0; j < 4; j++) {
+                const __m512 v = _mm512_fmadd_ps(
+                    uv[j], bn, _mm512_mul_ps(_mm512_loadu_ps(col + 16 * j), d));
+                _mm512_storeu_ps(col + 16 * j, v);
+                acc[j] = _mm512_fmadd_ps(v, cn, acc[j]);
+            }
+        }
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(yt + 16 * j, acc[j]);
+        return;
+    }
+#endif
+    for (int64_t p = 0; p < head_dim; p++) yt[p] = 0.f;
+    for (int64_t n = 0; n < state_size; n++) {
+        float *restrict col = st + n * head_dim;
+        const float bn = bg[n], cn = cg[n];
+#pragma omp simd
+        for (int64_t p = 0; p < head_dim; p++) {
+            const float v = col[p] * dcy + u[p] * bn;
+            col[p] = v;
+            yt[p] += v * cn;
+        }
+    }
+}
+
+void hkv_ssd_scan_f32(float *state, int64_t tokens, int64_t heads, int64_t head_dim,
+                      int64_t state_size, int64_t groups, const float *decay, const float *dtx,
+                      const float *b, const float *c, float *y, const int64_t *save_at,
+                      int64_t num_saves, float *const *saves, float *work) {
+    const int64_t per = heads / groups, size = head_dim * state_size;
+    for (int64_t h = 0; h < heads; h++) {
+        to_np(state + h * size, work, head_dim, state_size);
+        const int64_t g = h / per;
+        int64_t next = 0;
+        for (int64_t t = 0; t < tokens; t++) {
+            ssd_token(work, head_dim, state_size, decay[t * heads + h],
+                      dtx + (t * heads + h) * head_dim, b + (t * groups + g) * state_size,
+                      c + (t * groups + g) * state_size, y + (t * heads + h) * head_dim);
+            while (next < num_saves && save_at[next] == t + 1) {
+                to_np(work, saves[next] + h * size, state_size, head_dim);
+                next++;
+            }
+        }
+        to_np(work, state + h * size, state_size, head_dim);
     }
 }
