@@ -1,5 +1,5 @@
-"""RMSNorm, RoPE and K/V writes for float32 tensors on the CPU, one C call each
-(worker/native/cpu_ops.c).
+"""RMSNorm, RoPE, K/V writes and Mamba-2's state steps and prompt scans for float32
+tensors on the CPU, one C call each (worker/native/cpu_ops.c).
 
 A decode step's norms and rotations are tiny ([batch, width] rows), so torch's cost there
 is per op, not per element: RMSNorm alone runs five ops (about 15-30 us per call for 32
@@ -127,7 +127,7 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     `save_at[offset]` (any dtype)."""
     tokens, heads, head_dim = x.shape
     groups, size = b.shape[1], b.shape[2]
-    final = state.float().contiguous().clone()
+    final = state.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     decay = torch.exp(dt * a).contiguous()  # [L, H]
     b, c = b.contiguous(), c.contiguous()  # (held here: the C call reads them)
     dtx = (x * dt[:, :, None]).contiguous()  # [L, H, P]
