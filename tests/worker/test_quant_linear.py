@@ -158,7 +158,7 @@ def test_matmul_equals_float_matmul(qtype: int, path: str, activations: str) -> 
         raw = weights(qtype, rows, cols, seed=rows + 1)
         w = reference(raw, qtype, cols)
         data = as_tensor(raw)
-        for m in (0, 1, 3, 5, 8, 17, 64):  # 1 to 8: every type's integer kernel
+        for m in (0, 1, 2, 3, 4, 5, 8, 17, 64):  # 1 to 8: every type's integer kernel
             x = torch.randn(m, cols)
             got = ql.matmul(x, data, qtype, cols)
             check_matmul(got, x, raw, qtype, cols, w)
@@ -263,7 +263,7 @@ def test_matmul_on_two_threads_and_into_out(qtype: int, activations: str,
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[ql.SUPPORTED[t] for t in TYPES])
-def test_packed_float_tiles_from_16_rows(qtype: int, path: str) -> None:
+def test_packed_float_tiles_from_their_first_row_count(qtype: int, path: str) -> None:
     """From PACKED_ROWS[0] rows a few panels of W at a time are dequantized into the float
     kernel's layout: rows that fill no whole panel nor a whole 8-row group, the last chunk
     partial, a strided out, and both ends of the row range."""

@@ -24,8 +24,9 @@
    then matches a float matmul on the dequantized weights to float rounding): one to four
    x rows (eight for Q8_0) take the fused kernel: each block's integers become 8-float
    vectors in registers, dotted with every x row, the block's scale applied once per block
-   (a min, through the x block's sum); with AVX-512 one x row (a batch-1 decode step) takes
-   16-float vectors widened straight from the blocks' bytes (fused_row1_512). More rows take panels: a thread dequantizes a few
+   (a min, through the x block's sum); with AVX-512 those rows take 16-float vectors
+   widened straight from the blocks' bytes (fused_rows_512). More rows take panels: a
+   thread dequantizes a few
    weight rows (24 KiB) once and reuses them for every x row through 4 x 3 register tiles
    of 8-float dot products. (worker/quant_linear.py sends 16 to 127 rows to
    hkv_quant_matmul_packed below, linear.c's float tiles on dequantized panels, and from 128
@@ -637,21 +638,28 @@ static int fused_type(int type) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define HAVE_FUSED_ROW1_512 1
-/* fused_row for one x row with AVX-512: 16 codes widen from 16 bytes straight to a 16-lane
-   vector, and Q5's fifth bits and Q5_K's come from mask registers, where the AVX2 code
-   builds 32 byte codes first and widens them in four pieces. Same sums as fused_row: per
-   block the scale times the codes' dot product with x, the mins through x's block sums. */
+#define HAVE_FUSED_ROWS_512 1
+/* fused_row with AVX-512: 16 codes widen from 16 bytes straight to a 16-lane vector, and
+   Q5's fifth bits and Q5_K's come from mask registers, where the AVX2 code builds 32 byte
+   codes first and widens them in four pieces. Same sums as fused_row: per block the scale
+   times the codes' dot product with each x row, the mins through x's block sums. */
 static inline __m512 codes_ps(__m512i q) { return _mm512_cvtepi32_ps(q); }
 static inline __m512i widen_u8(const uint8_t *p) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
 }
 
-/* The types with 32-value blocks (`type` a constant: one loop each, no branch inside). */
-static inline __attribute__((always_inline)) float row32_512(
-    const int type, const uint8_t *p, int64_t cols, const float *x, const float *xs) {
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    float off = 0.f;
+/* The types with 32-value blocks (`type` and NX constants: one loop each, no branch
+   inside), for NX x rows (x row i at x + i ldx, its 32-value sums at xs + i ldxs): a
+   block's codes become floats once and serve every row. */
+static inline __attribute__((always_inline)) void rows32_512(
+    const int type, const uint8_t *p, int64_t cols, const float *x, int64_t ldx,
+    const float *xs, int64_t ldxs, float *y, int64_t ldy, const int NX) {
+    __m512 acc0[4], acc1[4];
+    float off[4];
+    for (int i = 0; i < NX; i++) {
+        acc0[i] = acc1[i] = _mm512_setzero_ps();
+        off[i] = 0.f;
+    }
     const __m512i m15 = _mm512_set1_epi32(15), s16 = _mm512_set1_epi32(16);
     const int five = type == T_Q5_0 || type == T_Q5_1;
     const int with_min = type == T_Q4_1 || type == T_Q5_1;
@@ -673,61 +681,64 @@ static inline __attribute__((always_inline)) float row32_512(
             lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(8));
             hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(8));
         }
-        const __m512 t = _mm512_fmadd_ps(codes_ps(hi), _mm512_loadu_ps(x + k + 16),
-                                         _mm512_mul_ps(codes_ps(lo), _mm512_loadu_ps(x + k)));
+        const __m512 flo = codes_ps(lo), fhi = codes_ps(hi);
         const __m512 d = _mm512_set1_ps(half_to_float(rd16(p)));
-        if (b & 1) acc1 = _mm512_fmadd_ps(d, t, acc1);
-        else acc0 = _mm512_fmadd_ps(d, t, acc0);
-        if (with_min) off += half_to_float(rd16(p + 2)) * xs[b];
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + off;
-}
-
-/* Whether fused_row1_512 takes `type` (Q6_K measured level with the AVX2 code, which builds
-   its codes from high bits shared by four sub-blocks: it stays there). */
-static int fused_row1_512_type(int type) {
-    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 ||
-           type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K;
-}
-
-static float fused_row1_512(int type, const uint8_t *p, int64_t cols, const float *x,
-                            const float *xs) {
-    switch (type) {
-    case T_Q4_0: return row32_512(T_Q4_0, p, cols, x, xs);
-    case T_Q4_1: return row32_512(T_Q4_1, p, cols, x, xs);
-    case T_Q5_0: return row32_512(T_Q5_0, p, cols, x, xs);
-    case T_Q5_1: return row32_512(T_Q5_1, p, cols, x, xs);
-    default: break;
-    }
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    float off = 0.f;
-    const __m512i m15 = _mm512_set1_epi32(15), s16 = _mm512_set1_epi32(16);
-    switch (type) {
-    case T_Q8_0:
-        for (int64_t k = 0, b = 0; k < cols; k += 32, b++, p += 34) {
-            const __m512i lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 2)));
-            const __m512i hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 18)));
-            const __m512 t = _mm512_fmadd_ps(codes_ps(hi), _mm512_loadu_ps(x + k + 16),
-                                             _mm512_mul_ps(codes_ps(lo), _mm512_loadu_ps(x + k)));
-            const __m512 d = _mm512_set1_ps(half_to_float(rd16(p)));
-            if (b & 1) acc1 = _mm512_fmadd_ps(d, t, acc1);
-            else acc0 = _mm512_fmadd_ps(d, t, acc0);
+        const float dmin = with_min ? half_to_float(rd16(p + 2)) : 0.f;
+        for (int i = 0; i < NX; i++) {
+            const float *xi = x + i * ldx + k;
+            const __m512 t = _mm512_fmadd_ps(fhi, _mm512_loadu_ps(xi + 16),
+                                             _mm512_mul_ps(flo, _mm512_loadu_ps(xi)));
+            if (b & 1) acc1[i] = _mm512_fmadd_ps(d, t, acc1[i]);
+            else acc0[i] = _mm512_fmadd_ps(d, t, acc0[i]);
+            if (with_min) off[i] += dmin * xs[i * ldxs + b];
         }
-        break;
-    case T_Q4_K:
-    case T_Q5_K: {
+    }
+    for (int i = 0; i < NX; i++)
+        y[i * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[i], acc1[i])) + off[i];
+}
+
+/* Q8_0, Q4_K and Q5_K for NX x rows, as rows32_512. */
+static inline __attribute__((always_inline)) void rows_k_512(
+    const int type, const uint8_t *p, int64_t cols, const float *x, int64_t ldx,
+    const float *xs, int64_t ldxs, float *y, int64_t ldy, const int NX) {
+    __m512 acc0[4], acc1[4];
+    float off[4];
+    for (int i = 0; i < NX; i++) {
+        acc0[i] = acc1[i] = _mm512_setzero_ps();
+        off[i] = 0.f;
+    }
+    const __m512i m15 = _mm512_set1_epi32(15), s16 = _mm512_set1_epi32(16);
+    if (type == T_Q8_0) {
+        for (int64_t k = 0, b = 0; k < cols; k += 32, b++, p += 34) {
+            const __m512 flo = codes_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 2))));
+            const __m512 fhi = codes_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 18))));
+            const __m512 d = _mm512_set1_ps(half_to_float(rd16(p)));
+            for (int i = 0; i < NX; i++) {
+                const float *xi = x + i * ldx + k;
+                const __m512 t = _mm512_fmadd_ps(fhi, _mm512_loadu_ps(xi + 16),
+                                                 _mm512_mul_ps(flo, _mm512_loadu_ps(xi)));
+                if (b & 1) acc1[i] = _mm512_fmadd_ps(d, t, acc1[i]);
+                else acc0[i] = _mm512_fmadd_ps(d, t, acc0[i]);
+            }
+        }
+    } else { /* Q4_K, Q5_K */
         const int five = type == T_Q5_K;
         const int64_t size = five ? 176 : 144;
         for (int64_t k = 0, b = 0; k < cols; k += 256, b += 8, p += size) {
             const float d = half_to_float(rd16(p)), dmin = half_to_float(rd16(p + 2));
             const uint8_t *sc = p + 4, *qh = p + 16, *q = p + (five ? 48 : 16);
-            float mins = 0.f;
+            float mins[4] = {0.f, 0.f, 0.f, 0.f};
             for (int s = 0; s < 8; s += 2) {
                 float s0, s1, m0, m1;
                 scale_min_k4(sc, s, &s0, &m0);
                 scale_min_k4(sc, s + 1, &s1, &m1);
-                mins += m0 * xs[b + s] + m1 * xs[b + s + 1];
-                __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
+                __m512 t0[4], t1[4];
+                for (int i = 0; i < NX; i++) {
+                    mins[i] += m0 * xs[i * ldxs + b + s] + m1 * xs[i * ldxs + b + s + 1];
+                    t0[i] = t1[i] = _mm512_setzero_ps();
+                }
                 for (int h = 0; h < 32; h += 16) { /* values h .. h + 15 of both sub-blocks */
                     const __m512i v = widen_u8(q + 16 * s + h);
                     __m512i lo = _mm512_and_si512(v, m15), hi = _mm512_srli_epi32(v, 4);
@@ -738,21 +749,58 @@ static float fused_row1_512(int type, const uint8_t *p, int64_t cols, const floa
                         hi = _mm512_mask_or_epi32(
                             hi, _mm_test_epi8_mask(hb, _mm_set1_epi8((char)(2 << s))), hi, s16);
                     }
-                    const float *xk = x + k + 32 * s + h;
-                    t0 = _mm512_fmadd_ps(codes_ps(lo), _mm512_loadu_ps(xk), t0);
-                    t1 = _mm512_fmadd_ps(codes_ps(hi), _mm512_loadu_ps(xk + 32), t1);
+                    const __m512 flo = codes_ps(lo), fhi = codes_ps(hi);
+                    for (int i = 0; i < NX; i++) {
+                        const float *xk = x + i * ldx + k + 32 * s + h;
+                        t0[i] = _mm512_fmadd_ps(flo, _mm512_loadu_ps(xk), t0[i]);
+                        t1[i] = _mm512_fmadd_ps(fhi, _mm512_loadu_ps(xk + 32), t1[i]);
+                    }
                 }
-                acc0 = _mm512_fmadd_ps(_mm512_set1_ps(d * s0), t0, acc0);
-                acc1 = _mm512_fmadd_ps(_mm512_set1_ps(d * s1), t1, acc1);
+                const __m512 d0 = _mm512_set1_ps(d * s0), d1 = _mm512_set1_ps(d * s1);
+                for (int i = 0; i < NX; i++) {
+                    acc0[i] = _mm512_fmadd_ps(d0, t0[i], acc0[i]);
+                    acc1[i] = _mm512_fmadd_ps(d1, t1[i], acc1[i]);
+                }
             }
-            off -= dmin * mins;
+            for (int i = 0; i < NX; i++) off[i] -= dmin * mins[i];
         }
-        break;
     }
-    default:
-        break;
+    for (int i = 0; i < NX; i++)
+        y[i * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[i], acc1[i])) + off[i];
+}
+
+/* Whether fused_rows_512 takes `type` (Q6_K measured level with the AVX2 code, which builds
+   its codes from high bits shared by four sub-blocks: it stays there). */
+static int fused_rows_512_type(int type) {
+    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 ||
+           type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K;
+}
+
+/* fused_row's sums for nx (1 .. 4) x rows of a fused_rows_512_type weight row. */
+static inline __attribute__((always_inline)) void fused_rows_512_n(
+    int type, const uint8_t *p, int64_t cols, const float *x, int64_t ldx, const float *xs,
+    int64_t ldxs, float *y, int64_t ldy, const int NX) {
+    switch (type) {
+    case T_Q4_0: rows32_512(T_Q4_0, p, cols, x, ldx, xs, ldxs, y, ldy, NX); return;
+    case T_Q4_1: rows32_512(T_Q4_1, p, cols, x, ldx, xs, ldxs, y, ldy, NX); return;
+    case T_Q5_0: rows32_512(T_Q5_0, p, cols, x, ldx, xs, ldxs, y, ldy, NX); return;
+    case T_Q5_1: rows32_512(T_Q5_1, p, cols, x, ldx, xs, ldxs, y, ldy, NX); return;
+    case T_Q8_0: rows_k_512(T_Q8_0, p, cols, x, ldx, xs, ldxs, y, ldy, NX); return;
+    case T_Q4_K: rows_k_512(T_Q4_K, p, cols, x, ldx, xs, ldxs, y, ldy, NX); return;
+    case T_Q5_K: rows_k_512(T_Q5_K, p, cols, x, ldx, xs, ldxs, y, ldy, NX); return;
+    default: return;
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + off;
+}
+
+static void fused_rows_512(int type, const uint8_t *p, int64_t cols, const float *x,
+                           int64_t ldx, const float *xs, int64_t ldxs, float *y, int64_t ldy,
+                           int nx) {
+    switch (nx) {
+    case 4: fused_rows_512_n(type, p, cols, x, ldx, xs, ldxs, y, ldy, 4); break;
+    case 3: fused_rows_512_n(type, p, cols, x, ldx, xs, ldxs, y, ldy, 3); break;
+    case 2: fused_rows_512_n(type, p, cols, x, ldx, xs, ldxs, y, ldy, 2); break;
+    default: fused_rows_512_n(type, p, cols, x, ldx, xs, ldxs, y, ldy, 1); break;
+    }
 }
 #endif
 
@@ -767,9 +815,9 @@ static void fused_matmul(const float *x, int64_t m, int64_t ldx, const uint8_t *
             const float *xi = x + i * ldx, *si = xs + i * ldxs;
             float *yi = y + i * ldy + r;
             const uint8_t *p = w + r * ldw;
-#if defined(HAVE_FUSED_ROW1_512)
-            if (nx == 1 && fused_row1_512_type(type)) {
-                *yi = fused_row1_512(type, p, cols, xi, si);
+#if defined(HAVE_FUSED_ROWS_512)
+            if (fused_rows_512_type(type)) {
+                fused_rows_512(type, p, cols, xi, ldx, si, ldxs, yi, ldy, nx);
                 continue;
             }
 #endif
