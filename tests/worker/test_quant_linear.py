@@ -158,7 +158,7 @@ def test_matmul_equals_float_matmul(qtype: int, path: str, activations: str) -> 
         raw = weights(qtype, rows, cols, seed=rows + 1)
         w = reference(raw, qtype, cols)
         data = as_tensor(raw)
-        for m in (0, 1, 2, 3, 4, 5, 8, 17, 64):  # 1 to 8: every type's integer kernel
+        for m in (0, 1, 2, 3, 4, 5, 6, 8, 17, 64):  # 1 to 8: every type's integer kernel
             x = torch.randn(m, cols)
             got = ql.matmul(x, data, qtype, cols)
             check_matmul(got, x, raw, qtype, cols, w)

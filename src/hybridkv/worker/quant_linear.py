@@ -19,10 +19,10 @@ Which path y = x W^T takes (M: the rows of x):
     LM head at ~17 GB/s, near memory bandwidth). The limits are where it stopped beating
     the float kernels (measured on an AMD EPYC core); without AVX2 x stays in float (the
     portable integer kernel, kept for other CPUs and tested, measured slower there).
-  * Otherwise x in float: up to 4 rows (8 for Q8_0) the fused kernel, then the C dot
-    panels; from 16 rows (5 on AVX-512: PACKED_ROWS; past the 8-bit limit when that is on)
-    a few panels of W at a time dequantized into the float linear kernel's layout and
-    multiplied by its register tiles; from LARGE_M rows (prefill) the same tiles over
+  * Otherwise x in float: up to 4 rows (8 for Q8_0; 6 on AVX-512) the fused kernel, then
+    the C dot panels; from 16 rows (7 on AVX-512: PACKED_ROWS; past the 8-bit limit when
+    that is on) a few panels of W at a time dequantized into the float linear kernel's
+    layout and multiplied by its register tiles; from LARGE_M rows (prefill) the same tiles over
     chunks of ~16 MiB of panels, x packed once a chunk (torch's GEMM on dequantized chunks
     of rows where the float kernel does not build).
     F32/F16/BF16 always float.
@@ -84,11 +84,12 @@ _CHUNK_FLOATS = 1 << 22  # 16 MiB: torch's GEMM loses speed on narrower chunks
 # Q8_0 weights (one AVX2 core): 0.95-1.13x the dot tiles at 16 rows (by type), 1.02-1.2x
 # at 32 and 64, and at 32 rows 1.1-1.2x dequantizing whole matrices for torch's GEMM,
 # which catches up at 128; below 16 rows the dot tiles' cheaper dequantization wins (at 8
-# rows by 1.1-1.3x). On an AVX-512 core (the float tiles 16 lanes wide; the dot tiles take
-# FUSED_ROWS = 4 x rows a pass over W) the tiles win once the dot tiles need a second pass:
-# all of Gemma 3 270M's / SmolLM2's quantized matrices at 5 rows 1.15x / 1.18x, at 8 rows
-# 1.28x / 1.36x (at 4, the dot tiles 1.6x).
-PACKED_ROWS = (5 if native.cpu_has("avx512f") else 16, LARGE_M)
+# rows by 1.1-1.3x). On an AVX-512 core the float tiles are 16 lanes wide and so is the
+# fused kernel (4 x rows a pass over W); the fused kernel takes up to 6 rows there (two
+# passes still ahead: native/quant.c, FUSED_MAX), the tiles from 7 (ahead of the dot
+# panels at 5-8 rows by 1.15-1.36x on Gemma 3 270M's and SmolLM2's matrices).
+_AVX512 = all(native.cpu_has(f) for f in ("avx512f", "avx512bw", "avx512vl"))
+PACKED_ROWS = (7 if _AVX512 else 16, LARGE_M)
 PREFILL_PACKED = True  # LARGE_M rows and more on the float tiles (tests turn it off)
 _linear_address: int | None = None
 # The chunk buffers, per thread (two engines in one process must not share one).

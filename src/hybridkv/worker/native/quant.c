@@ -22,13 +22,13 @@
    with each weight block (the integer kernel below; no float copy of the weights, so decode
    streams the quantized rows once, near memory bandwidth). Otherwise x stays in float (it
    then matches a float matmul on the dequantized weights to float rounding): one to four
-   x rows (eight for Q8_0) take the fused kernel: each block's integers become 8-float
-   vectors in registers, dotted with every x row, the block's scale applied once per block
-   (a min, through the x block's sum); with AVX-512 those rows take 16-float vectors
-   widened straight from the blocks' bytes (fused_rows_512). More rows take panels: a
-   thread dequantizes a few
-   weight rows (24 KiB) once and reuses them for every x row through 4 x 3 register tiles
-   of 8-float dot products. (worker/quant_linear.py sends 16 to 127 rows to
+   x rows (eight for Q8_0; six with AVX-512: FUSED_MAX) take the fused kernel: each
+   block's integers become 8-float vectors in registers, dotted with every x row, the
+   block's scale applied once per block (a min, through the x block's sum); with AVX-512
+   16-float vectors widened straight from the blocks' bytes (fused_rows_512). More rows
+   take panels: a thread dequantizes a few weight rows (24 KiB) once and reuses them for
+   every x row through 4 x 3 register tiles of 8-float dot products.
+   (worker/quant_linear.py sends 16 to 127 rows, from 7 with AVX-512, to
    hkv_quant_matmul_packed below, linear.c's float tiles on dequantized panels, and from 128
    rows dequantizes chunks of rows for torch's GEMM.) hkv_quant_float_activations(1) keeps x
    in float on every path. Work is split over torch's OpenMP threads. */
@@ -412,7 +412,15 @@ int hkv_quant_dequantize(const uint8_t *data, int64_t ldw, int type, int64_t col
 #define WT 3          /* weight rows per register tile: 12 accumulators + 4 x + ... */
 #define PANEL_FLOATS (6 * 1024) /* a thread's panel of weight rows: 24 KiB, L1-resident */
 #ifndef FUSED_MAX
-#define FUSED_MAX 4 /* x rows up to which the fused kernel runs (Q8_0: twice as many) */
+/* x rows up to which the fused kernel runs (Q8_0: twice as many). With AVX-512 (its codes
+   made floats once for 4 rows a pass) two passes still beat the panels at 5 and 6 rows:
+   all of Gemma 3 270M's quantized matrices 25.0 / 27.6 ms against the packed float tiles'
+   30.4 / 32.0, SmolLM2's 25.5 / 29.8 against 34.6 / 44.2; at 8, level or behind. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FUSED_MAX 6
+#else
+#define FUSED_MAX 4
+#endif
 #endif
 #define X_BLOCK 64    /* x rows per work item */
 
