@@ -656,57 +656,10 @@ static inline __m512i widen_u8(const uint8_t *p) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
 }
 
-/* The types with 32-value blocks (`type` and NX constants: one loop each, no branch
-   inside), for NX x rows (x row i at x + i ldx, its 32-value sums at xs + i ldxs): a
-   block's codes become floats once and serve every row. */
-static inline __attribute__((always_inline)) void rows32_512(
-    const int type, const uint8_t *p, int64_t cols, const float *x, int64_t ldx,
-    const float *xs, int64_t ldxs, float *y, int64_t ldy, const int NX) {
-    __m512 acc0[4], acc1[4];
-    float off[4];
-    for (int i = 0; i < NX; i++) {
-        acc0[i] = acc1[i] = _mm512_setzero_ps();
-        off[i] = 0.f;
-    }
-    const __m512i m15 = _mm512_set1_epi32(15), s16 = _mm512_set1_epi32(16);
-    const int five = type == T_Q5_0 || type == T_Q5_1;
-    const int with_min = type == T_Q4_1 || type == T_Q5_1;
-    const int64_t size = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 24;
-    const int64_t qs = 2 + 2 * with_min + 4 * five;
-    for (int64_t k = 0, b = 0; k < cols; k += 32, b++, p += size) {
-        const __m512i v = widen_u8(p + qs);
-        __m512i lo = _mm512_and_si512(v, m15), hi = _mm512_srli_epi32(v, 4);
-        if (five) {
-            const uint32_t bits = rd32(p + 2 + 2 * with_min);
-            if (with_min) {
-                lo = _mm512_mask_or_epi32(lo, (__mmask16)bits, lo, s16);
-                hi = _mm512_mask_or_epi32(hi, (__mmask16)(bits >> 16), hi, s16);
-            } else { /* minus 16 where the fifth bit is clear: or-ing it in, minus 16 */
-                lo = _mm512_mask_sub_epi32(lo, (__mmask16)~bits, lo, s16);
-                hi = _mm512_mask_sub_epi32(hi, (__mmask16)~(bits >> 16), hi, s16);
-            }
-        } else if (!with_min) { /* Q4_0: minus 8 */
-            lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(8));
-            hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(8));
-        }
-        const __m512 flo = codes_ps(lo), fhi = codes_ps(hi);
-        const __m512 d = _mm512_set1_ps(half_to_float(rd16(p)));
-        const float dmin = with_min ? half_to_float(rd16(p + 2)) : 0.f;
-        for (int i = 0; i < NX; i++) {
-            const float *xi = x + i * ldx + k;
-            const __m512 t = _mm512_fmadd_ps(fhi, _mm512_loadu_ps(xi + 16),
-                                             _mm512_mul_ps(flo, _mm512_loadu_ps(xi)));
-            if (b & 1) acc1[i] = _mm512_fmadd_ps(d, t, acc1[i]);
-            else acc0[i] = _mm512_fmadd_ps(d, t, acc0[i]);
-            if (with_min) off[i] += dmin * xs[i * ldxs + b];
-        }
-    }
-    for (int i = 0; i < NX; i++)
-        y[i * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[i], acc1[i])) + off[i];
-}
-
-/* Q8_0, Q4_K and Q5_K for NX x rows, as rows32_512. */
-static inline __attribute__((always_inline)) void rows_k_512(
+/* fused_row's sums for NX (1 .. 4) x rows (x row i at x + i ldx, its 32-value sums at
+   xs + i ldxs) of one weight row; `type` and NX constants (one loop each, no branch
+   inside): a block's codes become floats once and serve every row. */
+static inline __attribute__((always_inline)) void rows_512(
     const int type, const uint8_t *p, int64_t cols, const float *x, int64_t ldx,
     const float *xs, int64_t ldxs, float *y, int64_t ldy, const int NX) {
     __m512 acc0[4], acc1[4];
@@ -731,7 +684,7 @@ static inline __attribute__((always_inline)) void rows_k_512(
                 else acc0[i] = _mm512_fmadd_ps(d, t, acc0[i]);
             }
         }
-    } else { /* Q4_K, Q5_K */
+    } else if (type == T_Q4_K || type == T_Q5_K) {
         const int five = type == T_Q5_K;
         const int64_t size = five ? 176 : 144;
         for (int64_t k = 0, b = 0; k < cols; k += 256, b += 8, p += size) {
@@ -772,6 +725,40 @@ static inline __attribute__((always_inline)) void rows_k_512(
             }
             for (int i = 0; i < NX; i++) off[i] -= dmin * mins[i];
         }
+    } else { /* the types with 32-value blocks */
+        const int five = type == T_Q5_0 || type == T_Q5_1;
+        const int with_min = type == T_Q4_1 || type == T_Q5_1;
+        const int64_t size =
+            type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 24;
+        const int64_t qs = 2 + 2 * with_min + 4 * five;
+        for (int64_t k = 0, b = 0; k < cols; k += 32, b++, p += size) {
+            const __m512i v = widen_u8(p + qs);
+            __m512i lo = _mm512_and_si512(v, m15), hi = _mm512_srli_epi32(v, 4);
+            if (five) {
+                const uint32_t bits = rd32(p + 2 + 2 * with_min);
+                if (with_min) {
+                    lo = _mm512_mask_or_epi32(lo, (__mmask16)bits, lo, s16);
+                    hi = _mm512_mask_or_epi32(hi, (__mmask16)(bits >> 16), hi, s16);
+                } else { /* minus 16 where the fifth bit is clear: or-ing it in, minus 16 */
+                    lo = _mm512_mask_sub_epi32(lo, (__mmask16)~bits, lo, s16);
+                    hi = _mm512_mask_sub_epi32(hi, (__mmask16)~(bits >> 16), hi, s16);
+                }
+            } else if (!with_min) { /* Q4_0: minus 8 */
+                lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(8));
+                hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(8));
+            }
+            const __m512 flo = codes_ps(lo), fhi = codes_ps(hi);
+            const __m512 d = _mm512_set1_ps(half_to_float(rd16(p)));
+            const float dmin = with_min ? half_to_float(rd16(p + 2)) : 0.f;
+            for (int i = 0; i < NX; i++) {
+                const float *xi = x + i * ldx + k;
+                const __m512 t = _mm512_fmadd_ps(fhi, _mm512_loadu_ps(xi + 16),
+                                                 _mm512_mul_ps(flo, _mm512_loadu_ps(xi)));
+                if (b & 1) acc1[i] = _mm512_fmadd_ps(d, t, acc1[i]);
+                else acc0[i] = _mm512_fmadd_ps(d, t, acc0[i]);
+                if (with_min) off[i] += dmin * xs[i * ldxs + b];
+            }
+        }
     }
     for (int i = 0; i < NX; i++)
         y[i * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[i], acc1[i])) + off[i];
@@ -784,18 +771,18 @@ static int fused_rows_512_type(int type) {
            type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K;
 }
 
-/* fused_row's sums for nx (1 .. 4) x rows of a fused_rows_512_type weight row. */
+/* rows_512 for each type it takes, constant. */
 static inline __attribute__((always_inline)) void fused_rows_512_n(
     int type, const uint8_t *p, int64_t cols, const float *x, int64_t ldx, const float *xs,
     int64_t ldxs, float *y, int64_t ldy, const int NX) {
     switch (type) {
-    case T_Q4_0: rows32_512(T_Q4_0, p, cols, x, ldx, xs, ldxs, y, ldy, NX); return;
-    case T_Q4_1: rows32_512(T_Q4_1, p, cols, x, ldx, xs, ldxs, y, ldy, NX); return;
-    case T_Q5_0: rows32_512(T_Q5_0, p, cols, x, ldx, xs, ldxs, y, ldy, NX); return;
-    case T_Q5_1: rows32_512(T_Q5_1, p, cols, x, ldx, xs, ldxs, y, ldy, NX); return;
-    case T_Q8_0: rows_k_512(T_Q8_0, p, cols, x, ldx, xs, ldxs, y, ldy, NX); return;
-    case T_Q4_K: rows_k_512(T_Q4_K, p, cols, x, ldx, xs, ldxs, y, ldy, NX); return;
-    case T_Q5_K: rows_k_512(T_Q5_K, p, cols, x, ldx, xs, ldxs, y, ldy, NX); return;
+    case T_Q4_0: rows_512(T_Q4_0, p, cols, x, ldx, xs, ldxs, y, ldy, NX); return;
+    case T_Q4_1: rows_512(T_Q4_1, p, cols, x, ldx, xs, ldxs, y, ldy, NX); return;
+    case T_Q5_0: rows_512(T_Q5_0, p, cols, x, ldx, xs, ldxs, y, ldy, NX); return;
+    case T_Q5_1: rows_512(T_Q5_1, p, cols, x, ldx, xs, ldxs, y, ldy, NX); return;
+    case T_Q8_0: rows_512(T_Q8_0, p, cols, x, ldx, xs, ldxs, y, ldy, NX); return;
+    case T_Q4_K: rows_512(T_Q4_K, p, cols, x, ldx, xs, ldxs, y, ldy, NX); return;
+    case T_Q5_K: rows_512(T_Q5_K, p, cols, x, ldx, xs, ldxs, y, ldy, NX); return;
     default: return;
     }
 }
