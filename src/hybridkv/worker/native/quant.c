@@ -25,7 +25,7 @@
    x rows (eight for Q8_0; six with AVX-512: FUSED_MAX) take the fused kernel: each
    block's integers become 8-float vectors in registers, dotted with every x row, the
    block's scale applied once per block (a min, through the x block's sum); with AVX-512
-   16-float vectors widened straight from the blocks' bytes (fused_rows_512). More rows
+   16-float vectors widened straight from the blocks' bytes (rows_512). More rows
    take panels: a thread dequantizes a few weight rows (24 KiB) once and reuses them for
    every x row through 4 x 3 register tiles of 8-float dot products.
    (worker/quant_linear.py sends 16 to 127 rows, from 7 with AVX-512, to
@@ -764,7 +764,7 @@ static inline __attribute__((always_inline)) void rows_512(
         y[i * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[i], acc1[i])) + off[i];
 }
 
-/* Whether fused_rows_512 takes `type` (Q6_K measured level with the AVX2 code, which builds
+/* Whether rows_512 takes `type` (Q6_K measured level with the AVX2 code, which builds
    its codes from high bits shared by four sub-blocks: it stays there). */
 static int fused_rows_512_type(int type) {
     return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 ||
@@ -787,17 +787,21 @@ static inline __attribute__((always_inline)) void fused_rows_512_n(
     }
 }
 
-static void fused_rows_512(int type, const uint8_t *p, int64_t cols, const float *x,
-                           int64_t ldx, const float *xs, int64_t ldxs, float *y, int64_t ldy,
-                           int nx) {
-    switch (nx) {
-    case 4: fused_rows_512_n(type, p, cols, x, ldx, xs, ldxs, y, ldy, 4); break;
-    case 3: fused_rows_512_n(type, p, cols, x, ldx, xs, ldxs, y, ldy, 3); break;
-    case 2: fused_rows_512_n(type, p, cols, x, ldx, xs, ldxs, y, ldy, 2); break;
-    default: fused_rows_512_n(type, p, cols, x, ldx, xs, ldxs, y, ldy, 1); break;
-    }
-}
 #endif
+
+/* One weight row against NX (constant) x rows: the AVX-512 code for the types it takes,
+   else fused_row. */
+static inline __attribute__((always_inline)) void fused_rows_n(
+    int type, const uint8_t *p, int64_t cols, const float *x, int64_t ldx, const float *xs,
+    int64_t ldxs, float *y, int64_t ldy, const int NX) {
+#if defined(HAVE_FUSED_ROWS_512)
+    if (fused_rows_512_type(type)) {
+        fused_rows_512_n(type, p, cols, x, ldx, xs, ldxs, y, ldy, NX);
+        return;
+    }
+#endif
+    fused_row(type, p, cols, x, ldx, xs, ldxs, y, ldy, NX);
+}
 
 static void fused_matmul(const float *x, int64_t m, int64_t ldx, const uint8_t *w,
                          int64_t ldw, int type, int64_t rows, int64_t cols, float *y,
@@ -810,17 +814,11 @@ static void fused_matmul(const float *x, int64_t m, int64_t ldx, const uint8_t *
             const float *xi = x + i * ldx, *si = xs + i * ldxs;
             float *yi = y + i * ldy + r;
             const uint8_t *p = w + r * ldw;
-#if defined(HAVE_FUSED_ROWS_512)
-            if (fused_rows_512_type(type)) {
-                fused_rows_512(type, p, cols, xi, ldx, si, ldxs, yi, ldy, nx);
-                continue;
-            }
-#endif
             switch (nx) {
-            case 4: fused_row(type, p, cols, xi, ldx, si, ldxs, yi, ldy, 4); break;
-            case 3: fused_row(type, p, cols, xi, ldx, si, ldxs, yi, ldy, 3); break;
-            case 2: fused_row(type, p, cols, xi, ldx, si, ldxs, yi, ldy, 2); break;
-            default: fused_row(type, p, cols, xi, ldx, si, ldxs, yi, ldy, 1); break;
+            case 4: fused_rows_n(type, p, cols, xi, ldx, si, ldxs, yi, ldy, 4); break;
+            case 3: fused_rows_n(type, p, cols, xi, ldx, si, ldxs, yi, ldy, 3); break;
+            case 2: fused_rows_n(type, p, cols, xi, ldx, si, ldxs, yi, ldy, 2); break;
+            default: fused_rows_n(type, p, cols, xi, ldx, si, ldxs, yi, ldy, 1); break;
             }
         }
     }
