@@ -112,34 +112,80 @@ def test_ssd_decode_updates_the_states_in_place_as_the_recurrence_does(groups):
     assert not cpu_ops.ssd_decode_takes(states.double())
 
 
+def mamba2_mixer(head_dim, groups, heads=4, size=16, conv_bias=True):
+    from hybridkv.models.layers.mamba2 import Mamba2Mixer
+
+    cfg = {"hidden_size": 32, "mamba_num_heads": heads, "mamba_head_dim": head_dim,
+           "ssm_state_size": size, "n_groups": groups, "conv_kernel": 4,
+           "use_conv_bias": conv_bias, "time_step_min": 0.05}
+    mixer = Mamba2Mixer(cfg, 0)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.normal_()
+        mixer.dt_bias.uniform_(-3, 1)  # dt + dt_bias spans softplus's range and the floor
+    return mixer
+
+
+@pytest.mark.parametrize("tokens", [37, 1])
 @pytest.mark.parametrize("head_dim", [64, 8])  # 64: the AVX-512 code where there is one
 @pytest.mark.parametrize("groups", [1, 2])
-def test_ssd_scan_equals_the_chunked_scan_it_replaces(head_dim, groups):
-    """A prompt's Mamba-2 scan in one C call, token by token, against models/layers/ssd.py's
-    chunked form (itself tested against the recurrence): the outputs, the final state and
-    each checkpoint, on strided B and C as the model splits them out of one projection, a
-    bf16 checkpoint taking the state rounded."""
-    from hybridkv.models.layers.ssd import ssd_scan
+def test_a_mamba2_prompt_in_c_equals_the_torch_mixer(head_dim, groups, tokens):
+    """A request's Mamba-2 prompt (conv, silu, dt's softplus and floor, the scan, the D skip)
+    in two C calls against the mixer's torch code and models/layers/ssd.py's chunked scan:
+    the output, both live states and every checkpoint, with x|B|C and dt read strided out of
+    one projection as the model splits them, and a bf16 checkpoint taking the state
+    rounded."""
+    torch.manual_seed(head_dim + groups + tokens)
+    mixer = mamba2_mixer(head_dim, groups)
+    projected = torch.randn(tokens, mixer.inner + mixer.conv_dim + mixer.num_heads)
+    _, xbc, dt = projected.split([mixer.inner, mixer.conv_dim, mixer.num_heads], -1)
+    conv0 = torch.randn(mixer.conv_dim, mixer.kernel - 1)
+    ssm0 = torch.randn(mixer.num_heads, head_dim, mixer.state_size)
+    offsets = sorted({min(5, tokens), tokens})
 
-    torch.manual_seed(head_dim + groups)
-    tokens, heads, size = 37, 4, 16
-    x = torch.randn(tokens, heads, head_dim)
-    dt = torch.rand(tokens, heads) * 0.5
-    a = -torch.rand(heads) * 2
-    bc = torch.randn(tokens, 2 * groups * size)
-    b = bc[:, :groups * size].view(tokens, groups, size)
-    c = bc[:, groups * size:].view(tokens, groups, size)
-    start = torch.randn(heads, head_dim, size)
-    expected_saves = {o: torch.empty_like(start) for o in (5, 16, 37)}
-    y_ref, final_ref = ssd_scan(x, dt, a, b, c, start.clone(), chunk_size=16,
-                                save_at=expected_saves)
-    saves = {5: torch.empty_like(start), 16: torch.empty_like(start),
-             37: torch.empty(start.shape, dtype=torch.bfloat16)}
-    kept = start.clone()
-    y, final = cpu_ops.ssd_scan(x, dt, a, b, c, start, saves)
-    assert torch.equal(start, kept), "the caller's state is left as it was"
+    def run(native):
+        mixer.native_ops = native
+        conv, ssm = conv0.clone(), ssm0.clone()
+        saves = [(o, torch.empty_like(conv0),
+                  torch.empty(ssm0.shape, dtype=torch.bfloat16 if o == tokens else
+                              torch.float32)) for o in offsets]
+        with torch.no_grad():
+            y = mixer._request(xbc, dt, conv, ssm, saves)
+        return y, conv, ssm, saves
+
+    y_ref, conv_ref, ssm_ref, saves_ref = run(False)
+    y, conv, ssm, saves = run(True)
     torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(final, final_ref, rtol=1e-5, atol=1e-5)
-    for offset in (5, 16):
-        torch.testing.assert_close(saves[offset], expected_saves[offset], rtol=1e-5, atol=1e-5)
-    assert torch.equal(saves[37], final.to(torch.bfloat16))
+    torch.testing.assert_close(conv, conv_ref, rtol=0, atol=0)
+    torch.testing.assert_close(ssm, ssm_ref, rtol=1e-5, atol=1e-5)
+    for (o, c, s), (_, c_ref, s_ref) in zip(saves, saves_ref, strict=True):
+        torch.testing.assert_close(c, c_ref, rtol=0, atol=0, msg=f"conv checkpoint {o}")
+        torch.testing.assert_close(s.float(), s_ref.float(), rtol=1e-2 if o == tokens else 1e-5,
+                                   atol=1e-2 if o == tokens else 1e-5,
+                                   msg=f"state checkpoint {o}")
+    assert torch.equal(saves[-1][2], ssm.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_causal_conv_in_c_equals_torchs(bias):
+    """The depthwise causal conv in one C call against models/layers/state.py's (torch's
+    conv1d on the state's inputs and the tokens'), strided rows, no activation."""
+    from hybridkv.models.layers.state import causal_conv
+
+    torch.manual_seed(bias)
+    tokens, channels, kernel = 9, 24, 4
+    conv = torch.nn.Conv1d(channels, channels, kernel, groups=channels, bias=bias)
+    x = torch.randn(tokens, 2 * channels)[:, channels:]
+    state0 = torch.randn(channels, kernel - 1)
+    checkpoints = {o: torch.empty(channels, kernel - 1) for o in (0, 2, tokens)}
+    ref_state = state0.clone()
+    ref_checkpoints = {o: torch.empty(channels, kernel - 1) for o in checkpoints}
+    with torch.no_grad():
+        expect = causal_conv(x, ref_state, conv, [(o, c, None) for o, c in
+                                                   ref_checkpoints.items()])
+        state = state0.clone()
+        got = cpu_ops.causal_conv(x, state, conv.weight, conv.bias, checkpoints, silu=False)
+    torch.testing.assert_close(got, expect, rtol=1e-6, atol=1e-6)
+    assert torch.equal(state, ref_state)
+    for o in checkpoints:
+        assert torch.equal(checkpoints[o], ref_checkpoints[o]), o

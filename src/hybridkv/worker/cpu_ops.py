@@ -1,5 +1,5 @@
-"""RMSNorm, RoPE, K/V writes and Mamba-2's state steps and prompt scans for float32
-tensors on the CPU, one C call each (worker/native/cpu_ops.c).
+"""RMSNorm, RoPE, K/V writes, causal convolutions and Mamba-2's state steps and prompt
+scans for float32 tensors on the CPU, one C call each (worker/native/cpu_ops.c).
 
 A decode step's norms and rotations are tiny ([batch, width] rows), so torch's cost there
 is per op, not per element: RMSNorm alone runs five ops (about 15-30 us per call for 32
@@ -27,8 +27,10 @@ _SIGNATURES: dict[str, list[Any]] = {
                          _I64, _I64, _I64, _I64, _I64, _I64, _I64],
     "hkv_ssd_decode_f32": [_PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
                            _PTR],
-    "hkv_ssd_scan_f32": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR,
-                         _PTR, _I64, _PTR, _PTR],
+    "hkv_mamba2_scan_f32": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _I64,
+                            _PTR, _I64, _PTR, _PTR, _PTR, _F32, _PTR, _I64, _PTR, _PTR, _PTR],
+    "hkv_causal_conv_f32": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, ctypes.c_int,
+                            _PTR, _I64, _PTR, _PTR, _PTR],
 }
 _lib: ctypes.CDLL | None = None
 
@@ -117,33 +119,79 @@ def ssd_decode(states: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor,
     return y
 
 
-def ssd_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-             c: torch.Tensor, state: torch.Tensor, save_at: dict[int, torch.Tensor]
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """models/layers/ssd.py's ssd_scan (same arguments but the chunk size, same results to
-    float rounding) as the token-by-token recurrence in one C call: x [L, H, P], dt [L, H],
-    a [H], b / c [L, G, N], state [H, P, N], float32 on the CPU. Returns (y [L, H, P]
-    without the D skip, the final state); writes the state after `offset` tokens into
-    `save_at[offset]` (any dtype)."""
-    tokens, heads, head_dim = x.shape
-    groups, size = b.shape[1], b.shape[2]
-    final = state.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-    decay = torch.exp(dt * a).contiguous()  # [L, H]
-    b, c = b.contiguous(), c.contiguous()  # (held here: the C call reads them)
-    dtx = (x * dt[:, :, None]).contiguous()  # [L, H, P]
-    offsets = sorted(o for o in save_at if 0 < o <= tokens)
-    buffers = [torch.empty_like(final) for _ in offsets]
+def _checkpoints(save_at: dict[int, torch.Tensor], tokens: int, first: int
+                 ) -> tuple[list[int], list[torch.Tensor], torch.Tensor, Any]:
+    """The checkpoints to write (offsets first..tokens, ascending), each as a float32
+    contiguous buffer the C code writes: the checkpoint itself where it is one, else a
+    temporary the caller copies over (`_finish`)."""
+    offsets = sorted(o for o in save_at if first <= o <= tokens)
+    buffers = [save_at[o] if save_at[o].dtype == torch.float32 and save_at[o].is_contiguous()
+               else torch.empty(save_at[o].shape, dtype=torch.float32) for o in offsets]
     at = torch.tensor(offsets, dtype=torch.int64)
     pointers = (ctypes.c_void_p * max(1, len(buffers)))(*[t.data_ptr() for t in buffers])
-    y = torch.empty((tokens, heads, head_dim), dtype=torch.float32)
-    work = torch.empty(head_dim * size)  # one head's state, turned [N, P]
-    library().hkv_ssd_scan_f32(
-        final.data_ptr(), tokens, heads, head_dim, size, groups, decay.data_ptr(),
-        dtx.data_ptr(), b.data_ptr(), c.data_ptr(), y.data_ptr(),
-        at.data_ptr(), len(offsets), ctypes.addressof(pointers), work.data_ptr())
+    return offsets, buffers, at, pointers
+
+
+def _finish(save_at: dict[int, torch.Tensor], offsets: list[int],
+            buffers: list[torch.Tensor]) -> None:
     for offset, buffer in zip(offsets, buffers, strict=True):
-        save_at[offset].copy_(buffer.to(save_at[offset].dtype))
-    return y, final
+        if buffer is not save_at[offset]:
+            save_at[offset].copy_(buffer)
+
+
+def takes_state(state: torch.Tensor) -> bool:
+    """Whether the C prompt code updates this state in place: float32, contiguous, CPU."""
+    return state.dtype == torch.float32 and state.device.type == "cpu" and \
+        state.is_contiguous()
+
+
+def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None, save_at: dict[int, torch.Tensor],
+                silu: bool) -> torch.Tensor:
+    """models/layers/state.py's causal_conv (then silu if asked) in one C call: x [L, C]
+    float32 rows (unit stride along C), conv_state [C, kernel - 1] (takes_state) updated in
+    place, weight [C, 1, kernel], save_at {offset: [C, kernel - 1] checkpoint} written with
+    the kernel - 1 inputs before token `offset`. Returns [L, C] float32."""
+    tokens, channels = x.shape
+    kernel = weight.shape[-1]
+    weight = weight.reshape(channels, kernel).float().contiguous()
+    bias = None if bias is None else bias.float().contiguous()
+    offsets, buffers, at, pointers = _checkpoints(save_at, tokens, 0)
+    out = torch.empty((tokens, channels), dtype=torch.float32)
+    work = torch.empty((2 * kernel - 1) * channels)
+    library().hkv_causal_conv_f32(
+        x.data_ptr(), x.stride(0), tokens, channels, conv_state.data_ptr(),
+        weight.data_ptr(), None if bias is None else bias.data_ptr(), kernel, int(silu),
+        at.data_ptr(), len(offsets), ctypes.addressof(pointers), out.data_ptr(),
+        work.data_ptr())
+    _finish(save_at, offsets, buffers)
+    return out
+
+
+def mamba2_scan(xbc: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, a: torch.Tensor,
+                skip: torch.Tensor, dt_min: float | None, state: torch.Tensor,
+                groups: int, save_at: dict[int, torch.Tensor]) -> torch.Tensor:
+    """A Mamba-2 prompt's steps after its convolution, as models/layers/mamba2.py's torch
+    code computes them (softplus(dt + dt_bias), at least dt_min unless None; the scan of
+    models/layers/ssd.py's ssd_scan to float rounding; the D skip), in one C call: xbc
+    [L, inner + 2 G N] the conv's output after silu (x, then B, then C; unit stride), dt
+    [L, H] (unit stride), state [H, P, N] (takes_state) updated in place, save_at {offset:
+    [H, P, N] checkpoint} written with the state after `offset` (1..L) tokens. Returns y [L, H P]
+    float32."""
+    heads, head_dim, size = state.shape
+    tokens, inner = xbc.shape[0], heads * head_dim
+    offsets, buffers, at, pointers = _checkpoints(save_at, tokens, 1)
+    dt_bias, a, skip = (t.float().contiguous() for t in (dt_bias, a, skip))
+    y = torch.empty((tokens, inner), dtype=torch.float32)
+    work = torch.empty(2 * tokens * heads + head_dim * size)
+    library().hkv_mamba2_scan_f32(
+        state.data_ptr(), tokens, heads, head_dim, size, groups, xbc.data_ptr(),
+        xbc.stride(0), inner, inner + groups * size, dt.data_ptr(), dt.stride(0),
+        dt_bias.data_ptr(), a.data_ptr(), skip.data_ptr(),
+        float("-inf") if dt_min is None else dt_min, at.data_ptr(), len(offsets),
+        ctypes.addressof(pointers), y.data_ptr(), work.data_ptr())
+    _finish(save_at, offsets, buffers)
+    return y
 
 
 def use_cpu_ops(model: nn.Module) -> None:

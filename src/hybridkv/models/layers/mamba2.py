@@ -145,6 +145,16 @@ class Mamba2Mixer(nn.Module):
         states after `offset` tokens into each checkpoint of `saves`."""
         num_tokens = xbc.shape[0]
         save_at = {offset: ssm for offset, _, ssm in saves}
+        if self.native_ops and cpu_ops.takes(xbc) and cpu_ops.takes(dt) and \
+                cpu_ops.takes_state(conv_state) and cpu_ops.takes_state(ssm_state):
+            # Conv, activations, scan and skip in two C calls, where the torch code below
+            # runs ~25 ops a request (models/layers/ssd.py's scan stays the reference).
+            conv = cpu_ops.causal_conv(xbc, conv_state, self.conv1d.weight, self.conv1d.bias,
+                                       {offset: c for offset, c, _ in saves}, silu=True)
+            return cpu_ops.mamba2_scan(
+                conv, dt, self.dt_bias, -torch.exp(self.A_log.float()), self.D,
+                self.time_step_min if num_tokens > 1 else None, ssm_state, self.n_groups,
+                save_at)
         conv = causal_conv(xbc, conv_state, self.conv1d, saves)  # [L, conv_dim]
         x, b, c = nn.functional.silu(conv).split(
             [self.inner, self.n_groups * self.state_size, self.n_groups * self.state_size], -1)
