@@ -26,6 +26,9 @@ TYPES = {"token_embd": T.Q8_0, "attn_q": T.Q4_K, "attn_k": T.Q5_0, "attn_v": T.Q
 ONE_GATE_UP = {**TYPES, "ffn_up": T.Q4_0}
 CASES = {
     "llama": ("llama", {}, TYPES),
+    # Q8_0 layers: the few-row kernel past the other types' row limit on AVX-512 cores
+    # (quant_linear.packed_from), gate and up in one matrix.
+    "llama_q8_0": ("llama", {}, {name: T.Q8_0 for name in TYPES}),
     # q/k norms, sandwich norms, GELU-tanh, windows of 16 under 30-token prompts.
     "gemma3": ("gemma3", dict(head_dim=256, num_attention_heads=2, num_key_value_heads=1,
                               query_pre_attn_scalar=256, tie_word_embeddings=True),
@@ -59,7 +62,7 @@ def _generate(llm, prompts, native):
     return [o.token_ids for o in outs], [torch.stack(logits[o.request_id]) for o in outs]
 
 
-@pytest.mark.parametrize("num_prompts", [4, 20])  # the few-row kernel; the packed tiles
+@pytest.mark.parametrize("num_prompts", [4, 8, 20])  # the few-row kernel; the packed tiles
 def test_native_decode_equals_the_operator_path(gguf_file, monkeypatch, num_prompts):
     llm = LLM(str(gguf_file), max_model_len=128, kv_cache_memory="16MiB")
     assert isinstance(_model(llm).native_decode, native_decode.NativeDecode)

@@ -264,9 +264,9 @@ def test_matmul_on_two_threads_and_into_out(qtype: int, activations: str,
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[ql.SUPPORTED[t] for t in TYPES])
 def test_packed_float_tiles_from_their_first_row_count(qtype: int, path: str) -> None:
-    """From PACKED_ROWS[0] rows a few panels of W at a time are dequantized into the float
-    kernel's layout: rows that fill no whole panel nor a whole 8-row group, the last chunk
-    partial, a strided out, and both ends of the row range."""
+    """From packed_from(qtype) rows a few panels of W at a time are dequantized into the
+    float kernel's layout: rows that fill no whole panel nor a whole 8-row group, the last
+    chunk partial, a strided out, and both ends of the row range; one row fewer does not."""
     if ql._packed_linear() is None:
         pytest.skip("the float linear kernel does not build here")
     values, _ = ql.block_shape(qtype)
@@ -274,13 +274,16 @@ def test_packed_float_tiles_from_their_first_row_count(qtype: int, path: str) ->
         raw = weights(qtype, rows, cols, seed=rows + 7)
         w = reference(raw, qtype, cols)
         data = as_tensor(raw)
-        ql._packed_buffers.__dict__.clear()
-        for m in (ql.PACKED_ROWS[0], 37, ql.PACKED_ROWS[1] - 1):
+        for m in (ql.packed_from(qtype), 37, ql.PACKED_ROWS[1] - 1):
+            ql._packed_buffers.__dict__.clear()
             x = torch.randn(m, cols)
             out = torch.full((m, rows + 2), float("nan"))[:, 1:rows + 1]
             assert ql.matmul(x, data, qtype, cols, out=out) is out
             close_matmul(out, x, w)
-        assert ql._packed_buffers.__dict__, "the packed path did not run"
+            assert ql._packed_buffers.__dict__, f"the packed path did not run for {m} rows"
+        ql._packed_buffers.__dict__.clear()
+        ql.matmul(torch.randn(ql.packed_from(qtype) - 1, cols), data, qtype, cols)
+        assert not ql._packed_buffers.__dict__, "one row fewer takes the packed path"
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[ql.SUPPORTED[t] for t in TYPES])
@@ -336,7 +339,7 @@ def test_gated_product_equals_activation_of_gate_times_up(qtype: int, act: str) 
             gate, up = (weights(qtype, n, cols, seed=n + s) for s in (0, 1))
             g, u = reference(gate, qtype, cols), reference(up, qtype, cols)
             both = concat([ql.QuantizedWeight(as_tensor(r), qtype, n, cols) for r in (gate, up)])
-            for m in (ql.PACKED_ROWS[0], 40):
+            for m in (ql.packed_from(qtype), 40):
                 x = torch.randn(m, cols) * 3
                 got = ql.gated_matmul(x, both, mode)
                 assert got is not None
@@ -347,7 +350,8 @@ def test_gated_product_equals_activation_of_gate_times_up(qtype: int, act: str) 
                     (x.abs().double() @ u.abs().double().T)
                 err = ((got.double() - want).abs() / (scale + 1e-12)).max().item()
                 assert err < 1e-5, f"relative error {err:.3g}"
-        assert ql.gated_matmul(torch.randn(ql.PACKED_ROWS[0] - 1, cols), both, mode) is None
+        assert ql.gated_matmul(torch.randn(ql.packed_from(qtype) - 1, cols), both,
+                               mode) is None
     finally:
         torch.set_num_threads(before)
 

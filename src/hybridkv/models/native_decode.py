@@ -74,7 +74,7 @@ class Group(ctypes.Structure):
 class Kernels(ctypes.Structure):
     _fields_ = [("rms_norm", _PTR), ("rope", _PTR), ("write_kv", _PTR), ("attention", _PTR),
                 ("matmul", _PTR), ("matmul_packed", _PTR), ("linear", _PTR), ("buf", _PTR),
-                ("panels", _I64), ("packed_from", _I64)]
+                ("panels", _I64), ("packed_from", _I64), ("packed_from_q8_0", _I64)]
 
 
 class Unfit(ValueError):
@@ -154,7 +154,8 @@ class NativeDecode:
                                _address(ops.hkv_write_kv_f32), _address(attention),
                                _address(quant.hkv_quant_matmul),
                                _address(quant.hkv_quant_matmul_packed), linear,
-                               self.packed_buf.data_ptr(), panels, PACKED_FROM)
+                               self.packed_buf.data_ptr(), panels, PACKED_FROM,
+                               quant_linear.PACKED_ROWS_Q8_0)
         self.scratch = torch.empty(int(lib.hkv_decode_scratch(self.layers, len(structs),
                                                                 self.max_rows, self.hidden)),
                                    dtype=torch.float32)

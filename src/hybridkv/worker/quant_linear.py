@@ -20,11 +20,11 @@ Which path y = x W^T takes (M: the rows of x):
     the float kernels (measured on an AMD EPYC core); without AVX2 x stays in float (the
     portable integer kernel, kept for other CPUs and tested, measured slower there).
   * Otherwise x in float: up to 4 rows (8 for Q8_0; 6 on AVX-512) the fused kernel, then
-    the C dot panels; from 16 rows (7 on AVX-512: PACKED_ROWS; past the 8-bit limit when
-    that is on) a few panels of W at a time dequantized into the float linear kernel's
-    layout and multiplied by its register tiles; from LARGE_M rows (prefill) the same tiles over
-    chunks of ~16 MiB of panels, x packed once a chunk (torch's GEMM on dequantized chunks
-    of rows where the float kernel does not build).
+    the C dot panels; from 16 rows (7 on AVX-512, 9 for Q8_0 there: packed_from; past the
+    8-bit limit when that is on) a few panels of W at a time dequantized into the float
+    linear kernel's layout and multiplied by its register tiles; from LARGE_M rows
+    (prefill) the same tiles over chunks of ~16 MiB of panels, x packed once a chunk
+    (torch's GEMM on dequantized chunks of rows where the float kernel does not build).
     F32/F16/BF16 always float.
   * By default (set_float_activations(True); HYBRIDKV_QUANT_FLOAT_ACTIVATIONS unset or 1)
     x stays in float everywhere.
@@ -90,6 +90,11 @@ _CHUNK_FLOATS = 1 << 22  # 16 MiB: torch's GEMM loses speed on narrower chunks
 # panels at 5-8 rows by 1.15-1.36x on Gemma 3 270M's and SmolLM2's matrices).
 _AVX512 = all(native.cpu_has(f) for f in ("avx512f", "avx512bw", "avx512vl"))
 PACKED_ROWS = (7 if _AVX512 else 16, LARGE_M)
+# Q8_0's blocks decode cheaply enough that the fused kernel (its C limit: 2 FUSED_MAX
+# rows) stays ahead of the tiles for 7 and 8 rows on AVX-512: 1.1-1.4x at a Mamba-2
+# hybrid's 512-1,536-wide matrices, level at 10 (one core, alternating).
+PACKED_ROWS_Q8_0 = 9 if _AVX512 else PACKED_ROWS[0]
+Q8_0 = 8
 PREFILL_PACKED = True  # LARGE_M rows and more on the float tiles (tests turn it off)
 _linear_address: int | None = None
 # The chunk buffers, per thread (two engines in one process must not share one).
@@ -300,12 +305,17 @@ def _product(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
     return out
 
 
+def packed_from(qtype: int) -> int:
+    """The fewest x rows that take the packed float tiles for this type (below LARGE_M)."""
+    return PACKED_ROWS_Q8_0 if qtype == Q8_0 else PACKED_ROWS[0]
+
+
 def _takes_packed(m: int, qtype: int) -> bool:
-    """Whether m rows of x take the packed float tiles: PACKED_ROWS, unless 8-bit
-    activations are on and the integer kernel takes that many rows."""
+    """Whether m rows of x take the packed float tiles: from packed_from(qtype) rows,
+    unless 8-bit activations are on and the integer kernel takes that many rows."""
     if m >= PACKED_ROWS[1]:
         return PREFILL_PACKED
-    return PACKED_ROWS[0] <= m and (FLOAT_ACTIVATIONS or m > int8_rows(qtype))
+    return packed_from(qtype) <= m and (FLOAT_ACTIVATIONS or m > int8_rows(qtype))
 
 
 def _packed_linear() -> int | None:

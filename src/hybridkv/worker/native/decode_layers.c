@@ -37,13 +37,20 @@ typedef int (*matmul_fn)(const float *, int64_t, int64_t, const uint8_t *, int64
 typedef int (*packed_fn)(const float *, int64_t, int64_t, const uint8_t *, int64_t, int,
                          int64_t, int64_t, float *, int64_t, int, float *, int64_t, void *);
 
-/* The kernels, and from `packed_from` rows on the packed path's (quant.c's panels through
-   linear.c's tiles: its scratch `buf` for `panels` panels), as the operator path switches. */
+/* The kernels, and from `packed_from` rows (`packed_from_q8_0` for Q8_0 matrices) on the
+   packed path's (quant.c's panels through linear.c's tiles: its scratch `buf` for `panels`
+   panels), as the operator path switches (worker/quant_linear.py: packed_from). */
 typedef struct {
     void *rms_norm, *rope, *write_kv, *attention, *matmul, *matmul_packed, *linear;
     float *buf;
-    int64_t panels, packed_from;
+    int64_t panels, packed_from, packed_from_q8_0;
 } hkv_kernels;
+
+#define GGML_Q8_0 8
+
+static inline int takes_packed(const hkv_kernels *k, int64_t m, int64_t type) {
+    return m >= (type == GGML_Q8_0 ? k->packed_from_q8_0 : k->packed_from);
+}
 
 /* One quantized matrix: rows of `cols` values, `ldw` bytes apart. */
 typedef struct {
@@ -93,7 +100,7 @@ static void gated(const float *gu, int64_t m, int64_t n, int act, float *out) {
    packed path only) with its n / 2 gate rows then n / 2 up rows. */
 static int product1(const hkv_kernels *k, const float *x, int64_t m, int64_t ldx,
                     const hkv_qmatrix *w, int64_t cols, float *y, int64_t ldy, int mode) {
-    if (m >= k->packed_from) {
+    if (takes_packed(k, m, w->type)) {
         const int rc = ((packed_fn)k->matmul_packed)(
             x, m, ldx, w->w, w->ldw, (int)w->type, mode ? w->rows / 2 : w->rows, cols, y, ldy,
             mode, k->buf, k->panels, k->linear);
@@ -191,7 +198,7 @@ int hkv_decode_layers(const hkv_layer *layers, int64_t n, const hkv_group *group
 
         ((rms_norm_fn)k->rms_norm)(h, hidden, 0, x, m, 1, hidden, L->pre_ffn_norm,
                                    L->norm_offset, L->eps);
-        if (m >= k->packed_from && L->n_gate_up == 1) {
+        if (L->n_gate_up == 1 && takes_packed(k, m, L->gate_up[0].type)) {
             /* Gate and up in one matrix: the tiles apply the activation and product. */
             if ((rc = product1(k, x, m, hidden, L->gate_up, hidden, act, I, (int)L->act)) != 0)
                 return rc;

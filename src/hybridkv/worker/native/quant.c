@@ -28,7 +28,7 @@
    16-float vectors widened straight from the blocks' bytes (rows_512). More rows
    take panels: a thread dequantizes a few weight rows (24 KiB) once and reuses them for
    every x row through 4 x 3 register tiles of 8-float dot products.
-   (worker/quant_linear.py sends 16 to 127 rows, from 7 with AVX-512, to
+   (worker/quant_linear.py sends 16 to 127 rows, from 7 with AVX-512 (Q8_0: 9), to
    hkv_quant_matmul_packed below, linear.c's float tiles on dequantized panels, and from 128
    rows dequantizes chunks of rows for torch's GEMM.) hkv_quant_float_activations(1) keeps x
    in float on every path. Work is split over torch's OpenMP threads. */
