@@ -39,6 +39,7 @@ from hybridkv.models.layer_mix import (
     load_hf_config,
     shipped_config_names,
 )
+from hybridkv.server.follow_up import DEFAULT_WAIT_MS as DEFAULT_FOLLOW_UP_WAIT_MS
 
 DESCRIPTION = (
     "hybridkv: a small LLM inference engine built around a hybrid KV cache manager. Full, "
@@ -631,6 +632,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "the model's)")
     parser.add_argument("--shutdown-timeout", type=non_negative_float, default=10.0,
                         help="seconds to let in-flight requests finish on SIGTERM/SIGINT")
+    parser.add_argument("--follow-up-wait-ms", type=non_negative_float,
+                        default=DEFAULT_FOLLOW_UP_WAIT_MS,
+                        help="after a step that ends a request, hold the next step up to "
+                             "this long for that client's next request (agents and chat "
+                             "clients send it at once); holding stops while it does not "
+                             "pay (default: %(default)s; 0: never hold)")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="log level")
@@ -780,7 +787,7 @@ def run_serve(args: argparse.Namespace) -> int:
         model_name=name, model_dir=str(model_dir),
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_waiting=args.max_waiting, chat_template=args.chat_template,
-        shutdown_timeout_s=args.shutdown_timeout))
+        shutdown_timeout_s=args.shutdown_timeout, follow_up_wait_ms=args.follow_up_wait_ms))
     log.info("serving %s as '%s' on http://%s:%d/v1", model_dir, name, args.host, args.port)
     # uvicorn handles SIGTERM/SIGINT (stop accepting, let requests finish, stop the engine),
     # then raises the signal again for the handler it found: a quiet one makes that exit 0.

@@ -1,6 +1,7 @@
 """`hybridkv serve`: an OpenAI-compatible HTTP server on the engine (FastAPI + uvicorn).
 
     async_engine  the engine loop in one thread; requests in and outputs out via the event loop
+    follow_up     how long a step is held for a client's next request
     protocol      request and response bodies (pydantic)
     serving       /v1/completions and /v1/chat/completions, whole or streamed
     chat          chat templates

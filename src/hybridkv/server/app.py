@@ -26,6 +26,7 @@ from hybridkv.server import protocol as p
 from hybridkv.server.async_engine import AsyncEngine, EngineDeadError
 from hybridkv.server.chat import ChatTemplate, find_chat_template, special_tokens
 from hybridkv.server.errors import bad_request, error_response, install_error_handlers
+from hybridkv.server.follow_up import DEFAULT_WAIT_MS, FollowUpWait
 from hybridkv.server.metrics import ServerMetrics, scheduler_loads
 from hybridkv.server.serving import ServerState, create_chat_completion, create_completion
 
@@ -40,6 +41,9 @@ class ServerConfig:
     max_waiting: int | None = None  # more queued requests than this: 503 + Retry-After
     chat_template: str | None = None  # a file or the template itself; default: the model's
     shutdown_timeout_s: float = 10.0
+    # After a step that ends a request, hold the next step this long for that client's next
+    # request (server/follow_up.py; adaptive); 0: never hold.
+    follow_up_wait_ms: float = DEFAULT_WAIT_MS
 
 
 def group_names(engine: LLMEngine) -> list[str]:
@@ -102,7 +106,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                             group_names(engine), cache_info(engine), engine.kv_events)
     async_engine = AsyncEngine(engine, max_waiting=config.max_waiting,
                                on_output=metrics.observe_output,
-                               on_scheduled=metrics.observe_queue_time)
+                               on_scheduled=metrics.observe_queue_time,
+                               follow_up=FollowUpWait(config.follow_up_wait_ms / 1000))
     if engine.structured is not None:
         engine.structured.on_compile = metrics.observe_grammar_compile
         engine.structured.on_mask = metrics.observe_grammar_mask

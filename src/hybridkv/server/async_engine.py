@@ -6,7 +6,9 @@
     async for out in stream     <--batch--  engine.step() outputs, one call_soon_threadsafe
     abort(rid)                  --cmd-->    engine.abort_request (frees its blocks)
 
-The thread steps while work exists and otherwise sleeps on its command queue. If the engine
+The thread steps while work exists and otherwise sleeps on its command queue; after a step
+that ended a request it holds the next one briefly for that client's next request
+(follow_up.py). If the engine
 itself raises, the server turns unhealthy: every stream ends with `EngineDeadError` and new
 requests are refused, so no client waits forever.
 """
@@ -26,6 +28,7 @@ from typing import Any
 from hybridkv.engine.engine import LLMEngine
 from hybridkv.engine.outputs import RequestOutput
 from hybridkv.sched.sampling import SamplingParams
+from hybridkv.server.follow_up import FollowUpWait
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,8 @@ class EngineSnapshot:
     prefix_hit_tokens: int = 0
     hit_tokens_per_group: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    follow_up_holds: int = 0  # steps held for a client's next request (follow_up.py)
+    follow_up_hits: int = 0  # ... that a request arrived within
     offload: dict[str, Any] | None = None  # LLMEngine.offload_stats(), with tiers
 
 
@@ -99,9 +104,11 @@ OutputObserver = Callable[[RequestStream, RequestOutput], None]
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, max_waiting: int | None = None,
                  on_output: OutputObserver | None = None,
-                 on_scheduled: Callable[[float], None] | None = None) -> None:
+                 on_scheduled: Callable[[float], None] | None = None,
+                 follow_up: FollowUpWait | None = None) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
+        self.follow_up = follow_up if follow_up is not None else FollowUpWait()
         self.snapshot = EngineSnapshot()
         self.error: BaseException | None = None
         self._on_output = on_output
@@ -217,12 +224,28 @@ class AsyncEngine:
                     self._take_snapshot()
                     if outputs:
                         self._call_soon(self._deliver, outputs)
+                        if self.engine.has_unfinished and any(o.finished for o in outputs):
+                            self._hold_for_follow_up()
                 else:
                     self._take_snapshot()
         except BaseException as e:  # the engine itself broke: no request can go on
             logger.exception("the engine loop failed; the server is now unhealthy")
             self.error = e
             self._call_soon(self._fail_all, EngineDeadError(self.dead_reason()))
+
+    def _hold_for_follow_up(self) -> None:
+        """Wait up to the follow-up timeout for a command (the client whose answer just
+        ended coming back), so that a request arriving then joins the next step."""
+        timeout = self.follow_up.timeout()
+        if timeout is None:
+            return
+        try:
+            command = self._commands.get(timeout=timeout)
+        except queue.Empty:
+            self.follow_up.record(False)
+            return
+        self.follow_up.record(command[0] == "add")
+        self._apply(command)  # the rest are read before the next step
 
     def _read_commands(self, *, block: bool) -> None:
         try:
@@ -282,6 +305,7 @@ class AsyncEngine:
             prefix_hit_tokens=kv.stats.num_hit_tokens,
             hit_tokens_per_group=list(kv.stats.hit_tokens_per_group),
             num_preemptions=scheduler.num_preemptions,
+            follow_up_holds=self.follow_up.holds, follow_up_hits=self.follow_up.hits,
             offload=self.engine.offload_stats())
 
     def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:

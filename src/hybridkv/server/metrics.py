@@ -74,7 +74,11 @@ class EngineCollector(Collector):
                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                  s.prefix_hit_tokens),
                 ("num_preemptions", "Requests preempted (recomputed later).",
-                 s.num_preemptions)):
+                 s.num_preemptions),
+                ("follow_up_holds", "Steps held after a request ended, for that client's "
+                 "next request.", s.follow_up_holds),
+                ("follow_up_hits", "Follow-up holds that a request arrived within.",
+                 s.follow_up_hits)):
             counter = CounterMetricFamily(P + name, doc, labels=labels)
             counter.add_metric([self._model], value)
             yield counter
