@@ -47,6 +47,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.beta_scale = beta_scale
         self.name = f"model.layers.{layer}.mamba"
+        self.native_ops = False  # the causal conv in C (state.causal_conv)
         hidden = int(cfg["hidden_size"])
         self.num_k_heads = int(cfg["linear_num_key_heads"])
         self.num_v_heads = int(cfg["linear_num_value_heads"])
@@ -136,7 +137,8 @@ class GatedDeltaNet(nn.Module):
     def _request(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
                  conv_state: torch.Tensor, state: torch.Tensor,
                  saves: Saves) -> torch.Tensor:
-        x = self.act(causal_conv(mixed, conv_state, self.conv1d, saves))
+        x = self.act(causal_conv(mixed, conv_state, self.conv1d, saves,
+                                 native=self.native_ops))
         q, k, v = self._qkv(x)
         save_at = {offset: ssm for offset, _, ssm in saves}
         out, s = chunked_delta_rule(q, k, v, beta, g, state.float(), save_at)

@@ -39,6 +39,7 @@ class KimiDeltaAttention(nn.Module):
                  eps: float, act: str) -> None:
         super().__init__()
         self.name = f"model.layers.{layer}.mamba"  # the state layer's name in the KV layout
+        self.native_ops = False  # the causal conv in C (state.causal_conv)
         self.num_heads, self.head_dim, self.eps = num_heads, head_dim, eps
         width = num_heads * head_dim
         self.q_proj = nn.Linear(hidden, width, bias=False)
@@ -74,7 +75,8 @@ class KimiDeltaAttention(nn.Module):
                                              batched, states)
         for start, end, conv_state, state, saves in request_states(meta, states,
                                                                    skip=batched):
-            x = self.act(causal_conv(mixed[start:end], conv_state, self.conv1d, saves))
+            x = self.act(causal_conv(mixed[start:end], conv_state, self.conv1d, saves,
+                                     native=self.native_ops))
             save_at = {offset: ssm for offset, _, ssm in saves}
             out[start:end], s = chunked_kda_rule(*self._qkv(x), beta[start:end],
                                                  g[start:end], state.float(), save_at)

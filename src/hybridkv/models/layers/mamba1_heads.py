@@ -32,6 +32,7 @@ class MultiHeadMamba1Mixer(nn.Module):
     def __init__(self, cfg: Mapping[str, Any], layer: int) -> None:
         super().__init__()
         self.name = f"model.layers.{layer}.mamba"
+        self.native_ops = False  # the causal conv in C (state.causal_conv)
         hidden = int(cfg["hidden_size"])
         self.inner = int(cfg.get("mamba_expand", 2)) * hidden
         self.num_heads = int(cfg.get("n_mamba_heads", 2))
@@ -100,7 +101,8 @@ class MultiHeadMamba1Mixer(nn.Module):
 
     def _request(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
                  saves: Saves) -> torch.Tensor:
-        x = self.act(causal_conv(x, conv_state, self.conv1d, saves))  # [L, inner]
+        x = self.act(causal_conv(x, conv_state, self.conv1d, saves,
+                                 native=self.native_ops))  # [L, inner]
         dt, b, c = self._project(x)
         a = -torch.exp(self.A_log.float()).flatten(0, 1)  # [inner, state]
         xf = x.float()

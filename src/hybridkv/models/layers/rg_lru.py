@@ -66,6 +66,7 @@ class RecurrentBlock(nn.Module):
                  layer: int) -> None:
         super().__init__()
         self.name = f"model.layers.{layer}.mamba"  # the state layer's name in the KV layout
+        self.native_ops = False  # the causal conv in C (state.causal_conv)
         self.linear_y = nn.Linear(hidden, width)
         self.linear_x = nn.Linear(hidden, width)
         self.linear_out = nn.Linear(width, hidden)
@@ -80,6 +81,7 @@ class RecurrentBlock(nn.Module):
         x = self.linear_x(h)
         out = torch.empty_like(x)
         for start, end, conv_state, lru_state, saves in request_states(meta, states):
-            conv = causal_conv(x[start:end], conv_state, self.conv_1d, saves)
+            conv = causal_conv(x[start:end], conv_state, self.conv_1d, saves,
+                               native=self.native_ops)
             out[start:end] = self.rg_lru.scan(conv, positions[start:end], lru_state, saves)
         return self.linear_out(out * y)  # type: ignore[no-any-return]

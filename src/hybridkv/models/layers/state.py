@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from hybridkv.worker import cpu_ops
 from hybridkv.worker.state import StateMetadata
 
 Saves = list[tuple[int, torch.Tensor, torch.Tensor]]
@@ -43,10 +44,15 @@ def request_states(meta: StateMetadata, states: tuple[torch.Tensor, ...],
 
 
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, conv: nn.Conv1d,
-                saves: Saves) -> torch.Tensor:
+                saves: Saves, native: bool = False) -> torch.Tensor:
     """Depthwise causal conv of x [L, channels] continuing from the last kernel - 1 inputs in
     `conv_state` [channels, kernel - 1]; updates it and the checkpoints' conv states.
-    Returns [L, channels] (before the activation)."""
+    Returns [L, channels] (before the activation). `native` (the mixer's cpu ops on):
+    float32 CPU tensors take one C call, 3-15x torch's depthwise conv1d on one core (53 ms
+    against 3.6 ms for 2,048 tokens of 2,048 channels)."""
+    if native and cpu_ops.takes(x) and cpu_ops.takes_state(conv_state):
+        return cpu_ops.causal_conv(x, conv_state, conv.weight, conv.bias,
+                                   {offset: c for offset, c, _ in saves}, silu=False)
     keep = conv.kernel_size[0] - 1
     window = torch.cat([conv_state.to(x.dtype), x.T], dim=-1)  # [channels, k-1+L]
     conv_state.copy_(window[:, -keep:])
