@@ -129,18 +129,20 @@ def mamba2_mixer(head_dim, groups, heads=4, size=16, conv_bias=True):
 @pytest.mark.parametrize("tokens", [37, 1])
 @pytest.mark.parametrize("head_dim", [64, 8])  # 64: the AVX-512 code where there is one
 @pytest.mark.parametrize("groups", [1, 2])
-def test_a_mamba2_prompt_in_c_equals_the_torch_mixer(head_dim, groups, tokens):
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_a_mamba2_prompt_in_c_equals_the_torch_mixer(head_dim, groups, tokens, state_dtype,
+                                                     monkeypatch):
     """A request's Mamba-2 prompt (conv, silu, dt's softplus and floor, the scan, the D skip)
     in two C calls against the mixer's torch code and models/layers/ssd.py's chunked scan:
     the output, both live states and every checkpoint, with x|B|C and dt read strided out of
     one projection as the model splits them, and a bf16 checkpoint taking the state
-    rounded."""
+    rounded; live states in bf16 (--state-dtype bf16) too."""
     torch.manual_seed(head_dim + groups + tokens)
     mixer = mamba2_mixer(head_dim, groups)
     projected = torch.randn(tokens, mixer.inner + mixer.conv_dim + mixer.num_heads)
     _, xbc, dt = projected.split([mixer.inner, mixer.conv_dim, mixer.num_heads], -1)
-    conv0 = torch.randn(mixer.conv_dim, mixer.kernel - 1)
-    ssm0 = torch.randn(mixer.num_heads, head_dim, mixer.state_size)
+    conv0 = torch.randn(mixer.conv_dim, mixer.kernel - 1).to(state_dtype)
+    ssm0 = torch.randn(mixer.num_heads, head_dim, mixer.state_size).to(state_dtype)
     offsets = sorted({min(5, tokens), tokens})
 
     def run(native):
@@ -154,10 +156,15 @@ def test_a_mamba2_prompt_in_c_equals_the_torch_mixer(head_dim, groups, tokens):
         return y, conv, ssm, saves
 
     y_ref, conv_ref, ssm_ref, saves_ref = run(False)
+    calls = []
+    monkeypatch.setattr(cpu_ops, "mamba2_scan",
+                        lambda *a, f=cpu_ops.mamba2_scan, **k: calls.append(1) or f(*a, **k))
     y, conv, ssm, saves = run(True)
+    assert calls, "the C scan did not run"
     torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(conv, conv_ref, rtol=0, atol=0)
-    torch.testing.assert_close(ssm, ssm_ref, rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if state_dtype == torch.float32 else 1e-2  # bf16: one rounding apart
+    torch.testing.assert_close(ssm.float(), ssm_ref.float(), rtol=tol, atol=tol)
     for (o, c, s), (_, c_ref, s_ref) in zip(saves, saves_ref, strict=True):
         torch.testing.assert_close(c, c_ref, rtol=0, atol=0, msg=f"conv checkpoint {o}")
         torch.testing.assert_close(s.float(), s_ref.float(), rtol=1e-2 if o == tokens else 1e-5,

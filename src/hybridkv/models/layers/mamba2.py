@@ -145,16 +145,23 @@ class Mamba2Mixer(nn.Module):
         states after `offset` tokens into each checkpoint of `saves`."""
         num_tokens = xbc.shape[0]
         save_at = {offset: ssm for offset, _, ssm in saves}
-        if self.native_ops and cpu_ops.takes(xbc) and cpu_ops.takes(dt) and \
-                cpu_ops.takes_state(conv_state) and cpu_ops.takes_state(ssm_state):
+        if self.native_ops and cpu_ops.takes(xbc) and cpu_ops.takes(dt):
             # Conv, activations, scan and skip in two C calls, where the torch code below
             # runs ~25 ops a request (models/layers/ssd.py's scan stays the reference).
-            conv = cpu_ops.causal_conv(xbc, conv_state, self.conv1d.weight, self.conv1d.bias,
+            # States of another dtype (--state-dtype bf16) go through float32 copies, as
+            # the torch code computes them.
+            conv_live, ssm_live = (s if cpu_ops.takes_state(s) else s.float().contiguous()
+                                   for s in (conv_state, ssm_state))
+            conv = cpu_ops.causal_conv(xbc, conv_live, self.conv1d.weight, self.conv1d.bias,
                                        {offset: c for offset, c, _ in saves}, silu=True)
-            return cpu_ops.mamba2_scan(
+            y = cpu_ops.mamba2_scan(
                 conv, dt, self.dt_bias, -torch.exp(self.A_log.float()), self.D,
-                self.time_step_min if num_tokens > 1 else None, ssm_state, self.n_groups,
+                self.time_step_min if num_tokens > 1 else None, ssm_live, self.n_groups,
                 save_at)
+            for live, state in ((conv_live, conv_state), (ssm_live, ssm_state)):
+                if live is not state:
+                    state.copy_(live)
+            return y
         conv = causal_conv(xbc, conv_state, self.conv1d, saves)  # [L, conv_dim]
         x, b, c = nn.functional.silu(conv).split(
             [self.inner, self.n_groups * self.state_size, self.n_groups * self.state_size], -1)
@@ -166,11 +173,8 @@ class Mamba2Mixer(nn.Module):
         x = x.float().view(num_tokens, self.num_heads, self.head_dim)
         b = b.float().view(num_tokens, self.n_groups, self.state_size)  # [L, groups, state]
         c = c.float().view(num_tokens, self.n_groups, self.state_size)
-        if self.native_ops and x.device.type == "cpu":
-            out, state = cpu_ops.ssd_scan(x, dt, a, b, c, ssm_state, save_at)
-        else:
-            out, state = ssd_scan(x, dt, a, b, c, ssm_state.float(),
-                                  chunk_size=self.chunk_size, save_at=save_at)
+        out, state = ssd_scan(x, dt, a, b, c, ssm_state.float(), chunk_size=self.chunk_size,
+                              save_at=save_at)
         ssm_state.copy_(state.to(ssm_state.dtype))
         out = out + x * self.D.float()[None, :, None]
         return out.flatten(1).to(xbc.dtype)
