@@ -53,8 +53,10 @@ def _compiler() -> str:
     return cc
 
 
+@functools.cache
 def _cpu_identity() -> str:
-    """The CPU's model and feature flags (Linux), else the platform's description."""
+    """The CPU's model and feature flags (Linux), else the platform's description (read
+    once: the build key and every cpu_has ask for it)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
