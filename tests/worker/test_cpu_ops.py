@@ -81,35 +81,49 @@ def test_an_unwritable_cache_is_a_build_error_that_auto_falls_back_from(tmp_path
         get_backend("cpu", "cpu")
 
 
+@pytest.mark.parametrize("conv_bias", [True, False])
 @pytest.mark.parametrize("groups", [1, 2, 4])
-def test_ssd_decode_updates_the_states_in_place_as_the_recurrence_does(groups):
-    """One Mamba-2 decode step on rows scattered over pages and slots (the others left
-    untouched): state * exp(dt A) + dt x (outer) B and y = state . C, B and C per group
-    of heads."""
-    torch.manual_seed(groups)
-    pages, slots, heads, head_dim, size = 3, 4, 4, 8, 16
-    states = torch.randn(pages, slots, heads, head_dim, size)
-    before = states.clone()
-    page = torch.tensor([2, 0, 1])
-    slot = torch.tensor([1, 3, 1])
-    rows = len(page)
-    decay = torch.rand(rows, heads)
-    dtx = torch.randn(rows, heads, head_dim)
-    b = torch.randn(rows, groups, size)
-    c = torch.randn(rows, groups, size)
-    per = heads // groups
-    bh, ch = b.repeat_interleave(per, 1), c.repeat_interleave(per, 1)  # [R, H, N]
-    expected = before[page, slot] * decay[:, :, None, None] + dtx[..., None] * bh[:, :, None]
-    y = cpu_ops.ssd_decode(states, page, slot, decay, dtx, b, c)
-    torch.testing.assert_close(states[page, slot], expected, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(y, torch.einsum("rhpn,rhn->rhp", expected, ch),
-                               rtol=1e-5, atol=1e-5)
+def test_a_mamba2_decode_step_in_c_equals_the_torch_mixer(groups, conv_bias, monkeypatch):
+    """One Mamba-2 decode step of rows scattered over pages and slots in one C call (conv
+    from its state and silu, dt's softplus, the state update, y = state . C + x D) against
+    the mixer's torch code: y and both states of those rows, the other states untouched;
+    xbc and dt read strided out of one projection."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(groups + 10 * conv_bias)
+    mixer = mamba2_mixer(8, groups, conv_bias=conv_bias)
+    pages, slots = 3, 4
+    conv0 = torch.randn(pages, slots, mixer.conv_dim, mixer.kernel - 1)
+    ssm0 = torch.randn(pages, slots, mixer.num_heads, 8, mixer.state_size)
+    meta = SimpleNamespace(state_pages=[2, 0, 1], state_slots=[1, 3, 1])
+    rows = [0, 1, 2]
+    projected = torch.randn(3, mixer.inner + mixer.conv_dim + mixer.num_heads)
+    _, xbc, dt = projected.split([mixer.inner, mixer.conv_dim, mixer.num_heads], -1)
+
+    def run(native):
+        mixer.native_ops = native
+        states = (conv0.clone(), ssm0.clone())
+        with torch.no_grad():
+            y = mixer._decode_batch(xbc, dt, meta, rows, states)
+        return y, states
+
+    y_ref, (conv_ref, ssm_ref) = run(False)
+    calls = []
+    monkeypatch.setattr(cpu_ops, "mamba2_decode",
+                        lambda *a, f=cpu_ops.mamba2_decode, **k: calls.append(1) or f(*a, **k))
+    y, (conv, ssm) = run(True)
+    assert calls, "the C step did not run"
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(conv, conv_ref, rtol=0, atol=0)
+    torch.testing.assert_close(ssm, ssm_ref, rtol=1e-6, atol=1e-6)
     untouched = torch.ones(pages, slots, dtype=torch.bool)
-    untouched[page, slot] = False
-    assert torch.equal(states[untouched], before[untouched])
-    assert cpu_ops.ssd_decode_takes(states)
-    assert not cpu_ops.ssd_decode_takes(states.transpose(3, 4))
-    assert not cpu_ops.ssd_decode_takes(states.double())
+    untouched[meta.state_pages, meta.state_slots] = False
+    assert torch.equal(conv[untouched], conv0[untouched])
+    assert torch.equal(ssm[untouched], ssm0[untouched])
+    assert cpu_ops.decode_states_take(conv0, ssm0)
+    assert not cpu_ops.decode_states_take(conv0, ssm0.transpose(3, 4))
+    assert not cpu_ops.decode_states_take(conv0.transpose(2, 3), ssm0)
+    assert not cpu_ops.decode_states_take(conv0, ssm0.double())
 
 
 def mamba2_mixer(head_dim, groups, heads=4, size=16, conv_bias=True):

@@ -25,8 +25,9 @@ _SIGNATURES: dict[str, list[Any]] = {
     "hkv_rope_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64],
     "hkv_write_kv_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR,
                          _I64, _I64, _I64, _I64, _I64, _I64, _I64],
-    "hkv_ssd_decode_f32": [_PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
-                           _PTR],
+    "hkv_mamba2_decode_f32": [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64,
+                              _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR,
+                              _PTR],
     "hkv_mamba2_scan_f32": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _I64,
                             _PTR, _I64, _PTR, _PTR, _PTR, _F32, _PTR, _I64, _PTR, _PTR, _PTR],
     "hkv_causal_conv_f32": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, ctypes.c_int,
@@ -93,29 +94,45 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
         cs[0], cs[1], cs[2], cs[3], cs[4], block_size, blocks_per_page)
 
 
-def ssd_decode_takes(states: torch.Tensor) -> bool:
-    """Whether ssd_decode takes these states: float32 on the CPU, [pages, slots, H, P, N]
-    with each (page, slot) state contiguous."""
-    if states.dtype != torch.float32 or states.device.type != "cpu" or states.dim() != 5:
+def decode_states_take(conv_states: torch.Tensor, ssm_states: torch.Tensor) -> bool:
+    """Whether mamba2_decode takes these states: float32 on the CPU, conv states
+    [pages, slots, C, kernel - 1] and SSM states [pages, slots, H, P, N], each (page, slot)
+    state contiguous."""
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (conv_states,
+                                                                       ssm_states)):
         return False
-    _, _, heads, head_dim, size = states.shape
-    return states.stride()[2:] == (head_dim * size, size, 1)
+    if conv_states.dim() != 4 or ssm_states.dim() != 5:
+        return False
+    _, _, heads, head_dim, size = ssm_states.shape
+    return conv_states.stride()[2:] == (conv_states.shape[3], 1) and \
+        ssm_states.stride()[2:] == (head_dim * size, size, 1)
 
 
-def ssd_decode(states: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor,
-               decay: torch.Tensor, dtx: torch.Tensor, b: torch.Tensor, c: torch.Tensor
-               ) -> torch.Tensor:
-    """One Mamba-2 decode step in place on the states of rows (pages[r], slots[r]) of
-    `states` [pages, slots, H, P, N] (ssd_decode_takes): state = state * decay[r, h] +
-    dtx[r, h, p] b[r, g] (g: head h's group of B/C), returns y [R, H, P] = state . c[r, g].
-    decay [R, H], dtx [R, H, P], b / c [R, G, N]: float32, contiguous."""
-    rows, heads, head_dim = dtx.shape
-    offsets = (pages * states.stride(0) + slots * states.stride(1)).to(torch.int64)
-    y = torch.empty((rows, heads, head_dim), dtype=torch.float32)
-    library().hkv_ssd_decode_f32(
-        states.data_ptr(), offsets.data_ptr(), rows, heads, head_dim, states.shape[4],
-        b.shape[1], decay.data_ptr(), dtx.data_ptr(), b.data_ptr(), c.data_ptr(),
-        y.data_ptr())
+def mamba2_decode(conv_states: torch.Tensor, ssm_states: torch.Tensor, pages: torch.Tensor,
+                  slots: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor,
+                  weight: torch.Tensor, bias: torch.Tensor | None, dt_bias: torch.Tensor,
+                  a: torch.Tensor, skip: torch.Tensor, groups: int) -> torch.Tensor:
+    """One Mamba-2 decode step of rows (pages[r], slots[r]) as models/layers/mamba2.py's
+    torch code computes it (the conv from its state and silu, softplus(dt + dt_bias), the
+    state update, y = state . C + x D), in one C call, both states updated in place
+    (decode_states_take): xbc [R, C] and dt [R, H] rows (unit stride), weight [C, 1, k].
+    Returns y [R, H P] float32."""
+    rows, channels = xbc.shape
+    _, _, heads, head_dim, size = ssm_states.shape
+    kernel = weight.shape[-1]
+    weight = weight.reshape(channels, kernel).float().contiguous()
+    bias = None if bias is None else bias.float().contiguous()
+    dt_bias, a, skip = (t.float().contiguous() for t in (dt_bias, a, skip))
+    conv_at = (pages * conv_states.stride(0) + slots * conv_states.stride(1)).to(torch.int64)
+    ssm_at = (pages * ssm_states.stride(0) + slots * ssm_states.stride(1)).to(torch.int64)
+    y = torch.empty((rows, heads * head_dim), dtype=torch.float32)
+    work = torch.empty(channels)
+    library().hkv_mamba2_decode_f32(
+        conv_states.data_ptr(), conv_at.data_ptr(), ssm_states.data_ptr(), ssm_at.data_ptr(),
+        rows, xbc.data_ptr(), xbc.stride(0), weight.data_ptr(),
+        None if bias is None else bias.data_ptr(), kernel, channels, dt.data_ptr(),
+        dt.stride(0), dt_bias.data_ptr(), a.data_ptr(), skip.data_ptr(), heads, head_dim, size,
+        groups, y.data_ptr(), work.data_ptr())
     return y
 
 

@@ -32,7 +32,7 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, cfg: Mapping[str, Any], layer: int) -> None:
         super().__init__()
         self.name = f"model.layers.{layer}.mamba"
-        self.native_ops = False  # decode steps and prompts scanned in C (cpu_ops.py)
+        self.native_ops = False  # decode steps and prompts in C (cpu_ops.py)
         hidden = int(cfg["hidden_size"])
         self.num_heads = int(cfg.get("mamba_num_heads") or cfg["mamba_n_heads"])
         self.head_dim = int(cfg.get("mamba_head_dim") or cfg["mamba_d_head"])
@@ -107,6 +107,13 @@ class Mamba2Mixer(nn.Module):
         conv_states, ssm_states = states
         pages = torch.tensor([meta.state_pages[r] for r in rows], device=xbc.device)
         slots = torch.tensor([meta.state_slots[r] for r in rows], device=xbc.device)
+        if self.native_ops and cpu_ops.takes(xbc) and cpu_ops.takes(dt) and \
+                cpu_ops.decode_states_take(conv_states, ssm_states):
+            # The whole step below in one C call, both states updated in place.
+            return cpu_ops.mamba2_decode(
+                conv_states, ssm_states, pages, slots, xbc, dt, self.conv1d.weight,
+                self.conv1d.bias, self.dt_bias, -torch.exp(self.A_log.float()), self.D,
+                self.n_groups)
         window = torch.cat([conv_states[pages, slots].to(xbc.dtype), xbc[:, :, None]], -1)
         conv_states[pages, slots] = window[:, :, 1:].to(conv_states.dtype)
         conv = (window * self.conv1d.weight[:, 0, :]).sum(-1)  # [R, conv_dim]
@@ -121,12 +128,6 @@ class Mamba2Mixer(nn.Module):
         b = b.float().view(num, groups, 1, 1, self.state_size)
         c = c.float().view(num, groups, 1, self.state_size, 1)
         a = -torch.exp(self.A_log.float())
-        if self.native_ops and cpu_ops.ssd_decode_takes(ssm_states):
-            y = cpu_ops.ssd_decode(ssm_states, pages, slots, torch.exp(dt * a).contiguous(),
-                                   (dt[:, :, None] * x).contiguous(),
-                                   b.reshape(num, groups, self.state_size).contiguous(),
-                                   c.reshape(num, groups, self.state_size).contiguous())
-            return (y + x * self.D.float()[None, :, None]).flatten(1).to(xbc.dtype)
         # The gathered states [R, heads, head_dim, state] are a copy: updated in place there
         # (an outer product broadcast into addcmul_, not materialised), then scattered
         # back. B and C broadcast over their group's heads.

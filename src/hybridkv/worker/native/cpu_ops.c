@@ -80,27 +80,54 @@ void hkv_write_kv_f32(const float *k, int64_t k_stride0, int64_t k_stride1, cons
     }
 }
 
-/* One Mamba-2 decode step of `rows` requests, each state updated in place:
-       state[h, p, :] = state[h, p, :] * decay[r, h] + dtx[r, h, p] * b[r, g, :]
-       y[r, h, p]     = state[h, p, :] . c[r, g, :]          (g: head h's group)
-   Row r's state [heads, head_dim, state_size] is contiguous at states + offsets[r]. One
-   pass reads and writes each state once; torch's formula gathers the rows' states, makes
-   an outer-product temporary the size of a state, scatters them back and reads them again
-   for the output. */
-void hkv_ssd_decode_f32(float *states, const int64_t *offsets, int64_t rows, int64_t heads,
-                        int64_t head_dim, int64_t state_size, int64_t groups,
-                        const float *decay, const float *dtx, const float *b, const float *c,
-                        float *y) {
-    const int64_t per = heads / groups;
+/* softplus as torch computes it: the input itself past 20. */
+static inline float softplus(float v) { return v > 20.f ? v : log1pf(expf(v)); }
+
+/* One Mamba-2 decode step of `rows` requests, from the in-projection's rows to y, each
+   request's conv and SSM states updated in place:
+       conv[c]        = bias[c] + sum_j w[c, j] win[j, c]   (win: the state's kernel - 1
+                        inputs, then this token's xbc[r, c]), then silu; the state shifts in
+       x, B, C        = conv[0 .. inner), [inner .. + G N), [inner + G N .. + G N)
+       dt'            = softplus(dt[r, h] + dt_bias[h])          (no floor in single steps)
+       state[h, p, :] = state[h, p, :] * exp(dt' a[h]) + x[h, p] dt' * B[g, :]
+       y[r, h, p]     = state[h, p, :] . C[g, :] + x[h, p] skip[h]     (g: head h's group)
+   Row r's conv state [channels, kernel - 1] sits at conv_states + conv_offsets[r], its SSM
+   state [heads, head_dim, state_size] at ssm_states + ssm_offsets[r]. One pass reads and
+   writes each state once; the torch code gathers the rows' states, builds an outer-product
+   temporary the size of a state, scatters them back and runs ~25 ops a layer. work:
+   channels floats. */
+void hkv_mamba2_decode_f32(float *conv_states, const int64_t *conv_offsets, float *ssm_states,
+                           const int64_t *ssm_offsets, int64_t rows, const float *xbc,
+                           int64_t xbc_stride, const float *weight, const float *bias,
+                           int64_t kernel, int64_t channels, const float *dt,
+                           int64_t dt_stride, const float *dt_bias, const float *a,
+                           const float *skip, int64_t heads, int64_t head_dim,
+                           int64_t state_size, int64_t groups, float *y, float *work) {
+    const int64_t keep = kernel - 1, per = heads / groups, inner = heads * head_dim;
     for (int64_t r = 0; r < rows; r++) {
-        float *st = states + offsets[r];
+        float *cs = conv_states + conv_offsets[r];
+        const float *in = xbc + r * xbc_stride;
+        for (int64_t c = 0; c < channels; c++) {
+            float *win = cs + c * keep;
+            const float *w = weight + c * kernel;
+            float acc = bias != NULL ? bias[c] : 0.f;
+            for (int64_t j = 0; j < keep; j++) acc += w[j] * win[j];
+            acc += w[keep] * in[c];
+            for (int64_t j = 0; j + 1 < keep; j++) win[j] = win[j + 1];
+            if (keep > 0) win[keep - 1] = in[c];
+            work[c] = acc;
+        }
+#pragma omp simd
+        for (int64_t c = 0; c < channels; c++) work[c] = gated_act(work[c], 1.f, 1);
+        const float *x = work, *b = work + inner, *cc = work + inner + groups * state_size;
+        float *st = ssm_states + ssm_offsets[r];
         for (int64_t h = 0; h < heads; h++) {
-            const float dcy = decay[r * heads + h];
-            const float *bg = b + (r * groups + h / per) * state_size;
-            const float *cg = c + (r * groups + h / per) * state_size;
+            const float dtv = softplus(dt[r * dt_stride + h] + dt_bias[h]);
+            const float dcy = expf(dtv * a[h]);
+            const float *bg = b + (h / per) * state_size, *cg = cc + (h / per) * state_size;
             for (int64_t p = 0; p < head_dim; p++) {
                 float *row = st + (h * head_dim + p) * state_size;
-                const float u = dtx[(r * heads + h) * head_dim + p];
+                const float xv = x[h * head_dim + p], u = xv * dtv;
                 float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
                 for (int64_t n = 0; n < state_size; n++) {
@@ -108,14 +135,14 @@ void hkv_ssd_decode_f32(float *states, const int64_t *offsets, int64_t rows, int
                     row[n] = v;
                     acc += v * cg[n];
                 }
-                y[(r * heads + h) * head_dim + p] = acc;
+                y[r * inner + h * head_dim + p] = acc + xv * skip[h];
             }
         }
     }
 }
 
 /* One request's Mamba-2 prompt after its convolution, token by token (the recurrence
-   hkv_ssd_decode_f32 steps, which the chunked form in models/layers/ssd.py equals to float
+   hkv_mamba2_decode_f32 steps, which the chunked form in models/layers/ssd.py equals to float
    rounding), from the conv's output rows: x (heads * head_dim), B at b_offset and C at
    c_offset (groups * state_size each) in rows of xbc_stride floats, and dt [t, heads]:
        dt'            = max(softplus(dt[t, h] + dt_bias[h]), dt_min)
@@ -181,10 +208,6 @@ static void ssd_token(float *restrict st, int64_t head_dim, int64_t state_size, 
     }
     for (int64_t p = 0; p < head_dim; p++) yt[p] += x[p] * skip;
 }
-
-/* The dt step of a Mamba-2 prompt: dt' = softplus(dt + dt_bias) (torch's: the input itself
-   past 20), at least dt_min (-INFINITY: no floor), and the state's decay exp(dt' a). */
-static inline float softplus(float v) { return v > 20.f ? v : log1pf(expf(v)); }
 
 void hkv_mamba2_scan_f32(float *state, int64_t tokens, int64_t heads, int64_t head_dim,
                          int64_t state_size, int64_t groups, const float *xbc,
