@@ -81,6 +81,14 @@ def test_an_unwritable_cache_is_a_build_error_that_auto_falls_back_from(tmp_path
         get_backend("cpu", "cpu")
 
 
+def counted(monkeypatch, name):
+    """A list that gains an entry each time cpu_ops.<name> runs (it still runs)."""
+    calls: list[int] = []
+    run = getattr(cpu_ops, name)
+    monkeypatch.setattr(cpu_ops, name, lambda *a, **k: calls.append(1) or run(*a, **k))
+    return calls
+
+
 @pytest.mark.parametrize("conv_bias", [True, False])
 @pytest.mark.parametrize("groups", [1, 2, 4])
 def test_a_mamba2_decode_step_in_c_equals_the_torch_mixer(groups, conv_bias, monkeypatch):
@@ -108,9 +116,7 @@ def test_a_mamba2_decode_step_in_c_equals_the_torch_mixer(groups, conv_bias, mon
         return y, states
 
     y_ref, (conv_ref, ssm_ref) = run(False)
-    calls = []
-    monkeypatch.setattr(cpu_ops, "mamba2_decode",
-                        lambda *a, f=cpu_ops.mamba2_decode, **k: calls.append(1) or f(*a, **k))
+    calls = counted(monkeypatch, "mamba2_decode")
     y, (conv, ssm) = run(True)
     assert calls, "the C step did not run"
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
@@ -170,9 +176,7 @@ def test_a_mamba2_prompt_in_c_equals_the_torch_mixer(head_dim, groups, tokens, s
         return y, conv, ssm, saves
 
     y_ref, conv_ref, ssm_ref, saves_ref = run(False)
-    calls = []
-    monkeypatch.setattr(cpu_ops, "mamba2_scan",
-                        lambda *a, f=cpu_ops.mamba2_scan, **k: calls.append(1) or f(*a, **k))
+    calls = counted(monkeypatch, "mamba2_scan")
     y, conv, ssm, saves = run(True)
     assert calls, "the C scan did not run"
     torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
@@ -206,9 +210,7 @@ def test_causal_conv_in_c_equals_torchs(bias, monkeypatch):
         expect = causal_conv(x, ref_state, conv, [(o, c, None) for o, c in
                                                    ref_checkpoints.items()])
         state = state0.clone()
-        calls = []
-        monkeypatch.setattr(cpu_ops, "causal_conv",
-                            lambda *a, c=cpu_ops.causal_conv, **k: calls.append(1) or c(*a, **k))
+        calls = counted(monkeypatch, "causal_conv")
         got = causal_conv(x, state, conv, [(o, c, None) for o, c in checkpoints.items()],
                           native=True)
     assert calls, "the C conv did not run"
