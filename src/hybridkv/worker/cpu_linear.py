@@ -37,29 +37,36 @@ def library() -> ctypes.CDLL:
     return lib
 
 
-_STRIDED_SIGNATURE: list[Any] = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64,
-                                 _INT]
+_CAUSAL_SIGNATURE: list[Any] = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64]
 
 
-def strided_product() -> Any:
-    """The kernel behind `product_into`, or None where the library cannot be built."""
-    return native.function("linear", "hkv_linear_f32_strided", _STRIDED_SIGNATURE)
+def causal_kernel() -> Any:
+    """The kernel behind `causal_attention`, or None where the library cannot be built."""
+    return native.function("linear", "hkv_causal_attention_f32", _CAUSAL_SIGNATURE, _INT)
 
 
-def product_into(x: torch.Tensor, panels: torch.Tensor, k: int, out: torch.Tensor) -> None:
-    """out [m, n] = x [m, k] times the first k rows of each of `panels` [p, K >= k, 64]
-    (`pack`'s layout: panel i holds columns 64 i .. 64 i + 63; n <= 64 p), a product over a
-    prefix of K without repacking. x and out: float32 CPU rows of unit stride; the kernel
-    must build (`strided_product`)."""
-    if not (x.stride(-1) == 1 and out.stride(-1) == 1 and panels.is_contiguous()
-            and k <= min(panels.shape[1], x.shape[1])
-            and out.shape[1] <= PANEL * panels.shape[0] and x.shape[0] == out.shape[0]):
-        raise ValueError(f"product_into takes rows of unit stride and a prefix of the "
-                         f"panels, not x {tuple(x.shape)}, panels {tuple(panels.shape)}, "
-                         f"k {k}, out {tuple(out.shape)}")
-    strided_product()(x.data_ptr(), x.shape[0], x.stride(0), panels.data_ptr(), k,
-                      panels.shape[1] * PANEL, None, out.data_ptr(), out.shape[1],
-                      out.stride(0), PLAIN)
+def causal_attention(q_rows: torch.Tensor, group: int, k_panels: torch.Tensor,
+                     v_panels: torch.Tensor, out: torch.Tensor) -> None:
+    """Causal attention of one KV head's query rows, queries and keys both at positions
+    0 .. L-1 (linear.c `hkv_causal_attention_f32`): q_rows [L * group, D] (position-major,
+    scaled), k_panels `pack(keys [L, D])`, v_panels [ceil(Dv / 64), >= L, 64] (V^T's
+    panels), out [L * group, Dv] rows of unit stride. float32 CPU tensors; the kernel must
+    build (`causal_kernel`)."""
+    rows, head_dim = q_rows.shape
+    length = rows // group
+    value_dim = out.shape[1]
+    if not (q_rows.is_contiguous() and k_panels.is_contiguous() and v_panels.is_contiguous()
+            and out.stride(-1) == 1 and rows == length * group and out.shape[0] == rows
+            and k_panels.shape[1] == head_dim and k_panels.shape[0] * PANEL >= length
+            and v_panels.shape[1] >= length and v_panels.shape[0] * PANEL >= value_dim):
+        raise ValueError(f"causal_attention takes [L * G, D] query rows and the keys' and "
+                         f"values' panels, not q {tuple(q_rows.shape)} (G {group}), k panels "
+                         f"{tuple(k_panels.shape)}, v panels {tuple(v_panels.shape)}, out "
+                         f"{tuple(out.shape)}")
+    if causal_kernel()(q_rows.data_ptr(), length, group, head_dim, k_panels.data_ptr(),
+                       v_panels.data_ptr(), v_panels.shape[1], value_dim, out.data_ptr(),
+                       out.stride(0)):
+        raise MemoryError("causal attention: no memory for a thread's row of scores")
 
 
 def _panels(rows: torch.Tensor, width: int) -> torch.Tensor:

@@ -274,16 +274,27 @@ static inline __attribute__((always_inline)) void tile(
         return;
     }
     for (int i = 0; i < rows; i++) {
-        float out[PANEL];
         if (bias != NULL)
             for (int j = 0; j < 4; j++) acc[i][j] += load16(bias + 16 * j);
+        v16 res[4];
+        int vectors = 4;
         if (mode == PLAIN) {
-            for (int j = 0; j < 4; j++) store16(out + 16 * j, acc[i][j]);
+            for (int j = 0; j < 4; j++) res[j] = acc[i][j];
         } else {
-            store16(out, gated16(acc[i][0], acc[i][2], mode));
-            store16(out + 16, gated16(acc[i][1], acc[i][3], mode));
+            res[0] = gated16(acc[i][0], acc[i][2], mode);
+            res[1] = gated16(acc[i][1], acc[i][3], mode);
+            vectors = 2;
         }
-        memcpy(y + i * ldy, out, (size_t)cols * sizeof(float));
+        /* Whole vectors straight into y; a partial last panel's columns through a buffer.
+           (A libc memcpy a row from a stack buffer was ~1% of a prefill's time.) */
+        float *yi = y + i * ldy;
+        if (cols == 16 * vectors) {
+            for (int j = 0; j < vectors; j++) store16(yi + 16 * j, res[j]);
+        } else {
+            float out[PANEL];
+            for (int j = 0; j < vectors; j++) store16(out + 16 * j, res[j]);
+            memcpy(yi, out, (size_t)cols * sizeof(float));
+        }
     }
 }
 
@@ -414,8 +425,7 @@ void hkv_linear_f32(const float *x, int64_t m, int64_t ldx, const float *packed,
     hkv_linear_f32_strided(x, m, ldx, packed, k, k * PANEL, bias, y, n, ldy, mode);
 }
 
-/* The same with panels `ps` floats apart, of which the first k rows are read: a product
-   over a prefix of K (the keys before a causal tile's last query, worker/attention.py). */
+/* The same with panels `ps` floats apart, of which the first k rows are read. */
 void hkv_linear_f32_strided(const float *x, int64_t m, int64_t ldx, const float *packed,
                             int64_t k, int64_t ps, const float *bias, float *y, int64_t n,
                             int64_t ldy, int mode) {
@@ -477,4 +487,69 @@ void hkv_linear_f32_strided(const float *x, int64_t m, int64_t ldx, const float 
                                  bias == NULL ? NULL : bias + p * PANEL, y + p * width, ldy,
                                  cols, b * ROW_BLOCK, r1, mode);
         }
+}
+
+/* Causal attention of one KV head's query rows over its keys, float32, the queries and keys
+   both at positions 0 .. L-1 (a prompt from its first token):
+     q         [L * G, D] rows, row stride D, position-major (row r is at position r / G:
+               the G query heads sharing this KV head), the softmax scale already applied;
+     k_panels  [ceil(L / 64), D, 64]: the keys as the panels `pack` makes of K [L, D];
+     v_panels  [ceil(Dv / 64), lv >= L, 64]: V^T's panels (V[t, 64 p + c] at [p][t][c]);
+     out       [L * G, Dv] rows, row stride ldo.
+   Each tile of TILE_ROWS query rows takes its scores over the key panels up to its last
+   position (the products above), a softmax over each row's own prefix in place (a row's
+   later keys get weight 0), then the values weighted over exactly the tile's prefix: the
+   causal half is computed, not the square, and no [L, L] scores are written. Returns -1
+   when a thread's scratch row cannot be allocated (out is then incomplete), else 0. */
+int hkv_causal_attention_f32(const float *q, int64_t L, int64_t G, int64_t D,
+                              const float *k_panels, const float *v_panels, int64_t lv,
+                              int64_t dv, float *out, int64_t ldo) {
+    const int64_t rows = L * G, tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+    const int64_t width = (L + PANEL - 1) / PANEL * PANEL; /* a score row, whole panels */
+    const int parallel = rows * L * D >= (1 << 20);
+    int failed = 0;
+#pragma omp parallel if (parallel)
+    {
+        float *s = malloc((size_t)(TILE_ROWS * width) * sizeof(float));
+        if (s == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        /* Cyclic: later tiles see more keys, so interleaving them evens the threads' work. */
+#pragma omp for schedule(static, 1)
+        for (int64_t t = 0; t < tiles; t++) {
+            if (failed) continue;
+            const int64_t r0 = t * TILE_ROWS;
+            const int64_t n = rows - r0 < TILE_ROWS ? rows - r0 : TILE_ROWS;
+            const int64_t keys = (r0 + n - 1) / G + 1; /* the tile's last row sees these */
+            for (int64_t p = 0; p * PANEL < keys; p++)
+                tile_rows(n, q + r0 * D, D, k_panels + p * D * PANEL, D, NULL, s + p * PANEL,
+                          width, PANEL, PLAIN, 0, NULL, 0, NULL, NULL, 1, 1);
+            for (int64_t i = 0; i < n; i++) {
+                float *row = s + i * width;
+                const int64_t seen = (r0 + i) / G + 1;
+                float mx = row[0];
+#pragma omp simd reduction(max : mx)
+                for (int64_t j = 1; j < seen; j++) mx = row[j] > mx ? row[j] : mx;
+                float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+                for (int64_t j = 0; j < seen; j++) {
+                    row[j] = exp_nonpositive(row[j] - mx);
+                    sum += row[j];
+                }
+                const float inv = 1.f / sum;
+#pragma omp simd
+                for (int64_t j = 0; j < seen; j++) row[j] *= inv;
+                for (int64_t j = seen; j < keys; j++) row[j] = 0.f;
+            }
+            for (int64_t p = 0; p * PANEL < dv; p++)
+                tile_rows(n, s, width, v_panels + p * lv * PANEL, keys, NULL,
+                          out + r0 * ldo + p * PANEL, ldo,
+                          dv - p * PANEL < PANEL ? dv - p * PANEL : PANEL, PLAIN, 0, NULL, 0,
+                          NULL, NULL, 1, 1);
+        }
+        free(s);
+    }
+    return failed ? -1 : 0;
 }
