@@ -181,21 +181,21 @@ def paged_metadata(tables, lens, new, per_page, kernel_block):
 def test_long_causal_prompts_in_query_tiles_equal_one_masked_softmax(length, kv_heads,
                                                                      value_dim, scale, path,
                                                                      monkeypatch):
-    """The CPU's causal path for long prompts (linear.c's kernel: tiles of query rows over
-    only the keys before them, query heads of a KV head stacked; or torch's query tiles)
-    against a plain masked softmax: two prompts, grouped query heads, a length that is no
+    """The CPU's causal path for prompts from position 0 (linear.c's kernel: tiles of query
+    rows over only the keys before them, query heads of a KV head stacked; or torch's query
+    tiles) against a plain masked softmax: two prompts, grouped query heads, a length that is no
     multiple of the tile or a panel, value widths that are no multiple of a panel."""
     from hybridkv.worker import cpu_linear
 
     calls = []
     if path == "torch":
-        monkeypatch.setattr(cpu_linear, "causal_kernel", lambda: None)
-    elif cpu_linear.causal_kernel() is None:
+        monkeypatch.setattr(cpu_linear, "attention_kernel", lambda: None)
+    elif cpu_linear.attention_kernel() is None:
         pytest.skip("the linear kernel does not build here")
     else:
-        real = cpu_linear.causal_attention
-        monkeypatch.setattr(cpu_linear, "causal_attention",
-                            lambda *a: calls.append(1) or real(*a))
+        real = cpu_linear.attention
+        monkeypatch.setattr(cpu_linear, "attention",
+                            lambda *a, **kw: calls.append(1) or real(*a, **kw))
     if path.endswith("2 threads"):
         threads = torch.get_num_threads()
         torch.set_num_threads(2)
@@ -218,3 +218,61 @@ def test_long_causal_prompts_in_query_tiles_equal_one_masked_softmax(length, kv_
     ref = torch.einsum("phql,plhd->pqhd", probs, v.double())
     # float32 scores carry ~1e-7 of their size: larger scores, larger error in the weights
     torch.testing.assert_close(out.double(), ref, atol=2e-6 * max(1.0, 5 * scale), rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("num_q", "q_start", "key_start", "num_keys", "window", "chunk"), [
+    (300, 0, 0, 300, None, None),  # a whole prompt
+    (300, 0, 0, 300, 100, None),  # ... of a sliding layer, longer than its window
+    (90, 210, 0, 300, 100, None),  # a chunk after a cached prefix
+    (90, 210, 64, 236, 100, None),  # ... its keys gathered from the window's first block
+    (200, 100, 96, 204, None, 64),  # chunked attention
+    (17, 283, 0, 300, None, None),  # a short chunk over a long context
+    (40, 0, 0, 70, None, None)])  # padded keys past the last query
+def test_attention_tiles_in_c_equal_a_masked_softmax(num_q, q_start, key_start, num_keys,
+                                                      window, chunk, threads):
+    """linear.c's attention over keys at positions key_start.., queries at q_start.., each
+    over exactly the keys its position, window and chunk allow, against a masked softmax in
+    float64: grouped query heads (3 per KV head), widths that are no multiple of a panel,
+    rows left out for padding untouched."""
+    from hybridkv.worker import cpu_linear
+    from hybridkv.worker.attention import _c_tiles
+
+    if cpu_linear.attention_kernel() is None:
+        pytest.skip("the linear kernel does not build here")
+    gen = torch.Generator().manual_seed(num_q + q_start)
+    q = torch.randn(2, num_q + 3, 6, 40, generator=gen)  # 3 padding rows
+    keys = torch.randn(2, num_keys, 2, 40, generator=gen)
+    values = torch.randn(2, num_keys, 2, 72, generator=gen)
+    params = AttentionParams(scale=0.3, sliding_window=window, chunk_size=chunk)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = _c_tiles(q, keys, values, params, [q_start] * 2, [key_start] * 2, [num_q] * 2)
+    finally:
+        torch.set_num_threads(before)
+    q_pos = torch.arange(q_start, q_start + num_q)[:, None]
+    k_pos = torch.arange(key_start, key_start + num_keys)[None, :]
+    ok = k_pos <= q_pos
+    if window:
+        ok &= q_pos - k_pos < window
+    if chunk:
+        ok &= k_pos // chunk == q_pos // chunk
+    scores = torch.einsum("pqhd,plhd->phql", q[:, :num_q].double(),
+                          keys.repeat_interleave(3, dim=2).double()) * 0.3
+    probs = scores.masked_fill(~ok, float("-inf")).softmax(-1)
+    ref = torch.einsum("phql,plhd->pqhd", probs, values.repeat_interleave(3, dim=2).double())
+    torch.testing.assert_close(out[:, :num_q].double(), ref, atol=4e-6, rtol=1e-5)
+
+
+def test_attention_tiles_in_c_refuse_queries_their_keys_do_not_cover():
+    from hybridkv.worker import cpu_linear
+
+    if cpu_linear.attention_kernel() is None:
+        pytest.skip("the linear kernel does not build here")
+    keys = torch.randn(64, 32)
+    k_panels, _ = cpu_linear.pack(keys, None)
+    v_panels = cpu_linear.pack(keys.t(), None)[0]
+    with pytest.raises(ValueError, match="positions the keys cover"):
+        cpu_linear.attention(torch.randn(16, 32), 1, k_panels, 64, v_panels,
+                             torch.empty(16, 32), q_start=60)

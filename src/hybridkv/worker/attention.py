@@ -467,6 +467,13 @@ class TorchReferenceBackend:
             batch = meta.whole_context_batch(batch)
         keys, values = _context_kv(kv_cache, meta, batch.gather, params,
                                    like=q)  # [P, L, Hk, D]
+        if _takes_c_tiles(q, keys, params):
+            # Each row's queries over exactly the keys they see, no mask read.
+            key_starts = [0] * len(batch.rows) if batch.key_start is None else \
+                batch.key_start[:, 0].tolist()
+            return _c_tiles(q, keys, values, params,
+                            [meta.seq_lens[r] - meta.query_lens[r] for r in batch.rows],
+                            key_starts, [meta.query_lens[r] for r in batch.rows])
         allowed = batch.mask(params.sliding_window, params.chunk_size,
                              meta.kernel_block_size)  # [P, Qm, L]
         return _attend_padded(q, keys, values, allowed, params)
@@ -670,6 +677,8 @@ def _attend_padded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     num_reqs, num_q, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[2]
     group = num_heads // num_kv_heads
+    if allowed is None and keys.shape[1] == num_q and _takes_c_tiles(q, keys, params):
+        return _c_tiles(q, keys, values, params, [0] * num_reqs)
     if allowed is None and params.softcap is None and params.sinks is None and \
             num_q >= 2 * CAUSAL_TILE and q.device.type == "cpu" and \
             q.dtype == torch.float32 and keys.shape[1] == num_q:
@@ -700,42 +709,72 @@ def _attend_padded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.reshape(num_reqs, num_q, num_heads, head_dim).to(q.dtype)
 
 
-# Query positions per tile of a long causal prompt on the CPU (see _causal_tiles).
+# Query positions per tile of a long causal prompt in torch (see _causal_tiles).
 CAUSAL_TILE = 64
+# Queries from which a request's attention runs on linear.c's kernel (see _c_tiles): below,
+# packing its keys costs more than the scores it spares.
+C_TILES_MIN_QUERIES = 16
+
+
+def _takes_c_tiles(q: torch.Tensor, keys: torch.Tensor, params: AttentionParams) -> bool:
+    """Whether `_c_tiles` runs q [P, Qm, Hq, D] over keys [P, L, Hk, D]: float32 on the CPU,
+    plain softmax (no soft-cap, no sinks), enough queries, the kernel built."""
+    return (q.shape[1] >= C_TILES_MIN_QUERIES and params.softcap is None
+            and params.sinks is None and q.device.type == "cpu" and q.dtype == torch.float32
+            and keys.dtype == torch.float32 and cpu_linear.attention_kernel() is not None)
+
+
+def _c_tiles(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+             params: AttentionParams, q_starts: list[int], key_starts: list[int] | None = None,
+             counts: list[int] | None = None) -> torch.Tensor:
+    """q [P, Qm, Hq, D] over keys/values [P, L, Hk, D] on linear.c's kernel, one call per
+    request and KV head: request p's first counts[p] queries (all: None) at positions
+    q_starts[p].., its keys at key_starts[p].. (0: None), each query over the keys at its
+    position and before, from its window's or chunk's start. Rows past a request's count
+    (padding) are left unwritten.
+
+    K and V are packed once into the kernel's panels, each tile of six query rows scored
+    over only the keys its rows see, softmaxed in place and weighted over exactly those: at
+    the core's GEMM rate. Gemma 3's 512-token causal layer (4 query heads over 1 KV head of
+    256) 7.1 -> 6.3 ms against query tiles of 64 positions with two products each on the
+    panels and torch's softmax; torch's flash kernel ran it at ~43 GFLOP/s of the causal
+    half, and a window through a mask computes the whole square."""
+    num_reqs, num_q, num_heads, head_dim = q.shape
+    num_kv_heads, value_dim = keys.shape[2], values.shape[-1]
+    group = num_heads // num_kv_heads
+    out = torch.empty((num_reqs, num_q, num_heads, value_dim), dtype=q.dtype)
+    for p in range(num_reqs):
+        n = num_q if counts is None else counts[p]
+        k_start = 0 if key_starts is None else key_starts[p]
+        seen = q_starts[p] + n - k_start  # keys up to the last query's position
+        for h in range(num_kv_heads):
+            heads = slice(h * group, (h + 1) * group)
+            # [n * G, D] rows (position-major), the scale folded in once.
+            q_rows = (q[p, :n, heads] * params.scale).reshape(n * group, head_dim)
+            k_panels, _ = cpu_linear.pack(keys[p, :seen, h], None)  # [seen/64, D, 64]
+            v_panels = _value_panels(values[p, :seen, h])  # [Dv/64, seen, 64]
+            o_rows = out[p, :n].view(n * group, value_dim) if group == num_heads else \
+                torch.empty((n * group, value_dim), dtype=q.dtype)
+            cpu_linear.attention(q_rows, group, k_panels, seen, v_panels, o_rows,
+                                 q_start=q_starts[p], k_start=k_start,
+                                 window=params.sliding_window, chunk=params.chunk_size)
+            if group != num_heads:
+                out[p, :n, heads] = o_rows.view(n, group, value_dim)
+    return out
 
 
 def _causal_tiles(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
                   ) -> torch.Tensor:
     """Causal attention of q [P, L, Hq, D] over keys/values [P, L, Hk, D] (positions 0..L-1
-    on both sides), float32 on the CPU, the query heads of one KV head stacked as rows.
-    torch's CPU flash kernel ran Gemma 3's 512-token prompt (4 query heads over 1 KV head of
-    256) at ~43 GFLOP/s of the causal half.
-
-    Where the linear kernel builds, one C call per request and KV head
-    (`cpu_linear.causal_attention`): K and V packed once into its panels, each tile of six
-    query rows scored over the keys up to its last position, softmaxed and weighted over
-    exactly those keys, at the core's GEMM rate (Gemma 3's 512-token layer 7.1 -> 6.3 ms
-    against query tiles of CAUSAL_TILE positions, each two products on the panels and a
-    torch softmax; 2,048 tokens 104 -> 88 ms). Elsewhere torch's products in query tiles of
-    CAUSAL_TILE positions, each over only the keys up to its last position."""
+    on both sides), float32 on the CPU where linear.c's kernel does not build (see
+    `_c_tiles`): queries in tiles of CAUSAL_TILE positions, each over only the keys up to
+    its last position, the query heads of one KV head stacked into one matrix product
+    (torch's CPU flash kernel ran Gemma 3's 512-token prompt at ~43 GFLOP/s of the causal
+    half; two products a tile skip ~44% of the square at 512 tokens)."""
     num_reqs, num_q, num_heads, head_dim = q.shape
     num_kv_heads, value_dim = keys.shape[2], values.shape[-1]
     group = num_heads // num_kv_heads
     out = torch.empty((num_reqs, num_q, num_heads, value_dim), dtype=q.dtype)
-    if cpu_linear.causal_kernel() is not None:
-        for p in range(num_reqs):
-            for h in range(num_kv_heads):
-                heads = slice(h * group, (h + 1) * group)
-                # [L * G, D] rows (position-major), the scale folded in once.
-                q_rows = (q[p, :, heads] * scale).reshape(num_q * group, head_dim)
-                k_panels, _ = cpu_linear.pack(keys[p, :, h], None)  # [L/64, D, 64]
-                v_panels = _value_panels(values[p, :, h])  # [Dv/64, L, 64]
-                o_rows = out[p, :, heads].view(num_q * group, value_dim) if group == \
-                    num_heads else torch.empty((num_q * group, value_dim), dtype=q.dtype)
-                cpu_linear.causal_attention(q_rows, group, k_panels, v_panels, o_rows)
-                if group != num_heads:
-                    out[p, :, heads] = o_rows.view(num_q, group, value_dim)
-        return out
     # Row r of a tile is query position a + r // group; it sees keys up to that position.
     rows = torch.arange(CAUSAL_TILE * group) // group
     after = torch.arange(CAUSAL_TILE)[None, :] > rows[:, None]  # [tile rows, tile keys]
@@ -797,6 +836,8 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_len: 
     only the keys it can see: a long prompt costs O(nq * window), not O(nq * seq_len)."""
     num_q = q.shape[0]
     first = seq_len - num_q
+    if _takes_c_tiles(q[None], keys[None], params):  # every query over only what it sees
+        return _c_tiles(q[None], keys[None], values[None], params, [first])[0]
     local = params.sliding_window or params.chunk_size
     if local is None or num_q <= local:
         return _attend_block(q, keys, values, first, 0, params)

@@ -37,36 +37,42 @@ def library() -> ctypes.CDLL:
     return lib
 
 
-_CAUSAL_SIGNATURE: list[Any] = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64]
+_ATTENTION_SIGNATURE: list[Any] = [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
+                                   _PTR, _PTR, _I64, _I64, _PTR, _I64]
 
 
-def causal_kernel() -> Any:
-    """The kernel behind `causal_attention`, or None where the library cannot be built."""
-    return native.function("linear", "hkv_causal_attention_f32", _CAUSAL_SIGNATURE, _INT)
+def attention_kernel() -> Any:
+    """The kernel behind `attention`, or None where the library cannot be built."""
+    return native.function("linear", "hkv_attention_f32", _ATTENTION_SIGNATURE, _INT)
 
 
-def causal_attention(q_rows: torch.Tensor, group: int, k_panels: torch.Tensor,
-                     v_panels: torch.Tensor, out: torch.Tensor) -> None:
-    """Causal attention of one KV head's query rows, queries and keys both at positions
-    0 .. L-1 (linear.c `hkv_causal_attention_f32`): q_rows [L * group, D] (position-major,
-    scaled), k_panels `pack(keys [L, D])`, v_panels [ceil(Dv / 64), >= L, 64] (V^T's
-    panels), out [L * group, Dv] rows of unit stride. float32 CPU tensors; the kernel must
-    build (`causal_kernel`)."""
+def attention(q_rows: torch.Tensor, group: int, k_panels: torch.Tensor, keys: int,
+              v_panels: torch.Tensor, out: torch.Tensor, *, q_start: int = 0,
+              k_start: int = 0, window: int | None = None, chunk: int | None = None) -> None:
+    """One KV head's queries over its keys (linear.c `hkv_attention_f32`): query rows
+    [nq * group, D] (position-major, scaled) at positions q_start .. q_start + nq - 1, each
+    over the keys at its position and before, from its window's or chunk's start; the
+    `keys` keys at positions k_start .. as k_panels `pack(keys [keys, D])` and v_panels
+    [ceil(Dv / 64), >= keys, 64] (V^T's panels); out [nq * group, Dv] rows of unit stride.
+    float32 CPU tensors; the kernel must build (`attention_kernel`)."""
     rows, head_dim = q_rows.shape
-    length = rows // group
+    num_q = rows // group
     value_dim = out.shape[1]
+    last = q_start + num_q - 1
     if not (q_rows.is_contiguous() and k_panels.is_contiguous() and v_panels.is_contiguous()
-            and out.stride(-1) == 1 and rows == length * group and out.shape[0] == rows
-            and k_panels.shape[1] == head_dim and k_panels.shape[0] * PANEL >= length
-            and v_panels.shape[1] >= length and v_panels.shape[0] * PANEL >= value_dim):
-        raise ValueError(f"causal_attention takes [L * G, D] query rows and the keys' and "
-                         f"values' panels, not q {tuple(q_rows.shape)} (G {group}), k panels "
-                         f"{tuple(k_panels.shape)}, v panels {tuple(v_panels.shape)}, out "
-                         f"{tuple(out.shape)}")
-    if causal_kernel()(q_rows.data_ptr(), length, group, head_dim, k_panels.data_ptr(),
-                       v_panels.data_ptr(), v_panels.shape[1], value_dim, out.data_ptr(),
-                       out.stride(0)):
-        raise MemoryError("causal attention: no memory for a thread's row of scores")
+            and out.stride(-1) == 1 and rows == num_q * group and out.shape[0] == rows
+            and k_panels.shape[1] == head_dim and k_panels.shape[0] * PANEL >= keys
+            and v_panels.shape[1] >= keys and v_panels.shape[0] * PANEL >= value_dim
+            and k_start <= q_start and last < k_start + keys):
+        raise ValueError(f"attention takes [nq * G, D] query rows at positions the keys "
+                         f"cover and the keys' and values' panels, not q "
+                         f"{tuple(q_rows.shape)} (G {group}) at {q_start}, {keys} keys at "
+                         f"{k_start} in k panels {tuple(k_panels.shape)}, v panels "
+                         f"{tuple(v_panels.shape)}, out {tuple(out.shape)}")
+    if attention_kernel()(q_rows.data_ptr(), num_q, group, head_dim, q_start, k_start, keys,
+                          window or 0, chunk or 0, k_panels.data_ptr(), v_panels.data_ptr(),
+                          v_panels.shape[1], value_dim, out.data_ptr(), out.stride(0)):
+        raise MemoryError("attention: no memory for a thread's row of scores")
 
 
 def _panels(rows: torch.Tensor, width: int) -> torch.Tensor:

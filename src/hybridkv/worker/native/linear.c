@@ -489,24 +489,40 @@ void hkv_linear_f32_strided(const float *x, int64_t m, int64_t ldx, const float 
         }
 }
 
-/* Causal attention of one KV head's query rows over its keys, float32, the queries and keys
-   both at positions 0 .. L-1 (a prompt from its first token):
-     q         [L * G, D] rows, row stride D, position-major (row r is at position r / G:
-               the G query heads sharing this KV head), the softmax scale already applied;
-     k_panels  [ceil(L / 64), D, 64]: the keys as the panels `pack` makes of K [L, D];
-     v_panels  [ceil(Dv / 64), lv >= L, 64]: V^T's panels (V[t, 64 p + c] at [p][t][c]);
-     out       [L * G, Dv] rows, row stride ldo.
-   Each tile of TILE_ROWS query rows takes its scores over the key panels up to its last
-   position (the products above), a softmax over each row's own prefix in place (a row's
-   later keys get weight 0), then the values weighted over exactly the tile's prefix: the
-   causal half is computed, not the square, and no [L, L] scores are written. Returns -1
-   when a thread's scratch row cannot be allocated (out is then incomplete), else 0. */
-int hkv_causal_attention_f32(const float *q, int64_t L, int64_t G, int64_t D,
-                              const float *k_panels, const float *v_panels, int64_t lv,
-                              int64_t dv, float *out, int64_t ldo) {
-    const int64_t rows = L * G, tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
-    const int64_t width = (L + PANEL - 1) / PANEL * PANEL; /* a score row, whole panels */
-    const int parallel = rows * L * D >= (1 << 20);
+/* The first key position a query at `pos` sees (keys from k_start on are at hand). */
+static inline int64_t first_seen(int64_t pos, int64_t k_start, int64_t window, int64_t chunk) {
+    int64_t lo = k_start;
+    if (window > 0 && pos - window + 1 > lo) lo = pos - window + 1;
+    if (chunk > 0 && pos / chunk * chunk > lo) lo = pos / chunk * chunk;
+    return lo;
+}
+
+/* Attention of one KV head's query rows over its keys, float32, each query over the keys
+   at its own position and before, back to its window's or chunk's start:
+     q         [nq * G, D] rows, row stride D, position-major (row r is the query at position
+               q_start + r / G: the G query heads sharing this KV head), the softmax scale
+               already applied;
+     k_panels  [ceil(lk / 64), D, 64]: keys at positions k_start .. k_start + lk - 1 as the
+               panels `pack` makes of K [lk, D] (every query's position is among them);
+     v_panels  [ceil(Dv / 64), lv >= lk, 64]: V^T's panels (V[t, 64 p + c] at [p][t][c]);
+     window    a sliding window (a query sees the `window` positions up to its own), or 0;
+     chunk     chunked attention's chunk (a query sees its chunk's positions up to its
+               own), or 0;
+     out       [nq * G, Dv] rows, row stride ldo.
+   Each tile of TILE_ROWS query rows takes its scores over the key panels its rows can see
+   (the products above), a softmax over each row's own range in place (the tile's other
+   keys get weight 0), then the values weighted over exactly the tile's range: the causal
+   half (or the window's band) is computed, not the square, and no [nq, lk] scores are
+   written. Returns -1 when a thread's scratch row cannot be allocated (out is then
+   incomplete), else 0. */
+int hkv_attention_f32(const float *q, int64_t nq, int64_t G, int64_t D, int64_t q_start,
+                      int64_t k_start, int64_t lk, int64_t window, int64_t chunk,
+                      const float *k_panels, const float *v_panels, int64_t lv, int64_t dv,
+                      float *out, int64_t ldo) {
+    const int64_t rows = nq * G, tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+    const int64_t width = (lk + PANEL - 1) / PANEL * PANEL; /* a score row, whole panels */
+    const int64_t span = window > 0 && window < lk ? window : lk; /* keys a row can see */
+    const int parallel = rows * span * D >= (1 << 20);
     int failed = 0;
 #pragma omp parallel if (parallel)
     {
@@ -516,35 +532,41 @@ int hkv_causal_attention_f32(const float *q, int64_t L, int64_t G, int64_t D,
             failed = 1;
         }
 #pragma omp barrier
-        /* Cyclic: later tiles see more keys, so interleaving them evens the threads' work. */
+        /* Cyclic: later tiles may see more keys, so interleaving them evens the work. */
 #pragma omp for schedule(static, 1)
         for (int64_t t = 0; t < tiles; t++) {
             if (failed) continue;
             const int64_t r0 = t * TILE_ROWS;
             const int64_t n = rows - r0 < TILE_ROWS ? rows - r0 : TILE_ROWS;
-            const int64_t keys = (r0 + n - 1) / G + 1; /* the tile's last row sees these */
-            for (int64_t p = 0; p * PANEL < keys; p++)
+            /* Key indices [lo, hi) that some row of the tile sees (lo never falls as the
+               position rises, so the first row has the tile's lowest). */
+            const int64_t lo = first_seen(q_start + r0 / G, k_start, window, chunk) - k_start;
+            const int64_t hi = q_start + (r0 + n - 1) / G + 1 - k_start;
+            for (int64_t p = lo / PANEL; p * PANEL < hi; p++)
                 tile_rows(n, q + r0 * D, D, k_panels + p * D * PANEL, D, NULL, s + p * PANEL,
                           width, PANEL, PLAIN, 0, NULL, 0, NULL, NULL, 1, 1);
             for (int64_t i = 0; i < n; i++) {
                 float *row = s + i * width;
-                const int64_t seen = (r0 + i) / G + 1;
-                float mx = row[0];
+                const int64_t pos = q_start + (r0 + i) / G;
+                const int64_t a = first_seen(pos, k_start, window, chunk) - k_start;
+                const int64_t b = pos + 1 - k_start;
+                float mx = row[a];
 #pragma omp simd reduction(max : mx)
-                for (int64_t j = 1; j < seen; j++) mx = row[j] > mx ? row[j] : mx;
+                for (int64_t j = a + 1; j < b; j++) mx = row[j] > mx ? row[j] : mx;
                 float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-                for (int64_t j = 0; j < seen; j++) {
+                for (int64_t j = a; j < b; j++) {
                     row[j] = exp_nonpositive(row[j] - mx);
                     sum += row[j];
                 }
                 const float inv = 1.f / sum;
 #pragma omp simd
-                for (int64_t j = 0; j < seen; j++) row[j] *= inv;
-                for (int64_t j = seen; j < keys; j++) row[j] = 0.f;
+                for (int64_t j = a; j < b; j++) row[j] *= inv;
+                for (int64_t j = lo; j < a; j++) row[j] = 0.f;
+                for (int64_t j = b; j < hi; j++) row[j] = 0.f;
             }
             for (int64_t p = 0; p * PANEL < dv; p++)
-                tile_rows(n, s, width, v_panels + p * lv * PANEL, keys, NULL,
+                tile_rows(n, s + lo, width, v_panels + (p * lv + lo) * PANEL, hi - lo, NULL,
                           out + r0 * ldo + p * PANEL, ldo,
                           dv - p * PANEL < PANEL ? dv - p * PANEL : PANEL, PLAIN, 0, NULL, 0,
                           NULL, NULL, 1, 1);
