@@ -6,7 +6,8 @@ alternating round by round; ratios are medians of the rounds' pairs:
 - batch 1 (llama-bench's figures): pp512 = tokens/s of one 512-token prompt, tg128 = tokens/s
   of the 128 decode steps after an 8-token prompt's first token (timed alone, as llama-bench
   times its decode calls: the request's time less its prompt's and first token's);
-  token-id prompts, greedy, EOS ignored;
+  token-id prompts, greedy, EOS ignored; with `--long-prompt N` also ppN, one N-token
+  prompt in a process of its own;
 - batched: N prompts of L tokens, K greedy tokens each, all in one batch (output tokens/s;
   the peers' workload, `gen_llamacpp` on llama.cpp's side);
 - resident memory: the peak RSS of the batch-1 process (the kernel's ru_maxrss, read for both
@@ -62,6 +63,23 @@ def child_single(model: str, repeats: int, spawned: float, activations: str
                      use_tqdm=False)
         tg.append(128 / (time.perf_counter() - t - first))
     return {"pp512": statistics.median(pp), "tg128": statistics.median(tg), "load_s": load_s}
+
+
+def child_long(model: str, length: int, repeats: int, activations: str) -> dict[str, Any]:
+    """Prompt tokens/s of one `length`-token prompt (its first token included), the median of
+    `repeats`, in a process of its own (the batch-1 process's peak RSS stays comparable)."""
+    from hybridkv import LLM, SamplingParams
+
+    llm = LLM(model, max_model_len=length + 16, enable_prefix_caching=False, max_num_seqs=4,
+              kv_cache_memory="1GiB", threads=1, quant_activations=activations)
+    greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate([_prompt(length, 99)], greedy, use_tqdm=False)
+    rates = []
+    for r in range(repeats):
+        t = time.perf_counter()
+        llm.generate([_prompt(length, 7 * r + 3)], greedy, use_tqdm=False)
+        rates.append(length / (time.perf_counter() - t))
+    return {f"pp{length}": statistics.median(rates)}
 
 
 def child_batched(model: str, n: int, length: int, k: int, repeats: int, activations: str
@@ -123,7 +141,8 @@ def _last_json(text: str) -> dict[str, Any]:
 
 def bench_gguf(model: str, *, rounds: int = 3, pin: str = "0", llama_bin: Path | None = None,
                batched: tuple[int, int, int] = (32, 64, 128), skip_batched: bool = False,
-               activations: str = "float32", as_json: bool = False) -> str:
+               activations: str = "float32", long_prompt: int | None = None,
+               as_json: bool = False) -> str:
     from hybridkv.models.sources import resolve_model
 
     source = resolve_model(model)
@@ -141,6 +160,9 @@ def bench_gguf(model: str, *, rounds: int = 3, pin: str = "0", llama_bin: Path |
         out, rss = _run_rss([*me, "single", path, activations, "--spawned", repr(spawned)],
                             pin, env)
         row["hybridkv"] = {**_last_json(out), "rss_mib": rss / 1024}
+        if long_prompt:
+            out, _ = _run_rss([*me, "long", path, activations, str(long_prompt)], pin, env)
+            row["hybridkv"].update(_last_json(out))
         if not skip_batched:
             out, _ = _run_rss([*me, "batched", path, activations, *map(str, batched)], pin,
                               env)
@@ -151,12 +173,19 @@ def bench_gguf(model: str, *, rounds: int = 3, pin: str = "0", llama_bin: Path |
             figures = {("pp512" if r["n_prompt"] else "tg128"): r["avg_ts"]
                        for r in json.loads(out)}
             row["llama.cpp"] = {**figures, "rss_mib": rss / 1024}
+            if long_prompt:
+                out, _ = _run_rss([str(bin_dir / "llama-bench"), "-m", path, "-t", "1", "-p",
+                                   str(long_prompt), "-n", "0", "-r", "2", "-o", "json"], pin,
+                                  env)
+                row["llama.cpp"].update({f"pp{r['n_prompt']}": r["avg_ts"]
+                                         for r in json.loads(out) if r["n_prompt"]})
             if not skip_batched and (bin_dir / "gen_llamacpp").is_file():
                 out, _ = _run_rss([str(bin_dir / "gen_llamacpp"), path,
                                    *map(str, batched), "2", "0", "f32"], pin, env)
                 row["llama.cpp"]["batched_tok_s"] = _last_json(out)["median_tok_s"]
         rows.append(row)
-    keys = ["pp512", "tg128", "batched_tok_s", "rss_mib"]
+    keys = ["pp512", *([f"pp{long_prompt}"] if long_prompt else []), "tg128",
+            "batched_tok_s", "rss_mib"]
     summary: dict[str, Any] = {"model": path, "rounds": rows, "pin": pin, "threads": 1,
                                "batched": list(batched), "quant_activations": activations}
     hyb = {k: statistics.median(r["hybridkv"][k] for r in rows) for k in keys + ["load_s"]
@@ -173,7 +202,8 @@ def bench_gguf(model: str, *, rounds: int = 3, pin: str = "0", llama_bin: Path |
         return json.dumps(summary)
     lines = [f"{path}: one core ({pin}), one thread, {rounds} rounds, engines alternating; "
              f"hybridkv activations {activations}"]
-    names = {"pp512": "prompt 512 (tok/s)", "tg128": "decode, batch 1 (tok/s)",
+    names = {"pp512": "prompt 512 (tok/s)", f"pp{long_prompt}": f"prompt {long_prompt} (tok/s)",
+             "tg128": "decode, batch 1 (tok/s)",
              "batched_tok_s": f"batched {batched[0]} x {batched[1]} in, {batched[2]} out "
                               f"(output tok/s)", "rss_mib": "peak RSS, batch 1 (MiB)"}
     for k in keys:
@@ -215,13 +245,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quant-activations", choices=["float32", "int8"], default="float32",
                         help="hybridkv's activations for the quantized matrices (default: "
                              "float32)")
+    parser.add_argument("--long-prompt", type=positive_int, default=None, metavar="TOKENS",
+                        help="also one prompt of this many tokens at batch 1, in a process "
+                             "of its own (llama-bench -p TOKENS beside it; default: none)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
     print(bench_gguf(args.model, rounds=args.rounds, pin=args.pin, llama_bin=args.llama_bin,
                      batched=tuple(args.batched), skip_batched=args.no_batched,
-                     activations=args.quant_activations, as_json=args.json))
+                     activations=args.quant_activations, long_prompt=args.long_prompt,
+                     as_json=args.json))
     return 0
 
 
@@ -232,6 +266,8 @@ COMMAND = Command("gguf", "a GGUF model at batch 1 and batched, its memory and l
 def _child_main(argv: list[str]) -> None:
     if argv[0] == "single":
         result = child_single(argv[1], 3, float(argv[argv.index("--spawned") + 1]), argv[2])
+    elif argv[0] == "long":
+        result = child_long(argv[1], int(argv[3]), 2, argv[2])
     else:
         n, length, k = (int(x) for x in argv[3:6])
         result = child_batched(argv[1], n, length, k, 2, argv[2])

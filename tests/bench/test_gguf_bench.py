@@ -1,0 +1,32 @@
+"""`hybridkv bench gguf` on a tiny GGUF file, without llama.cpp: every hybridkv figure,
+the long prompt's in a process of its own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("gguf")
+pytest.importorskip("transformers")
+
+
+def test_bench_gguf_reports_a_long_prompt_beside_the_batch_1_figures(tmp_path):
+    from tests.models.gguf_writer import write_gguf
+    from tests.models.tiny import build_tiny_model
+
+    # The bench's token-id prompts reach id 1,002.
+    model_dir = build_tiny_model("llama", tmp_path / "hf", max_position_embeddings=4096,
+                                 vocab_size=1024)
+    path = write_gguf(model_dir, tmp_path / "model.gguf")
+    out = subprocess.run(
+        [sys.executable, "-m", "hybridkv.cli", "bench", "gguf", str(path), "--rounds", "1",
+         "--no-batched", "--long-prompt", "640", "--llama-bin", str(tmp_path / "none"),
+         "--json"], capture_output=True, text=True, timeout=600, check=True)
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    figures = summary["hybridkv"]
+    assert {"pp512", "pp640", "tg128", "rss_mib", "load_s"} <= figures.keys()
+    assert all(figures[k] > 0 for k in ("pp512", "pp640", "tg128"))
+    assert "llama.cpp" not in summary  # not built here: no peer figures, no ratios
