@@ -832,7 +832,8 @@ def _flat_blocks(kv_cache: torch.Tensor) -> torch.Tensor | None:
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_len: int,
             params: AttentionParams) -> torch.Tensor:
     """q [nq, Hq, D] are the last nq positions of a sequence of seq_len; keys/values
-    [seq_len, Hk, D]. With a window or chunk, queries go in blocks of that size, each over
+    [seq_len, Hk, D]. On linear.c's kernel (`_c_tiles`) each query over only the keys it
+    sees; elsewhere, with a window or chunk, queries go in blocks of that size, each over
     only the keys it can see: a long prompt costs O(nq * window), not O(nq * seq_len)."""
     num_q = q.shape[0]
     first = seq_len - num_q

@@ -416,19 +416,9 @@ static int blocked_panels(const float *xp, int64_t tiles, int64_t m, const float
 /* y [m, n] (row stride ldy) = epilogue(x [m, k] (row stride ldx) times the packed weights
    [panels, k, 64] + bias [panels * 64] or NULL). n: output columns (the intermediate size
    for a gated mode, whose panels give 32 outputs each). */
-void hkv_linear_f32_strided(const float *x, int64_t m, int64_t ldx, const float *packed,
-                            int64_t k, int64_t ps, const float *bias, float *y, int64_t n,
-                            int64_t ldy, int mode);
-
 void hkv_linear_f32(const float *x, int64_t m, int64_t ldx, const float *packed, int64_t k,
                     const float *bias, float *y, int64_t n, int64_t ldy, int mode) {
-    hkv_linear_f32_strided(x, m, ldx, packed, k, k * PANEL, bias, y, n, ldy, mode);
-}
-
-/* The same with panels `ps` floats apart, of which the first k rows are read. */
-void hkv_linear_f32_strided(const float *x, int64_t m, int64_t ldx, const float *packed,
-                            int64_t k, int64_t ps, const float *bias, float *y, int64_t n,
-                            int64_t ldy, int mode) {
+    const int64_t ps = k * PANEL; /* floats from one panel to the next */
     const int64_t width = mode == PLAIN ? PANEL : PANEL / 2;
     const int64_t panels = (n + width - 1) / width;
     const int64_t blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK;
