@@ -2,9 +2,10 @@
 (vLLM's CPU build lives in a virtual environment of its own, without hybridkv): nothing
 here imports hybridkv at module level.
 
-    python vllm_child.py ENGINE MODEL_DIR N L K REPEATS
+    python vllm_child.py ENGINE MODEL_DIR N L K REPEATS [LONG]
 
 prints one JSON line: pp512 (prompt tokens/s of one 512-token prompt, one output token),
+ppLONG (the same for one LONG-token prompt, where LONG is given and not 0),
 tg128 (decode tokens/s of 128 tokens after an 8-token prompt), batched (output tokens/s of N
 prompts of L tokens, K greedy tokens each, in one batch), each the median of REPEATS runs,
 and init_s. Both engines: float32, greedy, EOS ignored, prefix caching off, token-id
@@ -71,20 +72,27 @@ def timed(gen: Callable[[list[list[int]], int], int], ps: list[list[int]], k: in
 def main(argv: list[str]) -> None:
     name, model = argv[0], argv[1]
     n, length, k, repeats = (int(x) for x in argv[2:6])
+    long = int(argv[6]) if len(argv) > 6 else 0
     t0 = time.perf_counter()
-    gen = engine(name, model, max(512, length + k) + 32, max(n, 2))
+    gen = engine(name, model, max(512, length + k, long) + 32, max(n, 2))
     init_s = time.perf_counter() - t0
     gen(batched_prompts(2, length, 99), 4)  # warm-up on prompts no run uses
-    pp, tg, batched = [], [], []
+    pp, pp_long, tg, batched = [], [], [], []
     for r in range(repeats):
         _, dt = timed(gen, [prompt(512, 7 * r)], 1)
         pp.append(512 / dt)
+        if long:
+            _, dt = timed(gen, [prompt(long, 7 * r + 3)], 1)
+            pp_long.append(long / dt)
         _, dt = timed(gen, [prompt(8, 7 * r + 1)], 129)
         tg.append(128 / dt)
         out, dt = timed(gen, batched_prompts(n, length, r), k)
         batched.append(out / dt)
-    print(json.dumps({"engine": name, "init_s": init_s, "pp512": statistics.median(pp),
-                      "tg128": statistics.median(tg), "batched": statistics.median(batched)}))
+    figures = {"engine": name, "init_s": init_s, "pp512": statistics.median(pp),
+               "tg128": statistics.median(tg), "batched": statistics.median(batched)}
+    if long:
+        figures[f"pp{long}"] = statistics.median(pp_long)
+    print(json.dumps(figures))
 
 
 if __name__ == "__main__":
