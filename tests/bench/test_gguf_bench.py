@@ -30,3 +30,15 @@ def test_bench_gguf_reports_a_long_prompt_beside_the_batch_1_figures(tmp_path):
     assert {"pp512", "pp640", "tg128", "rss_mib", "load_s"} <= figures.keys()
     assert all(figures[k] > 0 for k in ("pp512", "pp640", "tg128"))
     assert "llama.cpp" not in summary  # not built here: no peer figures, no ratios
+
+
+def test_a_long_prompt_of_512_tokens_is_refused_in_one_line(tmp_path, capsys):
+    """pp512 is measured already: a long prompt of 512 would overwrite it (and print it twice)."""
+    from hybridkv.cli import main
+
+    gguf_file = tmp_path / "model.gguf"
+    gguf_file.write_bytes(b"GGUF")  # refused before the file is read
+    assert main(["bench", "gguf", str(gguf_file), "--long-prompt", "512"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("--long-prompt 512 is the 512-token prompt already measured; give "
+                            "another length"), err

@@ -37,6 +37,15 @@ DEFAULT_LLAMA_BIN = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cac
     "hybridkv-peers" / "llama.cpp" / "src" / "build" / "bin"
 
 
+def prompt_keys(long_prompt: int | None) -> list[str]:
+    """The batch-1 prompt figures a side-by-side bench reports: pp512, and ppN for a long
+    prompt of N tokens (`--long-prompt`). N = 512 is refused: that is pp512 itself."""
+    if long_prompt == 512:
+        raise ValueError("--long-prompt 512 is the 512-token prompt already measured; "
+                         "give another length")
+    return ["pp512", *([f"pp{long_prompt}"] if long_prompt else [])]
+
+
 def child_single(model: str, repeats: int, spawned: float, activations: str
                  ) -> dict[str, Any]:
     from hybridkv import LLM, SamplingParams
@@ -149,6 +158,7 @@ def bench_gguf(model: str, *, rounds: int = 3, pin: str = "0", llama_bin: Path |
     if not source.is_gguf:
         raise ValueError(f"{model}: not a GGUF file (bench gguf compares GGUF models)")
     path = str(source.path)
+    keys = [*prompt_keys(long_prompt), "tg128", "batched_tok_s", "rss_mib"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     bin_dir = llama_bin or DEFAULT_LLAMA_BIN
     have_llama = (bin_dir / "llama-bench").is_file()
@@ -184,8 +194,6 @@ def bench_gguf(model: str, *, rounds: int = 3, pin: str = "0", llama_bin: Path |
                                    *map(str, batched), "2", "0", "f32"], pin, env)
                 row["llama.cpp"]["batched_tok_s"] = _last_json(out)["median_tok_s"]
         rows.append(row)
-    keys = ["pp512", *([f"pp{long_prompt}"] if long_prompt else []), "tg128",
-            "batched_tok_s", "rss_mib"]
     summary: dict[str, Any] = {"model": path, "rounds": rows, "pin": pin, "threads": 1,
                                "batched": list(batched), "quant_activations": activations}
     hyb = {k: statistics.median(r["hybridkv"][k] for r in rows) for k in keys + ["load_s"]

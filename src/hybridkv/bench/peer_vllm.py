@@ -21,7 +21,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from hybridkv.bench.gguf import _last_json, _run_rss, add_side_by_side_arguments
+from hybridkv.bench.gguf import _last_json, _run_rss, add_side_by_side_arguments, prompt_keys
 from hybridkv.cli import Command, positive_int
 
 DEFAULT_VLLM_PYTHON = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / \
@@ -43,8 +43,8 @@ def bench_vllm(model: str, *, rounds: int = 2, pin: str = "0", vllm_python: Path
                          f"or pass --vllm-python")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": pin}
+    keys = [*prompt_keys(long_prompt), "tg128", "batched"]
     args = [model, *map(str, batched), "3", str(long_prompt or 0)]
-    keys = ("pp512", *([f"pp{long_prompt}"] if long_prompt else []), "tg128", "batched")
     rows: list[dict[str, Any]] = []
     for _ in range(rounds):
         row = {}
