@@ -187,6 +187,16 @@ ENGINE = [
     ({"max_batch": 3}, "unknown engine option"),
     ({"kv_sharing_fast_prefill": True}, "kv_sharing_fast_prefill needs"),
     ({"kv_offload_cpu": "1TiB"}, "kv_offload_cpu 1.00 TiB is more than the host has available"),
+    # Options that would change nothing are refused, naming the option and what applies.
+    ({"kv_cache_dtype": "int8", "kv_cache_dtype_skip": "full,sliding"},
+     "keeps every attention layer of this model (full, sliding_window) in the model's dtype, "
+     "so kv_cache_dtype 'int8' would quantize nothing"),
+    ({"state_dtype": "bf16"}, "state_dtype (--state-dtype) 'bf16' sets the dtype of recurrent "
+     "states (Mamba, linear attention), and this model has none"),
+    ({"kv_events_queue": 100}, "kv_events_queue (--kv-events-queue) applies to published KV "
+     "events; set kv_events_endpoint (--kv-events-endpoint) too"),
+    ({"kv_events_topic": ""}, "kv_events_topic (--kv-events-topic) applies to published"),
+    ({"kv_events_replay_endpoint": "tcp://*:5999"}, "kv_events_replay_endpoint"),
 ]
 
 
@@ -341,6 +351,13 @@ CLI = [
     (["bench", "capacity", "--kv-cache-memory", "-1"], "memory size must be positive"),
     (["generate", "{model}", "--prompt", "hi", "--kv-offload-disk", "{seed_dir}:64MiB"],
      "hybridkv-hash-seed is not UTF-8 text; it should hold one line"),
+    (["generate", "{model}", "--prompt", "hi", "--state-dtype", "bf16"], "has none"),
+    (["plan", "{model}", "--kv-cache-dtype", "q4", "--kv-cache-dtype-skip", "sliding,full"],
+     "would quantize nothing"),
+    (["serve", "{model}", "--kv-events-queue", "100"], "kv_events_queue (--kv-events-queue)"),
+    # Refused by the launcher, before any replica starts.
+    (["serve", "{model}", "--data-parallel-size", "2", "--kv-events-topic", "t"],
+     "kv_events_topic (--kv-events-topic) applies to published KV events"),
 ]
 
 

@@ -192,8 +192,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model directory, config.json, or the name of a shipped config: "
                              f"{', '.join(shipped_config_names())}")
     parser.add_argument("--memory", type=memory, default="40GiB",
-                        help="KV cache bytes, plain or with a unit (default: sized from the "
-                             "memory available once the model is loaded)")
+                        help="KV cache bytes, plain or with a unit (default: 40GiB)")
     parser.add_argument("--max-model-len", type=positive_int, default=131072,
                         help="longest request (prompt + output) in tokens")
     parser.add_argument("--block-size", type=positive_int, default=16,
@@ -400,7 +399,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="longest request in tokens (default: the model's, at most 8192)")
     parser.add_argument("--kv-cache-memory", type=memory, default=None,
-                        help="KV cache bytes, plain or with a unit (default: sized from the "
+                        help="KV cache bytes, plain or with a unit (default: what 64 "
+                             "requests of --max-model-len tokens need, at most half the "
                              "memory available once the model is loaded)")
     parser.add_argument("--dtype", default="auto",
                         help="weights and activations dtype (auto: the model's)")
@@ -652,14 +652,16 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
                              "tcp://HOST:PORT binds if it can, else connects to the "
                              "subscriber that bound it "
                              "(docs/deployment.md; default: none)")
-    parser.add_argument("--kv-events-topic", default="kv-events",
-                        help="the events' topic (default: kv-events)")
+    parser.add_argument("--kv-events-topic", default=None,
+                        help="the events' topic, with --kv-events-endpoint (default: "
+                             "kv-events)")
     parser.add_argument("--kv-events-replay-endpoint", default=None, metavar="ENDPOINT",
                         help="a ROUTER socket answering replay requests for missed batches "
                              "(default: none)")
-    parser.add_argument("--kv-events-queue", type=positive_int, default=10_000,
-                        help="event batches waiting for the publisher at most; beyond it "
-                             "they are dropped and counted (default: 10000)")
+    parser.add_argument("--kv-events-queue", type=positive_int, default=None,
+                        help="with --kv-events-endpoint: event batches waiting for the "
+                             "publisher at most; beyond it they are dropped and counted "
+                             "(default: 10000)")
     parser.add_argument("--data-parallel-size", type=positive_int, default=1,
                         help="start N replicas on N consecutive ports (--port .. --port+N-1) "
                              "on disjoint cores, with one block hash seed, for a router "
@@ -689,8 +691,10 @@ def add_server_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
                         help="tokens per engine step")
     parser.add_argument("--kv-cache-memory", type=memory, default=None,
-                        help="KV cache bytes, plain or with a unit (default: sized from the "
-                             "memory available once the model is loaded)")
+                        help="KV cache bytes, plain or with a unit (default: what "
+                             "--max-num-seqs requests of --max-model-len tokens need, at "
+                             "most half the memory available once the model is loaded; the "
+                             "startup log states it)")
     parser.add_argument("--dtype", default="auto",
                         help="weights and activations dtype (auto: the model's)")
     add_gguf_arguments(parser)
@@ -743,41 +747,48 @@ def demo_model_dir() -> Path:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    import importlib.util
     import logging
 
-    try:
-        import uvicorn  # noqa: F401  # (run_server's; missing -> the message below)
+    def missing_extra(name: str | None) -> CLIError:
+        return CLIError(f"hybridkv serve needs the server extra (missing {name}): "
+                        f"pip install 'hybridkv[server]'")
 
-        from hybridkv.server.app import ServerConfig, build_app, run_server
-    except ImportError as e:
-        raise CLIError(f"hybridkv serve needs the server extra (missing {e.name}): "
-                       f"pip install 'hybridkv[server]'") from None
+    # Found, not imported: a launcher of replicas never imports them (nor torch).
+    for name in ("fastapi", "uvicorn", "prometheus_client"):
+        if importlib.util.find_spec(name) is None:
+            raise missing_extra(name)
     from hybridkv.config import EngineConfig
-    from hybridkv.engine.engine import LLMEngine
+    from hybridkv.server.replicas import REPLICA_STATUS_ENV, launch_replicas
 
+    # Every engine option is checked first, before torch is imported (a launcher of
+    # replicas runs no engine, and its replicas start seconds sooner) or logging is set up:
+    # for --data-parallel-size one line now, not N from the replicas.
+    config = EngineConfig.from_kwargs(dict(
+        server_engine_options(args), **offload_options(args), **kv_cache_dtype_options(args),
+        **replica_options(args), block_hash_seed=os.environ.get(BLOCK_HASH_SEED_ENV) or None))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: "
                                                              "%(message)s")
     log = logging.getLogger("hybridkv.serve")
     if args.data_parallel_size > 1:
-        from hybridkv.server.replicas import launch_replicas
-
-        if args.kv_events_endpoint is not None:  # one line now, not N from the replicas
-            EngineConfig(kv_events_endpoint=args.kv_events_endpoint,
-                         kv_events_replay_endpoint=args.kv_events_replay_endpoint)
         raw = args.raw_argv
         return launch_replicas(raw[raw.index("serve") + 1:],
                                num_replicas=args.data_parallel_size,
-                               port=args.port, seed_env=BLOCK_HASH_SEED_ENV)
+                               port=args.port, host=args.host,
+                               seed_env=BLOCK_HASH_SEED_ENV)
+    from hybridkv.engine.engine import LLMEngine
+
+    try:
+        from hybridkv.server.app import ServerConfig, build_app, run_server
+    except ImportError as e:
+        raise missing_extra(e.name) from None
     model_dir = args.model_dir
     if model_dir is None:
         model_dir = str(demo_model_dir())
         log.warning("no model given: serving the built-in demo model at %s (random "
                     "weights: its text is noise, the machinery is real)", model_dir)
-    options = dict(server_engine_options(args), **offload_options(args),
-                   **kv_cache_dtype_options(args), **replica_options(args),
-                   block_hash_seed=os.environ.get(BLOCK_HASH_SEED_ENV) or None)
     try:
-        engine = LLMEngine.from_model_dir(model_dir, EngineConfig.from_kwargs(options))
+        engine = LLMEngine.from_model_dir(model_dir, config)
     except UnicodeDecodeError:
         raise CLIError(f"{model_dir}: a model file is not UTF-8 text") from None
     except KeyError as e:
@@ -787,7 +798,8 @@ def run_serve(args: argparse.Namespace) -> int:
         model_name=name, model_dir=str(model_dir),
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_waiting=args.max_waiting, chat_template=args.chat_template,
-        shutdown_timeout_s=args.shutdown_timeout, follow_up_wait_ms=args.follow_up_wait_ms))
+        shutdown_timeout_s=args.shutdown_timeout, follow_up_wait_ms=args.follow_up_wait_ms,
+        replica_status=os.environ.get(REPLICA_STATUS_ENV) or None))
     log.info("serving %s as '%s' on http://%s:%d/v1", model_dir, name, args.host, args.port)
     # uvicorn handles SIGTERM/SIGINT (stop accepting, let requests finish, stop the engine),
     # then raises the signal again for the handler it found: a quiet one makes that exit 0.

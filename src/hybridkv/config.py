@@ -58,8 +58,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     kernel_block_size: int | None = None  # must divide block_size
-    # KV cache bytes; None: sized from the memory the device has available once the model
-    # is loaded (engine/build.py: auto_kv_cache_memory).
+    # KV cache bytes; None: what max_num_seqs requests of max_model_len need, at most half
+    # the memory available once the model is loaded (engine/build.py:
+    # default_kv_cache_memory).
     kv_cache_memory: int | str | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -132,11 +133,12 @@ class EngineConfig:
     # KV events for routers and indexers, in vLLM's ZMQ wire format (connector/events.py):
     # a PUB socket at this endpoint (tcp://*:PORT binds, tcp://HOST:PORT binds where it can
     # and connects to a subscriber that bound it otherwise), the topic, an optional replay
-    # (ROUTER) endpoint, and how many steps' batches may wait for the publisher thread.
+    # (ROUTER) endpoint, and how many steps' batches may wait for the publisher thread
+    # (topic and queue None: "kv-events" and 10,000; set without an endpoint, refused).
     kv_events_endpoint: str | None = None
-    kv_events_topic: str = "kv-events"
+    kv_events_topic: str | None = None
     kv_events_replay_endpoint: str | None = None
-    kv_events_queue: int = 10_000
+    kv_events_queue: int | None = None
     # This replica's index among `hybridkv serve --data-parallel-size N` replicas: its KV
     # event endpoints' ports are offset by it (vLLM's layout). Its events still say
     # data-parallel rank 0: each replica is its own server, the one engine behind its URL,
@@ -207,18 +209,25 @@ class EngineConfig:
                 not math.isfinite(timeout) or timeout <= 0:
             raise ValueError(f"kv_offload_load_timeout_s must be a number of seconds > 0, "
                              f"got {timeout!r}")
-        check_int("kv_events_queue", self.kv_events_queue, low=1)
+        if self.kv_events_queue is not None:
+            check_int("kv_events_queue", self.kv_events_queue, low=1,
+                      what="an integer >= 1 or None (10,000)")
         check_int("replica_index", self.replica_index, low=0)
-        if not isinstance(self.kv_events_topic, str):
+        if self.kv_events_topic is not None and not isinstance(self.kv_events_topic, str):
             raise ValueError(f"kv_events_topic must be a string, got {self.kv_events_topic!r}")
+        if self.kv_events_endpoint is None:
+            # Options of a publisher that will not exist would silently do nothing.
+            for name in ("kv_events_queue", "kv_events_topic", "kv_events_replay_endpoint"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} (--{name.replace('_', '-')}) applies to "
+                                     f"published KV events; set kv_events_endpoint "
+                                     f"(--kv-events-endpoint) too, or leave it out")
         if self.kv_events_endpoint is not None:
             check_endpoint(self.kv_events_endpoint)
             if not self.enable_prefix_caching:
                 raise ValueError("kv_events_endpoint needs enable_prefix_caching (events "
                                  "announce the blocks the prefix cache can serve)")
         if self.kv_events_replay_endpoint is not None:
-            if self.kv_events_endpoint is None:
-                raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
             check_endpoint(self.kv_events_replay_endpoint, "kv_events_replay_endpoint")
         if self.kv_offload and not self.enable_prefix_caching:
             raise ValueError("kv_offload_cpu / kv_offload_disk / kv_remote need "

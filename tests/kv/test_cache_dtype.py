@@ -88,10 +88,27 @@ def test_state_dtype_changes_only_the_states():
     (("int8", "sliding"), "names no layer of this model"),
     (("int8", "windowed"), "unknown kv_cache_dtype_skip kind 'windowed'"),
     (("int4", None), "unknown kv_cache_dtype 'int4'; accepted: auto, int8, q4, fp8"),
+    # Rules that would change nothing.
+    (("int8", "full"), r"kv_cache_dtype_skip \(--kv-cache-dtype-skip\) 'full' keeps every "
+     r"attention layer of this model \(full\) in the model's dtype, so kv_cache_dtype "
+     r"'int8' would quantize nothing; skip fewer kinds, or leave kv_cache_dtype 'auto'"),
+    (("auto", None, "bf16"), r"state_dtype \(--state-dtype\) 'bf16' sets the dtype of "
+     r"recurrent states \(Mamba, linear attention\), and this model has none \(its "
+     r"layers: full\); leave it 'auto'"),
 ])
 def test_bad_rules_are_one_line(args, says):
     with pytest.raises(ValueError, match=says):
         apply_cache_dtype(layout("Llama-3.1-8B").layer_specs, *args)
+
+
+def test_a_kv_cache_dtype_on_a_model_without_attention_is_refused():
+    with pytest.raises(ValueError, match=r"'int8' quantizes attention pages, and this model "
+                                         r"has no attention layer \(its layers: mamba\); "
+                                         r"leave it 'auto'; state_dtype sets"):
+        apply_cache_dtype(layout("falcon-mamba-7b").layer_specs, "int8")
+    # What does apply there: the states' dtype.
+    specs = apply_cache_dtype(layout("falcon-mamba-7b").layer_specs, state_dtype="bf16")
+    assert all(set(s.dtypes) == {"bf16"} for s in specs.values() if isinstance(s, MambaSpec))
 
 
 def test_plan_json_reports_each_groups_dtype_and_bytes_per_token(capsys):

@@ -209,3 +209,29 @@ def test_a_manager_for_80_gib_of_a_real_model_is_built_without_making_its_blocks
     assert all(page is None for page in m.pool.pages[1:])
     assert [b.block_id for b in m.pool.null_blocks] == [0, 0]
     m.check_integrity()
+
+
+def test_short_requests_reserve_no_window_widening_beyond_their_own_peak():
+    """Gemma 3 270M in 16 MiB at max_model_len 256 with a 2,048-token step budget: a step's
+    chunks could widen the sliding windows by 129 blocks of 480 KiB, more than the arena,
+    but a 256-token request holds at most one block more than its steady 16. The plan once
+    said 0 concurrent requests (and servers 0 blocks) here, though one request fits."""
+    layout = kv_layout_from_config(load_hf_config("gemma-3-270m"), kv_dtype="float32")
+    plan = plan_kv_cache(layout.layer_specs, 16 << 20, max_model_len=256,
+                         max_num_batched_tokens=2048, kv_sharing=layout.kv_sharing)
+    sliding, full = plan.config.groups
+    assert (sliding.blocks_per_large_page, full.blocks_per_large_page) == (1, 5)
+    usable = plan.config.num_large_pages - 1  # in large pages
+    # Each request: 16 sliding blocks + 1 while a chunk widens its window, 16 full blocks
+    # (a fifth of a page each).
+    assert plan.max_concurrency == pytest.approx(usable / (16 + 1 + 16 / 5))
+    assert plan.capacity_tokens // 16 == 26
+    # Long requests are still bounded by the step's budget, as before.
+    long = plan_kv_cache(layout.layer_specs, 1 << 30, max_model_len=8192,
+                         max_num_batched_tokens=2048, kv_sharing=layout.kv_sharing)
+    page = long.config.large_page_bytes
+    per = {g.spec.kind: page / g.blocks_per_large_page for g in long.config.groups}
+    steady = 33 * per["sliding_window"] + 512 * per["full"]
+    transient = 129 * per["sliding_window"]
+    usable = (long.config.num_large_pages - 1) * page
+    assert long.max_concurrency == pytest.approx((usable - transient) / steady)

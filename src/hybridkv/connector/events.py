@@ -46,6 +46,7 @@ from hybridkv.kv.plan import KVCacheConfig
 logger = logging.getLogger(__name__)
 
 DEFAULT_TOPIC = "kv-events"
+DEFAULT_QUEUE = 10_000  # batches waiting for the publisher thread at most
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _TCP = re.compile(r"tcp://(?P<host>\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.:-]+):(?P<port>\d+)")
 
@@ -144,8 +145,9 @@ class KVEventPublisher:
 
     def __init__(self, endpoint: str, *, groups: Sequence[GroupInfo],
                  topic: str = DEFAULT_TOPIC, replay_endpoint: str | None = None,
-                 port_offset: int = 0, data_parallel_rank: int = 0, max_queue: int = 10_000,
-                 buffer_steps: int = 10_000, hwm: int = 100_000) -> None:
+                 port_offset: int = 0, data_parallel_rank: int = 0,
+                 max_queue: int = DEFAULT_QUEUE, buffer_steps: int = 10_000,
+                 hwm: int = 100_000) -> None:
         try:
             import zmq
         except ImportError as e:

@@ -22,7 +22,7 @@ from hybridkv.engine.offload import (
 )
 from hybridkv.kv.cache_dtype import apply_cache_dtype
 from hybridkv.kv.manager import KVCacheManager
-from hybridkv.kv.plan import KVCachePlan, format_bytes, plan_kv_cache
+from hybridkv.kv.plan import KVCachePlan, format_bytes, memory_for_requests, plan_kv_cache
 from hybridkv.models.gguf_config import config_from_gguf
 from hybridkv.models.gguf_file import read_header
 from hybridkv.models.layer_mix import kv_layout_from_config
@@ -101,21 +101,50 @@ def check_memory_budget(kv_cache_memory: int, device: str) -> None:
                          f"kv_cache_memory")
 
 
-# Without a kv_cache_memory, the KV cache takes this share of the memory the device has
-# available once the model is loaded (vLLM's CPU backend sizes its KV space the same way), at
-# most AUTO_KV_CAP on the CPU: the arena's pages are only backed by memory once written, but
-# a host runs more than one engine.
+# Without a kv_cache_memory, the KV cache gets what max_num_seqs requests of max_model_len
+# need (the planner's `memory_for_requests`), never more than this share of the memory the
+# device has available once the model is loaded, nor more than AUTO_KV_CAP on the CPU. Not
+# a share of memory outright: the arena's pages are backed by memory once written, and a
+# server's distinct prompts write fresh ones, so its resident memory would climb toward any
+# budget it was given (and a host runs more than one engine).
 AUTO_KV_FRACTION = {"cpu": 0.5, "cuda": 0.9}
 AUTO_KV_CAP = 16 << 30
 
 
-def auto_kv_cache_memory(device: str) -> int:
+def kv_memory_cap(device: str) -> tuple[int, str]:
+    """(the most a default KV budget may take on `device`, what that is in words)."""
     available = available_memory(device)
     if available is None:
-        return 1 << 30
-    kind = "cuda" if device.startswith("cuda") else "cpu"
-    budget = int(available * AUTO_KV_FRACTION[kind])
-    return min(budget, AUTO_KV_CAP) if kind == "cpu" else budget
+        return 1 << 30, "1 GiB (the device's free memory is unknown)"
+    if device.startswith("cuda"):
+        return int(available * AUTO_KV_FRACTION["cuda"]), "90% of the free device memory"
+    half = int(available * AUTO_KV_FRACTION["cpu"])
+    if half > AUTO_KV_CAP:
+        return AUTO_KV_CAP, f"the CPU cap of {format_bytes(AUTO_KV_CAP)}"
+    return half, "half the available memory"
+
+
+def default_kv_cache_memory(layout: Any, config: EngineConfig, max_model_len: int,
+                            device: str) -> int:
+    """The KV budget without a kv_cache_memory, stated in one logged line."""
+    need = memory_for_requests(
+        layout.layer_specs, config.max_num_seqs, max_model_len=max_model_len,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        hybrid=not config.disable_hybrid_kv_cache, kv_sharing=layout.kv_sharing,
+        enable_caching=config.enable_prefix_caching,
+        checkpoint_interval=config.mamba_checkpoint_interval,
+        checkpoint_tail=config.mamba_checkpoint_tail)
+    cap, cap_text = kv_memory_cap(device)
+    tokens = (f"{config.max_num_seqs * max_model_len:,} tokens = max_model_len "
+              f"{max_model_len} x max_num_seqs {config.max_num_seqs}")
+    if need <= cap:
+        logger.info("KV cache memory %s, for %s (set kv_cache_memory / --kv-cache-memory "
+                    "to choose another size)", format_bytes(need), tokens)
+        return need
+    logger.info("KV cache memory %s, %s: %s would need %s (set kv_cache_memory / "
+                "--kv-cache-memory to choose, or lower max_num_seqs or max_model_len)",
+                format_bytes(cap), cap_text, tokens, format_bytes(need))
+    return cap
 
 
 def _load(model: str, config: EngineConfig, device: str
@@ -207,7 +236,7 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
         raise ValueError(f"kv_cache_dtype 'fp8' runs on CUDA devices, not {device}; use "
                          f"int8 (the same bytes per token) or q4 here")
     kv_cache_memory = int(config.kv_cache_memory) if config.kv_cache_memory is not None \
-        else auto_kv_cache_memory(device)
+        else default_kv_cache_memory(layout, config, max_model_len, device)
     if config.kv_cache_memory is None and config.max_model_len is None:
         fitting = _fitting_len(layout, kv_cache_memory, max_model_len, config)
         if 0 < fitting < max_model_len:

@@ -16,7 +16,12 @@ from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any
 
 from hybridkv.config import EngineConfig
-from hybridkv.connector.events import KVEventPublisher, group_infos
+from hybridkv.connector.events import (
+    DEFAULT_QUEUE,
+    DEFAULT_TOPIC,
+    KVEventPublisher,
+    group_infos,
+)
 from hybridkv.engine.build import EngineParts, build_engine
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
 from hybridkv.engine.outputs import RequestOutput
@@ -268,8 +273,9 @@ class LLMEngine:
             return None
         publisher = KVEventPublisher(
             config.kv_events_endpoint, groups=group_infos(self.plan.config),
-            topic=config.kv_events_topic, replay_endpoint=config.kv_events_replay_endpoint,
-            port_offset=config.replica_index, max_queue=config.kv_events_queue)
+            topic=DEFAULT_TOPIC if config.kv_events_topic is None else config.kv_events_topic,
+            replay_endpoint=config.kv_events_replay_endpoint,
+            port_offset=config.replica_index, max_queue=config.kv_events_queue or DEFAULT_QUEUE)
         self.kv_manager.pool.kv_events = []
         if self.connector is not None:
             self.connector.enable_kv_events()  # the tiers' stores and removals too

@@ -67,8 +67,10 @@ def parse_skip(skip: str | Iterable[str] | None) -> tuple[str, ...]:
 def apply_cache_dtype(layer_specs: Mapping[str, KVCacheSpec], kv_cache_dtype: str = "auto",
                       skip: str | Iterable[str] | None = None,
                       state_dtype: str = "auto") -> dict[str, KVCacheSpec]:
-    """The specs with the rule applied. A skip naming a kind the model has no layer of is
-    refused (it would silently do nothing), as is a skip without a quantized dtype."""
+    """The specs with the rule applied. A rule that would silently do nothing is refused: a
+    skip naming a kind the model has no layer of, a skip without a quantized dtype, a skip
+    that keeps every attention layer (so the dtype quantizes nothing), a quantized dtype on
+    a model without attention layers, a state dtype on a model without states."""
     check_kv_cache_dtype(kv_cache_dtype)
     check_state_dtype(state_dtype)
     skipped = parse_skip(skip)
@@ -81,6 +83,27 @@ def apply_cache_dtype(layer_specs: Mapping[str, KVCacheSpec], kv_cache_dtype: st
             raise ValueError(f"kv_cache_dtype_skip {name!r} names no layer of this model; its "
                              f"attention kinds: {', '.join(sorted(kinds - {'mamba'})) or 'none'}")
     keep = {kind for name in skipped for kind in SKIP_KINDS[name]}
+    # A rule that changes nothing is refused too: someone asked for smaller pages or states
+    # and would otherwise run the model as it was without a word.
+    attention = {spec.kind for spec in layer_specs.values() if isinstance(spec, AttentionSpec)}
+    if kv_cache_dtype != "auto" and not attention:
+        raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) {kv_cache_dtype!r} quantizes "
+                         f"attention pages, and this model has no attention layer (its "
+                         f"layers: {', '.join(sorted(kinds))}); leave it 'auto'"
+                         + ("; state_dtype sets its states' dtype"
+                            if any(isinstance(s, MambaSpec) for s in layer_specs.values())
+                            else ""))
+    if kv_cache_dtype != "auto" and not attention - keep:
+        raise ValueError(f"kv_cache_dtype_skip (--kv-cache-dtype-skip) "
+                         f"{','.join(skipped)!r} keeps every attention layer of this model "
+                         f"({', '.join(sorted(attention))}) in the model's dtype, so "
+                         f"kv_cache_dtype {kv_cache_dtype!r} would quantize nothing; skip "
+                         f"fewer kinds, or leave kv_cache_dtype 'auto'")
+    if state_dtype != "auto" and not any(isinstance(s, MambaSpec)
+                                         for s in layer_specs.values()):
+        raise ValueError(f"state_dtype (--state-dtype) {state_dtype!r} sets the dtype of "
+                         f"recurrent states (Mamba, linear attention), and this model has "
+                         f"none (its layers: {', '.join(sorted(kinds))}); leave it 'auto'")
     out: dict[str, KVCacheSpec] = {}
     for layer, spec in layer_specs.items():
         if isinstance(spec, AttentionSpec) and kv_cache_dtype != "auto" and \

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from hybridkv.kv.spec import (
     DEFAULT_CHECKPOINT_TAIL,
@@ -312,20 +313,114 @@ def _one_request_problem(config: KVCacheConfig, memory_bytes: int, max_model_len
     return None
 
 
+class _RequestCost(NamedTuple):
+    """What requests of max_model_len cost in a config's arena, in bytes (each block's share
+    of its large page's padding included)."""
+
+    steady: dict[int, float]  # per group: what one request holds in steady state
+    widening: float  # the most one request's windows can widen in a step (peak - steady)
+    transient: float  # the most a step's prefill chunks widen windows, all requests together
+
+    @property
+    def per_request(self) -> float:
+        return sum(self.steady.values())
+
+    def bytes_for(self, num_requests: float) -> float:
+        # A step's chunks share one token budget, so their widening is bounded by it; and
+        # no request widens past its own peak, which bounds it when requests are short
+        # (max_model_len below window + budget): without that bound a 256-token Gemma 3
+        # with a 2048-token step budget would reserve 129 sliding blocks it can never use.
+        return (num_requests * self.per_request
+                + min(self.transient, num_requests * self.widening))
+
+    def concurrency(self, usable: float) -> float:
+        """The most requests whose `bytes_for` fits `usable` bytes."""
+        if self.per_request <= 0:
+            return 0.0
+        # bytes_for is linear in each of its two regimes: requests widening by their own
+        # peak while their total is under the step's budget, then the budget.
+        by_peak = usable / (self.per_request + self.widening)
+        if by_peak * self.widening <= self.transient:
+            return max(0.0, by_peak)
+        return max(0.0, (usable - self.transient) / self.per_request)
+
+
+def _request_cost(config: KVCacheConfig, max_model_len: int,
+                  max_num_batched_tokens: int) -> _RequestCost:
+    page = config.large_page_bytes
+    cost = {g.group_id: page / g.blocks_per_large_page for g in config.groups}
+    steady = {g.group_id: g.spec.steady_blocks(max_model_len) * cost[g.group_id]
+              for g in config.groups}
+    widening = sum(max(0, g.spec.peak_blocks(max_model_len, max_num_batched_tokens)
+                       - g.spec.steady_blocks(max_model_len)) * cost[g.group_id]
+                   for g in config.groups)
+    transient = sum(g.spec.transient_blocks(max_num_batched_tokens) * cost[g.group_id]
+                    for g in config.groups)
+    return _RequestCost(steady, widening, transient)
+
+
+def memory_for_requests(
+    layer_specs: Mapping[str, KVCacheSpec],
+    num_requests: int,
+    *,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    hybrid: bool = True,
+    kv_sharing: Mapping[str, str] | None = None,
+    enable_caching: bool = True,
+    checkpoint_interval: int = 0,
+    checkpoint_tail: int = DEFAULT_CHECKPOINT_TAIL,
+) -> int:
+    """The smallest budget (whole large pages) whose plan runs `num_requests` requests of
+    `max_model_len` tokens at once (`max_concurrency >= num_requests`, and room for each
+    one's state checkpoints with prefix caching; one request's peak fits): the engine's
+    default KV budget, max_num_seqs x max_model_len tokens' worth of each group's blocks.
+    E.g. 64 requests of 8,192 tokens: 64.00 GiB for Llama-3.1-8B in bf16, 4.03 GiB for
+    Gemma 3 270M in float32 (most of its layers keep 512-token windows)."""
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    specs = {name: (spec if hybrid else to_full_attention(spec))
+             for name, spec in layer_specs.items() if name not in (kv_sharing or {})}
+    # From below (what the layers need, without blocks' rounding or padding) up: a larger
+    # budget may choose a larger large page, so grow until the need stops growing.
+    budget = max(1, sum(s.ideal_bytes(max_model_len) for s in specs.values()) * num_requests)
+    for _ in range(64):
+        plan = plan_kv_cache(layer_specs, budget, max_model_len=max_model_len,
+                             max_num_batched_tokens=max_num_batched_tokens, hybrid=hybrid,
+                             kv_sharing=kv_sharing, strict=False, enable_caching=enable_caching,
+                             checkpoint_interval=checkpoint_interval,
+                             checkpoint_tail=checkpoint_tail)
+        config = plan.config
+        cost = _request_cost(config, max_model_len, max_num_batched_tokens)
+        need = cost.bytes_for(num_requests)
+        if enable_caching:
+            # A state group's checkpoints: each request holds them in the steps that
+            # take them, so requests admitted together need theirs at once.
+            need += num_requests * sum(
+                g.spec.checkpoint_blocks(max_model_len, max_num_batched_tokens,
+                                         checkpoint_interval, checkpoint_tail)
+                * config.large_page_bytes / g.blocks_per_large_page for g in config.groups)
+        pages = 1 + math.ceil(need / config.large_page_bytes)
+        pages = max(pages, one_request_pages(
+            config, max_model_len, max_num_batched_tokens,
+            checkpoint_interval if enable_caching else None, checkpoint_tail))
+        need = pages * config.large_page_bytes
+        if need <= budget and plan.max_concurrency >= num_requests * (1 - 1e-12):
+            return budget
+        # Up to what this large page size needs (or a page more, where float rounding left
+        # the concurrency a hair short): always up, so the loop ends.
+        budget = max(need, budget + config.large_page_bytes)
+    raise AssertionError(f"no budget for {num_requests} requests converged")  # unreachable
+
+
 def _figures(config: KVCacheConfig, specs: Mapping[str, KVCacheSpec], memory_bytes: int,
              max_model_len: int, max_num_batched_tokens: int, hybrid: bool) -> KVCachePlan:
     page = config.large_page_bytes
     usable = (config.num_large_pages - 1) * page  # large page 0 holds the null blocks
-    # Bytes one block really costs, its share of the large page's padding included.
-    cost = {g.group_id: page / g.blocks_per_large_page for g in config.groups}
-    steady = {g.group_id: g.spec.steady_blocks(max_model_len) * cost[g.group_id]
-              for g in config.groups}
-    # One step's prefill chunk can widen windows by up to the token budget (in all requests
-    # together, since chunks share one budget).
-    transient = sum(g.spec.transient_blocks(max_num_batched_tokens) * cost[g.group_id]
-                    for g in config.groups)
-    per_request = sum(steady.values())
-    max_concurrency = max(0.0, (usable - transient) / per_request)
+    cost = _request_cost(config, max_model_len, max_num_batched_tokens)
+    steady = cost.steady
+    per_request = cost.per_request
+    max_concurrency = cost.concurrency(usable)
     ideal_per_request = sum(spec.ideal_bytes(max_model_len) for spec in specs.values())
     padding = sum(
         g.padding_bytes_per_large_page(page) * (steady[g.group_id] / per_request) * usable / page

@@ -44,6 +44,9 @@ class ServerConfig:
     # After a step that ends a request, hold the next step this long for that client's next
     # request (server/follow_up.py; adaptive); 0: never hold.
     follow_up_wait_ms: float = DEFAULT_WAIT_MS
+    # A replica of `--data-parallel-size`: the launcher's status file of all replicas,
+    # reported by /metrics (server/replicas.py).
+    replica_status: str | None = None
 
 
 def group_names(engine: LLMEngine) -> list[str]:
@@ -62,7 +65,10 @@ def group_names(engine: LLMEngine) -> list[str]:
 
 def cache_info(engine: LLMEngine) -> dict[str, str]:
     """vllm:cache_config_info's labels: the block size a prefix hit aligns to, and the KV
-    capacity in blocks of that size (what a vLLM scheduler divides usage by)."""
+    capacity in blocks of that size (what a vLLM scheduler divides usage by): the tokens of
+    max_model_len requests the arena holds at once, as /v1/loads reports them. One number
+    for every group: a model of one group gets its pool's blocks; in a hybrid model a
+    sliding window costs its blocks once per request, however long the request."""
     plan, config = engine.plan, engine.config
     block_size = plan.config.hit_alignment
     return {"block_size": str(block_size),
@@ -103,7 +109,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     chat_template = ChatTemplate(template, variables) if template is not None else None
     holder: dict[str, AsyncEngine] = {}
     metrics = ServerMetrics(config.model_name, lambda: holder["engine"].snapshot,
-                            group_names(engine), cache_info(engine), engine.kv_events)
+                            group_names(engine), cache_info(engine), engine.kv_events,
+                            config.replica_status)
     async_engine = AsyncEngine(engine, max_waiting=config.max_waiting,
                                on_output=metrics.observe_output,
                                on_scheduled=metrics.observe_queue_time,

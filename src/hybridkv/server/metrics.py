@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 
 from hybridkv.engine.outputs import RequestOutput
 from hybridkv.server.async_engine import EngineSnapshot, RequestStream
+from hybridkv.server.replicas import read_status
 
 P = "hybridkv:"
 # No `*_created` series next to each counter (vLLM turns them off too). Process-wide.
@@ -145,6 +146,36 @@ class EngineCollector(Collector):
                 yield family
 
 
+class ReplicaCollector(Collector):
+    """The `--data-parallel-size` launcher's view of its replicas, from the status file it
+    keeps (server/replicas.py), read when scraped: any live replica reports a dead one."""
+
+    def __init__(self, status_path: str, model_name: str) -> None:
+        self._path = status_path
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        replicas = read_status(self._path)
+        if not replicas:
+            return
+        labels = ["model_name", "replica"]
+        up = GaugeMetricFamily(P + "data_parallel_replica_up",
+                               "1 while the replica serves; 0 while it starts, waits to be "
+                               "restarted, or is left out (as the launcher sees it).",
+                               labels=labels)
+        restarts = CounterMetricFamily(P + "data_parallel_replica_restarts",
+                                       "Times the launcher restarted the replica after it "
+                                       "died.", labels=labels)
+        for r in replicas:
+            if not isinstance(r, dict):
+                continue
+            replica = str(r.get("replica"))
+            up.add_metric([self._model, replica], 1.0 if r.get("state") == "serving" else 0.0)
+            restarts.add_metric([self._model, replica], float(r.get("restarts") or 0))
+        yield up
+        yield restarts
+
+
 def scheduler_loads(s: EngineSnapshot, capacity_tokens: int,
                     max_running: int) -> dict[str, Any]:
     """The engine's load as SGLang's `/v1/loads` reports it: what SGLang's gateway (`smg`)
@@ -166,7 +197,7 @@ def scheduler_loads(s: EngineSnapshot, capacity_tokens: int,
 class ServerMetrics:
     def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot],
                  group_names: Sequence[str], cache_info: dict[str, str] | None = None,
-                 kv_events: Any = None) -> None:
+                 kv_events: Any = None, replica_status: str | None = None) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r, labels = self.registry, ["model_name"]
@@ -196,6 +227,8 @@ class ServerMetrics:
             "Time to build one step's token masks for its structured-output rows.", labels,
             buckets=GRAMMAR_BUCKETS, registry=r)
         r.register(EngineCollector(snapshot, model_name, group_names, cache_info, kv_events))
+        if replica_status is not None:
+            r.register(ReplicaCollector(replica_status, model_name))
         self._last_token: dict[str, float] = {}
 
     def observe_output(self, stream: RequestStream, out: RequestOutput) -> None:
