@@ -22,12 +22,11 @@ WIDE = dict(hidden_size=256, intermediate_size=512, head_dim=64, num_attention_h
 TYPES = {"token_embd": T.Q8_0, "attn_q": T.Q4_K, "attn_k": T.Q5_0, "attn_v": T.Q6_K,
          "attn_output": T.Q5_K, "ffn_gate": T.Q4_0, "ffn_up": T.Q4_1, "ffn_down": T.Q5_1,
          "output": T.Q8_0}
-# Gate and up of one type: one matrix, whose packed product applies the activation.
+# Gate and up of one type: one matrix, whose product applies the activation.
 ONE_GATE_UP = {**TYPES, "ffn_up": T.Q4_0}
 CASES = {
     "llama": ("llama", {}, TYPES),
-    # Q8_0 layers: the few-row kernel past the other types' row limit on AVX-512 cores
-    # (quant_linear.packed_from), gate and up in one matrix.
+    # Q8_0 layers: gate and up in one matrix.
     "llama_q8_0": ("llama", {}, {name: T.Q8_0 for name in TYPES}),
     # q/k norms, sandwich norms, GELU-tanh, windows of 16 under 30-token prompts.
     "gemma3": ("gemma3", dict(head_dim=256, num_attention_heads=2, num_key_value_heads=1,

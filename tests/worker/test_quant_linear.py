@@ -238,8 +238,7 @@ def test_float_activations_switch() -> None:
 @needs_c
 @pytest.mark.parametrize("qtype", [2, 3, 6, 7, 8, 12, 13, 14],
                          ids=["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
-def test_matmul_on_two_threads_and_into_out(qtype: int, activations: str,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_matmul_on_two_threads_and_into_out(qtype: int, activations: str) -> None:
     rows, cols = 301, 512
     raw = weights(qtype, rows, cols, seed=3)
     w = reference(raw, qtype, cols)
@@ -247,86 +246,87 @@ def test_matmul_on_two_threads_and_into_out(qtype: int, activations: str,
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        for m in (1, 7, 40, 200):  # 40 and 200: the packed float tiles
+        for m in (1, 7, 40, 200):  # 40 and 200: the buffered tiles
             x = torch.randn(m, cols)
             check_matmul(ql.matmul(x, data, qtype, cols), x, raw, qtype, cols, w)
             out = torch.full((m, rows + 3), float("nan"))[:, 1:rows + 1]
             assert ql.matmul(x, data, qtype, cols, out=out) is out
             check_matmul(out, x, raw, qtype, cols, w)
         torch.testing.assert_close(ql.dequantize(data, qtype, cols), w, rtol=0, atol=0)
-        # The C tiles on many rows too (several blocks of x rows per panel).
-        monkeypatch.setattr(ql, "LARGE_M", 1 << 30)
-        x = torch.randn(150, cols)
-        close_matmul(ql.matmul(x, data, qtype, cols), x, w)
     finally:
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=[ql.SUPPORTED[t] for t in TYPES])
-def test_packed_float_tiles_from_their_first_row_count(qtype: int, path: str) -> None:
-    """From packed_from(qtype) rows a few panels of W at a time are dequantized into the
-    float kernel's layout: rows that fill no whole panel nor a whole 8-row group, the last
-    chunk partial, a strided out, and both ends of the row range; one row fewer does not."""
-    if ql._packed_linear() is None:
-        pytest.skip("the float linear kernel does not build here")
+GEMM_TYPES = [t for t in TYPES if ql.takes_gemm(t, 256)]
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", GEMM_TYPES, ids=[ql.SUPPORTED[t] for t in GEMM_TYPES])
+def test_a_rows_result_does_not_depend_on_its_batch(qtype: int) -> None:
+    """quant_gemm.c: one order of arithmetic for every number of x rows, so each row's
+    result is bit for bit the same alone, beside others (the few-row kernel below 8 rows,
+    the buffered tiles from 8, partial tiles and chunks), into a strided out, and on 1, 2
+    or 3 threads (work is split by output rows only); plain and gated; close to the float
+    product of the dequantized weights."""
+    from hybridkv.worker import cpu_linear
+
     values, _ = ql.block_shape(qtype)
-    for rows, cols in ((67, 8 * values if values > 1 else 40), (130, 256), (5, 256)):
-        raw = weights(qtype, rows, cols, seed=rows + 7)
-        w = reference(raw, qtype, cols)
-        data = as_tensor(raw)
-        for m in (ql.packed_from(qtype), 37, ql.PACKED_ROWS[1] - 1):
-            ql._packed_buffers.__dict__.clear()
-            x = torch.randn(m, cols)
-            out = torch.full((m, rows + 2), float("nan"))[:, 1:rows + 1]
-            assert ql.matmul(x, data, qtype, cols, out=out) is out
-            close_matmul(out, x, w)
-            assert ql._packed_buffers.__dict__, f"the packed path did not run for {m} rows"
-        ql._packed_buffers.__dict__.clear()
-        ql.matmul(torch.randn(ql.packed_from(qtype) - 1, cols), data, qtype, cols)
-        assert not ql._packed_buffers.__dict__, "one row fewer takes the packed path"
-
-
-@pytest.mark.parametrize("qtype", TYPES, ids=[ql.SUPPORTED[t] for t in TYPES])
-def test_panels_from_codes_equal_panels_from_floats(qtype: int) -> None:
-    """The packed path builds its panels from each row's byte codes, transposed as bytes,
-    with the 8 rows' scales as one vector: the same d q + o per value as dequantizing rows
-    to floats and transposing those, so the products are equal bit for bit (plain and
-    gated; rows that fill no 8-row group)."""
-    if ql._packed_linear() is None or not ql.library().hkv_quant_panel_codes(1):
-        pytest.skip("no packed path or no AVX2 codes here")
-    values, _ = ql.block_shape(qtype)
-    cols = 8 * values if values > 1 else 40
-    from hybridkv.worker.cpu_linear import GATED_ACTIVATIONS
-    from hybridkv.worker.quant_linear import QuantizedWeight
-
-    raw = weights(qtype, 2 * 45, cols, seed=qtype)
+    cols = 512 if values == 256 else 320
+    rows = 2 * 67  # no whole chunk of 32 / 48 rows; even, for the gated halves
+    raw = weights(qtype, rows, cols, seed=11)
+    w = reference(raw, qtype, cols)
     data = as_tensor(raw)
-    weight = QuantizedWeight(data, qtype, 2 * 45, cols)
-    x = torch.randn(40, cols)
-    results = []
+    weight = ql.QuantizedWeight(data, qtype, rows, cols)
+    x = torch.randn(70, cols)
+    before = torch.get_num_threads()
     try:
-        for on in (1, 0):
-            ql.library().hkv_quant_panel_codes(on)
-            results.append((ql.matmul(x, data, qtype, cols),
-                            ql.gated_matmul(x, weight, GATED_ACTIVATIONS["silu"])))
+        torch.set_num_threads(1)
+        alone = torch.cat([ql.matmul(x[i:i + 1], data, qtype, cols) for i in range(70)])
+        gated_alone = torch.cat([ql.gated_matmul(x[i:i + 1], weight, 1) for i in range(70)])
+        close_matmul(alone, x, w)
+        g, u = w[:67].double(), w[67:].double()
+        want = torch.nn.functional.silu(x.double() @ g.T) * (x.double() @ u.T)
+        scale = (x.abs().double() @ g.abs().T) * (x.abs().double() @ u.abs().T)
+        assert ((gated_alone.double() - want).abs() / (scale + 1e-12)).max() < 1e-5
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 70):
+                assert torch.equal(ql.matmul(x[:m], data, qtype, cols), alone[:m]), (threads, m)
+                got = ql.gated_matmul(x[:m], weight, cpu_linear.GATED_ACTIVATIONS["silu"])
+                assert torch.equal(got, gated_alone[:m]), (threads, m)
+            out = torch.full((70, rows + 2), float("nan"))[:, 1:rows + 1]
+            assert ql.matmul(x, data, qtype, cols, out=out) is out
+            assert torch.equal(out, alone)
     finally:
-        ql.library().hkv_quant_panel_codes(1)
-    assert torch.equal(results[0][0], results[1][0])
-    if results[0][1] is not None:
-        assert torch.equal(results[0][1], results[1][1])
+        torch.set_num_threads(before)
+
+
+@needs_c
+def test_gate_and_up_of_two_types_get_the_one_matrix_bytes() -> None:
+    """A gated MLP whose gate and up are of two block types: two plain products, then the
+    kernel's own activation loop (gated_rows), the same bytes as one gated matrix."""
+    from hybridkv.worker.quantized import concat
+
+    qtype, n, cols = 6, 45, 256
+    gate, up = (ql.QuantizedWeight(as_tensor(weights(qtype, n, cols, seed=s)), qtype, n, cols)
+                for s in (1, 2))
+    x = torch.randn(9, cols)
+    both = ql.gated_matmul(x, concat([gate, up]), 2)
+    apart = ql.gated_rows(gate.matmul(x), up.matmul(x), 2)
+    assert torch.equal(both, apart)
 
 
 @pytest.mark.parametrize("qtype", [2, 6, 12, 14], ids=["Q4_0", "Q5_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "relu"])
 def test_gated_product_equals_activation_of_gate_times_up(qtype: int, act: str) -> None:
-    """gated_matmul: act(x G^T) * (x U^T) in the float kernel's registers, for the packed
-    rows only (None elsewhere: the caller applies the activation); outputs that fill no
-    whole panel of 32, several chunks on two threads."""
+    """gated_matmul: act(x G^T) * (x U^T) in the kernel's epilogue at every row count (None
+    with 8-bit activations' rows: the caller applies the activation); outputs that fill no
+    whole chunk, several chunks on two threads."""
     from hybridkv.worker import cpu_linear
     from hybridkv.worker.quantized import concat
 
-    if ql._packed_linear() is None:
-        pytest.skip("the float linear kernel does not build here")
+    if not ql.takes_gemm(qtype, 256):
+        pytest.skip("the one-order kernel does not build here")
     fn = {"silu": torch.nn.functional.silu, "relu": torch.relu,
           "gelu_pytorch_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}[act]
     mode = cpu_linear.GATED_ACTIVATIONS[act]
@@ -339,7 +339,7 @@ def test_gated_product_equals_activation_of_gate_times_up(qtype: int, act: str) 
             gate, up = (weights(qtype, n, cols, seed=n + s) for s in (0, 1))
             g, u = reference(gate, qtype, cols), reference(up, qtype, cols)
             both = concat([ql.QuantizedWeight(as_tensor(r), qtype, n, cols) for r in (gate, up)])
-            for m in (ql.packed_from(qtype), 40):
+            for m in (1, 7, 40):
                 x = torch.randn(m, cols) * 3
                 got = ql.gated_matmul(x, both, mode)
                 assert got is not None
@@ -350,36 +350,14 @@ def test_gated_product_equals_activation_of_gate_times_up(qtype: int, act: str) 
                     (x.abs().double() @ u.abs().double().T)
                 err = ((got.double() - want).abs() / (scale + 1e-12)).max().item()
                 assert err < 1e-5, f"relative error {err:.3g}"
-        assert ql.gated_matmul(torch.randn(ql.packed_from(qtype) - 1, cols), both,
-                               mode) is None
+        was = ql.set_float_activations(False)
+        try:
+            if ql.int8_rows(qtype):
+                assert ql.gated_matmul(torch.randn(1, cols), both, mode) is None
+        finally:
+            ql.set_float_activations(was)
     finally:
         torch.set_num_threads(before)
-
-
-@needs_c
-@pytest.mark.parametrize("tiles", [True, False], ids=["float tiles", "torch GEMM"])
-@pytest.mark.parametrize("qtype", [1, 7, 13], ids=["F16", "Q5_1", "Q5_K"])
-def test_prefill_in_chunks_of_rows(qtype: int, tiles: bool,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """From LARGE_M rows the product runs on chunks of dequantized weights: the float
-    kernel's tiles over chunks of panels (x packed once a chunk), or, where that kernel does
-    not build (PREFILL_PACKED off here), torch's GEMM on chunks of rows."""
-    if tiles and ql._packed_linear() is None:
-        pytest.skip("the float linear kernel does not build here")
-    monkeypatch.setattr(ql, "PREFILL_PACKED", tiles)
-    rows, cols = 70, 256
-    raw = weights(qtype, rows, cols, seed=5)
-    w = reference(raw, qtype, cols)
-    data = as_tensor(raw)
-    x = torch.randn(ql.LARGE_M + 3, cols)
-    ql._packed_buffers.__dict__.clear()
-    close_matmul(ql.matmul(x, data, qtype, cols), x, w)  # one chunk, straight into out
-    assert bool(ql._packed_buffers.__dict__) == tiles
-    # Chunks of 16 rows (one 64-row panel for the tiles), a partial last.
-    monkeypatch.setattr(ql, "_CHUNK_FLOATS", 16 * cols)
-    close_matmul(ql.matmul(x, data, qtype, cols), x, w)
-    out = torch.empty(x.shape[0], rows + 1)[:, 1:]
-    close_matmul(ql.matmul(x[:, :], data, qtype, cols, out=out), x, w)
 
 
 @needs_c

@@ -229,9 +229,10 @@ class CausalLM(nn.Module):
         blocks: Iterator[tuple[int, torch.Tensor]]
         if isinstance(head, QuantizedLinear):
             w = head.qweight
-            # Below LARGE_M rows the quantized kernels read the blocks directly (faster).
+            # The quantized kernel (batch invariant: a row's logits are the same bytes at
+            # any batch), unless its order does not apply: then blocks from LARGE_M rows.
             if (head.bias is not None or w.rows * w.cols < self.BLOCKED_HEAD_WEIGHTS
-                    or n < quant_linear.LARGE_M):
+                    or n < quant_linear.LARGE_M or quant_linear.takes_gemm(w.qtype, w.cols)):
                 return None
             blocks = quant_linear.transposed_chunks(x, w.data, w.qtype, w.cols,
                                                     self.HEAD_BLOCK_ROWS)

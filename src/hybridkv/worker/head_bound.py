@@ -18,10 +18,10 @@ argmax's logit is at least the largest lower end; tokens whose upper end falls s
 it are out. The whole-row bound rules out most of the vocabulary; the block bound, where
 x's energy sits in a few blocks far tighter, the rest of what it can: a handful of
 tokens on Gemma 3 270M's hidden states (under 800 of 262,144 on the hardest rows seen),
-which get their exact logits from their float (or dequantized) head rows. The token is
-the exact argmax of those, the first id among equal values, as torch.argmax takes it: the
-same token as the full logits give, up to float rounding of the exact sums (~1e-6), as any
-two GEMMs differ.
+which get their exact logits from the head's own product on their rows (for a quantized
+head, the bytes of the full logits: native/quant_gemm.c sums a row alike in any batch).
+The token is the exact argmax of those, the first id among equal values, as torch.argmax
+takes it: the full logits' token.
 
 Used for plain greedy rows on CPUs with AVX2; the head's multiplier and soft cap, both
 increasing, are applied to the exact values afterwards.
@@ -73,7 +73,8 @@ class HeadBound:
     dnorm: torch.Tensor | None  # float32 [vocab]: ||w_v - w_hat_v||; None: w_hat is w
     wblock: torch.Tensor  # float32 [vocab, blocks]: ||w_hat_v,b||
     dblock: torch.Tensor | None  # float32 [vocab, blocks]: ||w_v,b - w_hat_v,b||
-    exact_rows: Callable[[torch.Tensor], torch.Tensor]  # ids -> float32 [n, cols]
+    # (ids [n], one x row [cols]) -> float32 [n]: those tokens' exact logits
+    exact_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
     @property
     def groups(self) -> int:
@@ -81,7 +82,8 @@ class HeadBound:
 
     @classmethod
     def of_rows(cls, rows: Callable[[int, int], torch.Tensor], vocab: int, cols: int,
-                exact_rows: Callable[[torch.Tensor], torch.Tensor]) -> HeadBound | None:
+                exact_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                ) -> HeadBound | None:
         """The copy of a head whose float32 rows r0..r1 `rows(r0, r1)` gives (None where
         cols is not a multiple of 32, there is no kernel here, or a row is not finite:
         the full path reports its NaN logits)."""
@@ -114,32 +116,39 @@ class HeadBound:
             return None
         exact = not bool(dnorm.any())  # a Q8_0 head's own values: no weight error
         return cls(packed, scales, vocab, cols, wnorm, None if exact else dnorm, wblock,
-                   None if exact else dblock, exact_rows)
+                   None if exact else dblock, exact_logits)
 
     @classmethod
     def of_quantized(cls, weight: quant_linear.QuantizedWeight) -> HeadBound | None:
         """The copy of a quantized head: its dequantized rows, rounded again to 8 bits per
-        32 values (a Q8_0 head's values are kept as they are); the exact rows are
-        dequantized from its blocks."""
+        32 values (a Q8_0 head's values are kept as they are); the exact logits are the
+        head's own product on the candidates' blocks (quant_linear.matmul: the bytes the
+        full logits hold for those tokens, whatever the batch)."""
 
         def rows(r0: int, r1: int) -> torch.Tensor:
             return quant_linear.dequantize(weight.data[r0:r1], weight.qtype, weight.cols)
 
-        return cls.of_rows(rows, weight.rows, weight.cols, weight.rows_of)
+        def exact_logits(ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            return quant_linear.matmul(x.view(1, -1), weight.data.index_select(0, ids),
+                                       weight.qtype, weight.cols)[0]
+
+        return cls.of_rows(rows, weight.rows, weight.cols, exact_logits)
 
     @classmethod
     def of_float(cls, weight: torch.Tensor) -> HeadBound | None:
-        """The copy of a float32 head [vocab, cols] on the CPU. The exact rows are
-        gathered from `weight`, which must stay as it is."""
+        """The copy of a float32 head [vocab, cols] on the CPU. The exact logits are the
+        rows gathered from `weight` (which must stay as it is) times x by one order of
+        arithmetic for any number of candidates (quant_linear.matmul on F32 rows)."""
         if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
             return None
         weight = weight.detach()
 
-        def exact_rows(ids: torch.Tensor) -> torch.Tensor:
-            return weight.index_select(0, ids)
+        def exact_logits(ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            rows = weight.index_select(0, ids).view(torch.uint8)
+            return quant_linear.matmul(x.view(1, -1), rows, 0, weight.shape[1])[0]
 
         return cls.of_rows(lambda r0, r1: weight[r0:r1], weight.shape[0], weight.shape[1],
-                           exact_rows)
+                           exact_logits)
 
     def approx(self, x: torch.Tensor) -> torch.Tensor:
         """[N, groups * 8] float32: the pre-pass logits (no multiplier or cap) of x's rows,
@@ -230,17 +239,16 @@ class HeadBound:
         """The candidates' exact logits; each row's k best into ids, values."""
         if k == 1 and len(found) == 1:  # a batch-1 step: one row, its argmax
             [cand] = found
-            logits = (self.exact_rows(cand) * x[0]).sum(dim=1)
+            logits = self.exact_logits(cand, x[0])
             at = int(torch.argmax(logits))  # the first of equal values: the lowest id
             ids[0, 0], values[0, 0] = cand[at], logits[at]
             return
         counts = torch.tensor([len(c) for c in found])
         cand = torch.cat(found)
-        owner = torch.repeat_interleave(torch.arange(len(found)), counts)
-        # Each row summed alike (a GEMV may sum rows in different orders by position):
-        # equal head rows give equal logits, and the first id wins, as in the full path.
-        exact = (self.exact_rows(cand) * x.index_select(0, owner)).sum(dim=1)
+        # Each row's candidates alone: a logit's bytes do not depend on the rows beside it.
+        exact = torch.cat([self.exact_logits(c, x[r]) for r, c in enumerate(found)])
         if k == 1:
+            owner = torch.repeat_interleave(torch.arange(len(found)), counts)
             best = torch.full((len(found),), float("-inf")).scatter_reduce(
                 0, owner, exact, "amax")
             where = torch.where(exact == best[owner], torch.arange(len(cand)), len(cand))

@@ -143,8 +143,9 @@ class GatedLinear(nn.Module):
                  kernel: str) -> None:
         """`activation`: the Hugging Face name of `act`. Quantized gate and up run as one
         quantized call, then the activation and product; where they share a block type and
-        the C kernel has the activation, a step of PACKED_ROWS rows takes the quantized
-        kernel's gated product instead (quant_linear.gated_matmul)."""
+        the C kernel has the activation, the quantized kernel's gated product
+        (quant_linear.gated_matmul; gate and up of two types: the same C activation loop,
+        quant_linear.gated_rows)."""
         super().__init__()
         quantized = isinstance(gate, QuantizedLinear)
         self.quantized_mode = cpu_linear.GATED_ACTIVATIONS.get(activation) \
@@ -176,11 +177,19 @@ class GatedLinear(nn.Module):
                                      self.gated_mode)
         if self.quantized_mode is not None:
             parts = self.gate_up.quantized
+            rows = x.reshape(-1, x.shape[-1])
             if parts is not None and len(parts.weights) == 1:
-                y = quant_linear.gated_matmul(x.reshape(-1, x.shape[-1]), parts.weights[0],
-                                              self.quantized_mode)
+                y = quant_linear.gated_matmul(rows, parts.weights[0], self.quantized_mode)
                 if y is not None:
                     return y.view(*x.shape[:-1], y.shape[-1])
+            elif parts is not None and all(quant_linear.takes_gemm(w.qtype, w.cols)
+                                           for w in parts.weights) \
+                    and quant_linear.FLOAT_ACTIVATIONS:
+                # Gate and up of two block types: the activation by the kernel's own loop,
+                # so the bytes do not depend on which path a row took.
+                gate, up = self.gate_up.split(rows)
+                y = quant_linear.gated_rows(gate, up, self.quantized_mode)
+                return y.view(*x.shape[:-1], y.shape[-1])
         if self.post_op is None:
             gate, up = self.gate_up.split(x)
             return self.act(gate) * up

@@ -8,26 +8,25 @@ once (decode streams them near memory bandwidth); where the C library does not b
 everything falls back to gguf-py's numpy dequantization and a float matmul.
 
 Which path y = x W^T takes (M: the rows of x):
+  * By default (x in float) every M takes native/quant_gemm.c's kernel, whose order of
+    arithmetic does not depend on M: a row's result is the same bits alone, in a chunk or
+    in any batch (the guarantee prefix caching, chunked prefill and batching rely on to
+    keep a request's tokens; docs/engine.md, "Batch invariance"). Under 8 rows it
+    dequantizes the blocks in registers as it streams them (decode reads the quantized
+    bytes once), from 8 rows it dequantizes chunks of rows into a thread's buffer and runs
+    register tiles on them. Gate/up pairs take its gated epilogue at every M. Widths that
+    are not a multiple of 32 (F32/F16/BF16 rows only) take the older kernels below.
   * With 8-bit activations on (quant_activations="int8"; off by default, see
     FLOAT_ACTIVATIONS), quantized types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) on a
-    CPU with AVX2, M
-    up to 24 (Q8_0), 20 (Q4_0, Q4_1), 16 (Q5_0, Q6_K), 12 (Q5_1), 10 (Q4_K) or 8 (Q5_K):
-    8-bit activations. Each x row is quantized once per call in blocks of 32 values
-    (scale d = max|x| / 127, q = round(x / d)) and dotted with the weight blocks' integers
-    in int32 (AVX2 maddubs/madd), one float scaling per 32 values; mins go through x's exact
-    block sums. At M=1 on one core this runs 1.7-2.2x the float kernel (a 262144 x 640 Q8_0
-    LM head at ~17 GB/s, near memory bandwidth). The limits are where it stopped beating
-    the float kernels (measured on an AMD EPYC core); without AVX2 x stays in float (the
-    portable integer kernel, kept for other CPUs and tested, measured slower there).
-  * Otherwise x in float: up to 4 rows (8 for Q8_0; 6 on AVX-512) the fused kernel, then
-    the C dot panels; from 16 rows (7 on AVX-512, 9 for Q8_0 there: packed_from; past the
-    8-bit limit when that is on) a few panels of W at a time dequantized into the float
-    linear kernel's layout and multiplied by its register tiles; from LARGE_M rows
-    (prefill) the same tiles over chunks of ~16 MiB of panels, x packed once a chunk
-    (torch's GEMM on dequantized chunks of rows where the float kernel does not build).
-    F32/F16/BF16 always float.
-  * By default (set_float_activations(True); HYBRIDKV_QUANT_FLOAT_ACTIVATIONS unset or 1)
-    x stays in float everywhere.
+    CPU with AVX2, M up to 24 (Q8_0), 20 (Q4_0, Q4_1), 16 (Q5_0, Q6_K), 12 (Q5_1), 10 (Q4_K)
+    or 8 (Q5_K): 8-bit activations. Each x row is quantized once per call in blocks of 32
+    values (scale d = max|x| / 127, q = round(x / d)) and dotted with the weight blocks'
+    integers in int32 (AVX2 maddubs/madd), one float scaling per 32 values; mins go
+    through x's exact block sums. At M=1 on one core this runs 1.7-2.2x the float kernel.
+    Such rows are not batch invariant: past those M the float kernel takes them.
+  * The older float kernels (quant.c's fused rows and dot panels, the packed float tiles,
+    torch's GEMM on dequantized chunks) serve the rest: rows whose width is not a multiple
+    of 32, and machines where quant_gemm.c does not build.
 
 Accuracy of the 8-bit activations: rounding x to its block's grid moves each value by at
 most d / 2 = max|x_block| / 254, so for each output
@@ -43,7 +42,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -52,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridkv.worker import cpu_linear, native
+from hybridkv.worker import native
 
 # GGML type id -> (name, values per block, bytes per block).
 _TYPES: dict[int, tuple[str, int, int]] = {
@@ -70,35 +68,9 @@ _TYPES: dict[int, tuple[str, int, int]] = {
 }
 SUPPORTED: dict[int, str] = {t: name for t, (name, _, _) in _TYPES.items()}
 
-# x rows from which the product dequantizes chunks of _CHUNK_FLOATS weights (~0.15 ns a
-# weight, once per call) and multiplies each chunk whole: through the float kernel's tiles
-# (PREFILL_PACKED), or torch's GEMM where that kernel does not build. On an AVX2 core
-# torch's GEMM measured 1.0-1.1x the few-panel tiles at 512 rows; the tiles over a whole
-# chunk, x packed once, ran Gemma 3 270M's 512-token prompt 1.16x faster than torch's GEMM
-# on an AVX-512 core (SmolLM2 1.23x), the same tokens.
+# x rows from which a quantized LM head that the batch-invariant kernel does not take is
+# computed a block of vocabulary rows at a time (models/base.py: _head_blocks).
 LARGE_M = 128
-_CHUNK_FLOATS = 1 << 22  # 16 MiB: torch's GEMM loses speed on narrower chunks
-# x rows [lo, hi) for which a few panels of W at a time are dequantized into the float
-# kernel's layout (worker/native/linear.c's, 64 output columns per panel) and its register
-# tiles run on them while they are in L2. Measured on Gemma 3 270M's Q5_0, Q4_K, Q6_K and
-# Q8_0 weights (one AVX2 core): 0.95-1.13x the dot tiles at 16 rows (by type), 1.02-1.2x
-# at 32 and 64, and at 32 rows 1.1-1.2x dequantizing whole matrices for torch's GEMM,
-# which catches up at 128; below 16 rows the dot tiles' cheaper dequantization wins (at 8
-# rows by 1.1-1.3x). On an AVX-512 core the float tiles are 16 lanes wide and so is the
-# fused kernel (4 x rows a pass over W); the fused kernel takes up to 6 rows there (two
-# passes still ahead: native/quant.c, FUSED_MAX), the tiles from 7 (ahead of the dot
-# panels at 5-8 rows by 1.15-1.36x on Gemma 3 270M's and SmolLM2's matrices).
-_AVX512 = all(native.cpu_has(f) for f in ("avx512f", "avx512bw", "avx512vl"))
-PACKED_ROWS = (7 if _AVX512 else 16, LARGE_M)
-# Q8_0's blocks decode cheaply enough that the fused kernel (its C limit: 2 FUSED_MAX
-# rows) stays ahead of the tiles for 7 and 8 rows on AVX-512: 1.1-1.4x at a Mamba-2
-# hybrid's 512-1,536-wide matrices, level at 10 (one core, alternating).
-PACKED_ROWS_Q8_0 = 9 if _AVX512 else PACKED_ROWS[0]
-Q8_0 = 8
-PREFILL_PACKED = True  # LARGE_M rows and more on the float tiles (tests turn it off)
-_linear_address: int | None = None
-# The chunk buffers, per thread (two engines in one process must not share one).
-_packed_buffers = threading.local()
 
 # x stays in float unless 8-bit activations are asked for: by the engine option
 # quant_activations="int8" (set_float_activations(False)) or HYBRIDKV_QUANT_FLOAT_ACTIVATIONS=0
@@ -113,10 +85,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "hkv_quant_matmul": [_PTR, _I64, _I64, _PTR, _I64, _INT, _I64, _I64, _PTR, _I64],
     "hkv_quant_force_portable": [_INT],
     "hkv_quant_float_activations": [_INT],
-    "hkv_quant_panel_codes": [_INT],
     "hkv_quant_int8_rows": [_INT],
-    "hkv_quant_matmul_packed": [_PTR, _I64, _I64, _PTR, _I64, _INT, _I64, _I64, _PTR, _I64,
-                                _INT, _PTR, _I64, _PTR],
 }
 _lib: ctypes.CDLL | None = None
 _unavailable: str | None = None
@@ -131,8 +100,6 @@ def library() -> ctypes.CDLL:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
         lib.hkv_quant_int8_rows.restype = _I64
-        lib.hkv_quant_packed_floats.argtypes = [_I64, _I64]
-        lib.hkv_quant_packed_floats.restype = _I64
         lib.hkv_quant_float_activations(int(FLOAT_ACTIVATIONS))
         _lib = lib
     return _lib
@@ -162,6 +129,51 @@ def set_float_activations(on: bool) -> bool:
     if _lib is not None:
         _lib.hkv_quant_float_activations(int(FLOAT_ACTIVATIONS))
     return was
+
+
+_GEMM_SIGNATURE: list[Any] = [_PTR, _I64, _I64, _PTR, _I64, _INT, _I64, _I64, _PTR, _I64,
+                              _INT]
+_GATED_SIGNATURE: list[Any] = [_PTR, _I64, _PTR, _I64, _I64, _I64, _INT, _PTR, _I64]
+_GEMM_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30})
+
+
+def _gemm() -> Any:
+    """quant_gemm.c's hkv_quant_gemm, or None where it does not build."""
+    return native.function("quant_gemm", "hkv_quant_gemm", _GEMM_SIGNATURE, _INT)
+
+
+def takes_gemm(qtype: int, cols: int) -> bool:
+    """Whether `qtype` rows of `cols` values take the batch-invariant kernel."""
+    return int(qtype) in _GEMM_TYPES and cols % 32 == 0 and cols > 0 and _gemm() is not None
+
+
+def gemm_address() -> int:
+    """The batch-invariant kernel's address (native decode calls it from C); 0: not built."""
+    fn = _gemm()
+    return int(ctypes.cast(fn, ctypes.c_void_p).value or 0) if fn is not None else 0
+
+
+def gated_rows(gate: torch.Tensor, up: torch.Tensor, mode: int) -> torch.Tensor:
+    """act(gate) * up for float32 [M, n] rows of unit stride (a gated mode of
+    worker/cpu_linear.py), by the same C loop as the kernel's gated epilogue; gate and up
+    computed apart (matrices of two block types) then get the bytes one matrix would."""
+    fn = native.function("quant_gemm", "hkv_gated_rows", _GATED_SIGNATURE)
+    m, n = gate.shape
+    out = torch.empty((m, n), dtype=torch.float32)
+    fn(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), m, n, mode,
+       out.data_ptr(), out.stride(0))
+    return out
+
+
+def _gemm_product(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, cols: int,
+                  out: torch.Tensor, mode: int = 0) -> None:
+    """out = x W^T (or the gated product) through quant_gemm.c."""
+    rc = _gemm()(x.data_ptr(), x.shape[0], x.stride(0), data.data_ptr(), data.stride(0),
+                 qtype, n, cols, out.data_ptr(), out.stride(0), mode)
+    if rc == -2:
+        raise MemoryError("the quantized matmul could not allocate its buffers")
+    if rc != 0:
+        raise ValueError(f"the quantized matmul does not take type {qtype} x {cols}")
 
 
 def int8_rows(qtype: int) -> int:
@@ -274,112 +286,41 @@ def _product(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
         return out
     if cols == 0:
         return out.zero_()
-    lib = _lib
-    if lib is None:
-        if not available():
-            torch.matmul(x, _reference(data, qtype, cols).T, out=out)
-            return out
-        lib = library()
     if x.stride(1) != 1:
         x = x.contiguous()
-    if _takes_packed(m, qtype) and _packed(x, data, qtype, rows, cols, out):
-        return out
-    if m >= LARGE_M:
-        # Prefill: dequantize a chunk of rows at a time (16 MiB of floats, L3-resident) and
-        # run torch's float GEMM on it; the dequantization is ~1% of the GEMM's time.
-        chunk = max(1, _CHUNK_FLOATS // max(cols, 1))
-        buf = torch.empty((min(chunk, rows), cols), dtype=torch.float32)
-        fn = lib.hkv_quant_dequantize
-        for r0 in range(0, rows, chunk):
-            n = min(chunk, rows - r0)
-            fn(data[r0].data_ptr(), data.stride(0), qtype, cols, None, n, buf.data_ptr(), cols)
-            if n == rows and out.is_contiguous():
-                torch.mm(x, buf.T, out=out)
-            else:
-                out[:, r0:r0 + n] = torch.mm(x, buf[:n].T)
-        return out
-    rc = lib.hkv_quant_matmul(x.data_ptr(), m, x.stride(0), data.data_ptr(), data.stride(0),
-                               qtype, rows, cols, out.data_ptr(), out.stride(0))
-    if rc != 0:
-        raise MemoryError("the quantized matmul could not allocate its panel buffers")
+    if _lib is not None or available():
+        if m <= int8_rows(qtype):
+            rc = library().hkv_quant_matmul(x.data_ptr(), m, x.stride(0), data.data_ptr(),
+                                            data.stride(0), qtype, rows, cols, out.data_ptr(),
+                                            out.stride(0))
+            if rc != 0:
+                raise MemoryError("the quantized matmul could not allocate its buffers")
+            return out
+        if takes_gemm(qtype, cols):
+            _gemm_product(x, data, qtype, rows, cols, out)
+            return out
+    # Rows that are not whole blocks of 32 (F32/F16/BF16 only), or no C kernels here.
+    out.copy_(x @ dequantize(data, qtype, cols).T)
     return out
-
-
-def packed_from(qtype: int) -> int:
-    """The fewest x rows that take the packed float tiles for this type (below LARGE_M)."""
-    return PACKED_ROWS_Q8_0 if qtype == Q8_0 else PACKED_ROWS[0]
-
-
-def _takes_packed(m: int, qtype: int) -> bool:
-    """Whether m rows of x take the packed float tiles: from packed_from(qtype) rows,
-    unless 8-bit activations are on and the integer kernel takes that many rows."""
-    if m >= PACKED_ROWS[1]:
-        return PREFILL_PACKED
-    return packed_from(qtype) <= m and (FLOAT_ACTIVATIONS or m > int8_rows(qtype))
-
-
-def _packed_linear() -> int | None:
-    """The address of the float tile kernel (worker/native/linear.c), or None where it does
-    not build."""
-    global _linear_address
-    if _linear_address is None:
-        try:
-            _linear_address = ctypes.cast(cpu_linear.library().hkv_linear_f32,
-                                          ctypes.c_void_p).value or 0
-        except native.NativeBuildError:
-            _linear_address = 0
-    return _linear_address or None
-
-
-def packed_kernel() -> int | None:
-    """The float tile kernel's address the packed products pass on (None: not built)."""
-    return _packed_linear()
-
-
-def _packed(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, cols: int,
-            out: torch.Tensor, mode: int = 0) -> bool:
-    """out = x W^T (mode 0) or the gated product (a gated mode of worker/cpu_linear.py: W
-    holds n gate rows, then n up rows) through the float tiles, dequantizing a few panels of
-    W at a time; False where the float kernel does not build (nothing written)."""
-    linear = _packed_linear()
-    if linear is None or cols % 8:  # (a panel is transposed 8 x 8 values at a time)
-        return False
-    lib = library()
-    # One panel per thread per chunk: the float kernel splits a chunk's panels over them.
-    # A prefill's chunk is ~_CHUNK_FLOATS of weights: the kernel packs x once per chunk.
-    panels = max(1, torch.get_num_threads())
-    if x.shape[0] >= LARGE_M:
-        width = cpu_linear.PANEL // 2 if mode else cpu_linear.PANEL
-        panels = max(panels, min(-(-n // width), _CHUNK_FLOATS // (cpu_linear.PANEL * cols)))
-    buffers: dict[str, torch.Tensor] = _packed_buffers.__dict__
-    key = f"{cols}x{panels}"
-    buf = buffers.get(key)
-    if buf is None:
-        buf = buffers[key] = torch.empty(int(lib.hkv_quant_packed_floats(panels, cols)))
-    rc = lib.hkv_quant_matmul_packed(x.data_ptr(), x.shape[0], x.stride(0), data.data_ptr(),
-                                     data.stride(0), qtype, n, cols, out.data_ptr(),
-                                     out.stride(0), mode, buf.data_ptr(), panels, linear)
-    if rc == -2:
-        raise MemoryError("the quantized matmul could not allocate its scratch")
-    if rc != 0:
-        raise ValueError(f"the packed quantized matmul does not take type {qtype}")
-    return True
 
 
 def gated_matmul(x: torch.Tensor, weight: QuantizedWeight, mode: int) -> torch.Tensor | None:
     """act(x G^T) * (x U^T), float32 [M, n], for `weight` the n gate rows then the n up rows
-    and `mode` one of worker/cpu_linear.py's GATED_ACTIVATIONS: the activation and product
-    in the float kernel's registers. None where the plain product runs these rows (outside
-    PACKED_ROWS, 8-bit activations, no C kernels): the caller then applies the activation."""
+    and `mode` one of worker/cpu_linear.py's GATED_ACTIVATIONS: quant_gemm.c's gated
+    epilogue, at every M (batch invariant). None where the plain product runs these rows
+    (8-bit activations' rows, a type or width the kernel does not take): the caller then
+    applies the activation."""
     m = x.shape[0]
     if (weight.rows % 2 or x.dim() != 2 or x.dtype != torch.float32
-            or x.device.type != "cpu" or not available() or not _takes_packed(m, weight.qtype)):
+            or x.device.type != "cpu" or not available() or m <= int8_rows(weight.qtype)
+            or not takes_gemm(weight.qtype, weight.cols)):
         return None
     if x.stride(1) != 1:
         x = x.contiguous()
     n = weight.rows // 2
     out = torch.empty((m, n), dtype=torch.float32)
-    return out if _packed(x, weight.data, weight.qtype, n, weight.cols, out, mode) else None
+    _gemm_product(x, weight.data, weight.qtype, n, weight.cols, out, mode)
+    return out
 
 
 def transposed_chunks(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,

@@ -32,25 +32,14 @@ typedef int (*attention_fn)(const float *, int64_t, int64_t, float *, int64_t, i
                             const int64_t *, int64_t, const int64_t *, const int64_t *,
                             int64_t, int64_t, int64_t, float, int64_t, int64_t, float,
                             const float *, const float *, int64_t, const int64_t *, int64_t);
+/* quant_gemm.c's hkv_quant_gemm: one order of arithmetic for every row count, so a
+   decode step's rows are the bytes the operator path gives them at any batch. */
 typedef int (*matmul_fn)(const float *, int64_t, int64_t, const uint8_t *, int64_t, int,
-                         int64_t, int64_t, float *, int64_t);
-typedef int (*packed_fn)(const float *, int64_t, int64_t, const uint8_t *, int64_t, int,
-                         int64_t, int64_t, float *, int64_t, int, float *, int64_t, void *);
+                         int64_t, int64_t, float *, int64_t, int);
 
-/* The kernels, and from `packed_from` rows (`packed_from_q8_0` for Q8_0 matrices) on the
-   packed path's (quant.c's panels through linear.c's tiles: its scratch `buf` for `panels`
-   panels), as the operator path switches (worker/quant_linear.py: packed_from). */
 typedef struct {
-    void *rms_norm, *rope, *write_kv, *attention, *matmul, *matmul_packed, *linear;
-    float *buf;
-    int64_t panels, packed_from, packed_from_q8_0;
+    void *rms_norm, *rope, *write_kv, *attention, *matmul;
 } hkv_kernels;
-
-#define GGML_Q8_0 8
-
-static inline int takes_packed(const hkv_kernels *k, int64_t m, int64_t type) {
-    return m >= (type == GGML_Q8_0 ? k->packed_from_q8_0 : k->packed_from);
-}
 
 /* One quantized matrix: rows of `cols` values, `ldw` bytes apart. */
 typedef struct {
@@ -88,26 +77,16 @@ typedef struct {
 } hkv_group;
 
 static void gated(const float *gu, int64_t m, int64_t n, int act, float *out) {
-    for (int64_t i = 0; i < m; i++) {
-        const float *g = gu + i * 2 * n, *u = g + n;
-        float *o = out + i * n;
-#pragma omp simd
-        for (int64_t j = 0; j < n; j++) o[j] = gated_act(g[j], u[j], act);
-    }
+    for (int64_t i = 0; i < m; i++) gated_row(gu + i * 2 * n, gu + i * 2 * n + n, n, act, out + i * n);
 }
 
-/* y = x W^T for one matrix, or act(x G^T) * (x U^T) (mode: 1 SiLU, 2 GELU-tanh; the
-   packed path only) with its n / 2 gate rows then n / 2 up rows. */
+/* y = x W^T for one matrix, or act(x G^T) * (x U^T) (mode: 1 SiLU, 2 GELU-tanh) with its
+   n / 2 gate rows then n / 2 up rows. */
 static int product1(const hkv_kernels *k, const float *x, int64_t m, int64_t ldx,
                     const hkv_qmatrix *w, int64_t cols, float *y, int64_t ldy, int mode) {
-    if (takes_packed(k, m, w->type)) {
-        const int rc = ((packed_fn)k->matmul_packed)(
-            x, m, ldx, w->w, w->ldw, (int)w->type, mode ? w->rows / 2 : w->rows, cols, y, ldy,
-            mode, k->buf, k->panels, k->linear);
-        return rc == -2 ? 2 : rc != 0 ? 3 : 0;
-    }
-    return ((matmul_fn)k->matmul)(x, m, ldx, w->w, w->ldw, (int)w->type, w->rows, cols, y,
-                                  ldy) != 0 ? 2 : 0;
+    const int rc = ((matmul_fn)k->matmul)(x, m, ldx, w->w, w->ldw, (int)w->type,
+                                          mode ? w->rows / 2 : w->rows, cols, y, ldy, mode);
+    return rc == -2 ? 2 : rc != 0 ? 3 : 0;
 }
 
 static int product(const hkv_kernels *k, const float *x, int64_t m, int64_t ldx,
@@ -141,8 +120,8 @@ int64_t hkv_decode_scratch(const hkv_layer *layers, int64_t n, int64_t m, int64_
 }
 
 /* h [m, hidden] (rows contiguous) through layers 0..n-1, in place. cos/sin: per RoPE table,
-   [m, rotary_dim] rows. Returns 0; 2 where a product could not allocate, 3 where the packed
-   path refused a matrix, 4 where the attention kernel refused its arguments. */
+   [m, rotary_dim] rows. Returns 0; 2 where a product could not allocate, 3 where the
+   kernel refused a matrix, 4 where the attention kernel refused its arguments. */
 int hkv_decode_layers(const hkv_layer *layers, int64_t n, const hkv_group *groups,
                       const hkv_kernels *k, const float *const *cos, const float *const *sin,
                       float *h, int64_t m, int64_t hidden, float *scratch, int64_t threads) {
@@ -198,8 +177,8 @@ int hkv_decode_layers(const hkv_layer *layers, int64_t n, const hkv_group *group
 
         ((rms_norm_fn)k->rms_norm)(h, hidden, 0, x, m, 1, hidden, L->pre_ffn_norm,
                                    L->norm_offset, L->eps);
-        if (L->n_gate_up == 1 && takes_packed(k, m, L->gate_up[0].type)) {
-            /* Gate and up in one matrix: the tiles apply the activation and product. */
+        if (L->n_gate_up == 1) {
+            /* Gate and up in one matrix: the kernel applies the activation and product. */
             if ((rc = product1(k, x, m, hidden, L->gate_up, hidden, act, I, (int)L->act)) != 0)
                 return rc;
         } else {

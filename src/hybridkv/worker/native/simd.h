@@ -73,6 +73,14 @@ static inline float gated_act(float x, float u, int mode) {
     return a * u;
 }
 
+/* out[j] = gated_act(g[j], u[j], mode) for j < n: the one loop every gated epilogue on
+   quantized weights runs (quant_gemm.c, decode_layers.c), so a row's activation is the same
+   bits on every path. */
+static inline void gated_row(const float *g, const float *u, int64_t n, int mode, float *out) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; j++) out[j] = gated_act(g[j], u[j], mode);
+}
+
 /* 16 floats as one SIMD value; unaligned loads and stores through memcpy. */
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
