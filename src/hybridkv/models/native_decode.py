@@ -6,14 +6,14 @@ residual adds), each a Python call, a torch dispatch and an allocation, ~6-7 ms 
 ~30 ms step. `NativeDecode` describes the layers once, at load, as the C side's structs
 (norm weights, quantized matrices, attention shape, KV pages), and runs a step in which
 every token is a decode through them in one call, with the same kernels the operator path
-calls (so the same values, up to float rounding of the gated activation where the operator
-path applies it in torch).
+calls, the gated activation included (so the same bytes: worker/native/quant_gemm.c gives a
+row the same result in any batch).
 
 It takes the common layer only: pre-norm attention with optional q/k norms, RoPE and
 Gemma's sandwich norms, then a gated SiLU / GELU-tanh MLP, every projection GGUF-quantized
 without bias, float32 K/V pages and the C attention backend. `attach` says in one line
 why a model does not fit; a step that does not fit (prefill tokens, more rows
-than `max_rows`, quantized K/V, 8-bit activations from PACKED_FROM rows) takes the operator
+than `max_rows`, quantized K/V, 8-bit activations) takes the operator
 path.
 """
 
@@ -35,16 +35,15 @@ from hybridkv.models.layers.norms import RMSNorm
 from hybridkv.models.layers.rotary import Rotary
 from hybridkv.worker import cpu_ops, native, quant_linear
 from hybridkv.worker.attention import AttentionMetadata
-from hybridkv.worker.cpu_attention import MAX_QUERY, CPUPagedBackend
+from hybridkv.worker.cpu_attention import CPUPagedBackend, max_query
 from hybridkv.worker.forward_context import ForwardContext
 from hybridkv.worker.linear import GatedLinear, Linear
 
 logger = logging.getLogger(__name__)
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 MAX_PARTS = 3
-# Decode rows a step may have here: the few-row kernel's range, then the packed tiles' (the
-# same switch as the operator path's, quant_linear.PACKED_ROWS).
-PACKED_FROM, MAX_ROWS = quant_linear.PACKED_ROWS[0], quant_linear.PACKED_ROWS[1] - 1
+# Decode rows a step may have here (past them the operator path's per-op overhead is small).
+MAX_ROWS = 127
 _ACTIVATIONS = {"silu": 1, "gelu_pytorch_tanh": 2, "gelu_new": 2}
 
 
@@ -73,8 +72,7 @@ class Group(ctypes.Structure):
 
 class Kernels(ctypes.Structure):
     _fields_ = [("rms_norm", _PTR), ("rope", _PTR), ("write_kv", _PTR), ("attention", _PTR),
-                ("matmul", _PTR), ("matmul_packed", _PTR), ("linear", _PTR), ("buf", _PTR),
-                ("panels", _I64), ("packed_from", _I64), ("packed_from_q8_0", _I64)]
+                ("matmul", _PTR)]
 
 
 class Unfit(ValueError):
@@ -93,6 +91,9 @@ def _matrices(linear: Any, what: str, cols: int) -> list[Matrix]:
     for w in parts.weights:
         if w.cols != cols or w.data.stride(1) != 1:
             raise Unfit(f"{what} reads {w.cols} values, not {cols}")
+        if not quant_linear.takes_gemm(w.qtype, w.cols):
+            raise Unfit(f"{what} is {w.type_name} x {w.cols}, which the one-order kernel "
+                        f"does not take")
         out.append(Matrix(w.data.data_ptr(), w.data.stride(0), w.qtype, w.rows))
     return out
 
@@ -139,23 +140,11 @@ class NativeDecode:
         self.layers = (Layer * len(structs))(*structs)
         lib = library()
         attention = native.load("paged_attention").hkv_paged_attention
-        ops, quant = cpu_ops.library(), quant_linear.library()
-        # The packed tiles where the operator path would take them: their kernel builds and
-        # every matrix's columns come in 8s; otherwise up to PACKED_FROM - 1 rows only.
-        linear = quant_linear.packed_kernel()
-        widths = {c for L in self.layers
-                  for c in (self.hidden, L.heads * L.head_dim, L.intermediate)}
-        self.max_rows = MAX_ROWS if linear is not None and all(c % 8 == 0 for c in widths) \
-            else PACKED_FROM - 1
-        panels = max(1, torch.get_num_threads())
-        self.packed_buf = torch.empty(int(quant.hkv_quant_packed_floats(panels, max(widths)))
-                                      if self.max_rows >= PACKED_FROM else 1)
+        ops = cpu_ops.library()
+        self.max_rows = MAX_ROWS
         self.kernels = Kernels(_address(ops.hkv_rms_norm_f32), _address(ops.hkv_rope_f32),
                                _address(ops.hkv_write_kv_f32), _address(attention),
-                               _address(quant.hkv_quant_matmul),
-                               _address(quant.hkv_quant_matmul_packed), linear,
-                               self.packed_buf.data_ptr(), panels, PACKED_FROM,
-                               quant_linear.PACKED_ROWS_Q8_0)
+                               quant_linear.gemm_address())
         self.scratch = torch.empty(int(lib.hkv_decode_scratch(self.layers, len(structs),
                                                                 self.max_rows, self.hidden)),
                                    dtype=torch.float32)
@@ -231,7 +220,7 @@ class NativeDecode:
         """Whether this step runs here: every token a decode of its own request, at most
         `max_rows` of them, float32 K/V pages and the C attention backend."""
         m = h.shape[0]
-        if m >= PACKED_FROM and not quant_linear.FLOAT_ACTIVATIONS:
+        if not quant_linear.FLOAT_ACTIVATIONS:
             return False  # 8-bit activations: the operator path picks kernels per type
         if not (self.refused is None and 0 < m <= self.max_rows and h.dim() == 2
                 and h.dtype == torch.float32 and h.device.type == "cpu"
@@ -256,7 +245,7 @@ class NativeDecode:
             slots = meta.slot_mapping
             if slots.dtype != torch.int64 or not slots.is_contiguous():
                 slots = slots.to(torch.int64).contiguous()
-            rows = meta.short_rows(MAX_QUERY)
+            rows = meta.short_rows(max_query(meta))
             starts, lens = meta.host_lens
             keep += [table, slots, rows, starts, lens]
             groups[g] = Group(table.data_ptr(), slots.data_ptr(), rows.data_ptr(),
@@ -304,7 +293,7 @@ class NativeDecode:
                        self.scratch.data_ptr(), torch.get_num_threads())
         if rc != 0:
             what = {2: "a quantized product could not allocate its buffers",
-                    3: "the packed product refused a matrix",
+                    3: "the quantized product refused a matrix",
                     4: "the attention kernel refused its arguments"}.get(rc, "unknown")
             raise RuntimeError(f"the native decode layers failed (code {rc}): {what}")
         return out
