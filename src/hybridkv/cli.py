@@ -632,6 +632,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "the model's)")
     parser.add_argument("--shutdown-timeout", type=non_negative_float, default=10.0,
                         help="seconds to let in-flight requests finish on SIGTERM/SIGINT")
+    parser.add_argument("--max-request-body-bytes", type=memory, default=None, metavar="BYTES",
+                        help="the largest request body accepted, bytes or with a unit; a "
+                             "larger one is refused with 413 before it is read (default: "
+                             "32MiB: a maximal 128k-token prompt is ~0.5-3 MB of JSON)")
     parser.add_argument("--follow-up-wait-ms", type=non_negative_float,
                         default=DEFAULT_FOLLOW_UP_WAIT_MS,
                         help="after a step that ends a request, hold the next step up to "
@@ -780,6 +784,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     try:
         from hybridkv.server.app import ServerConfig, build_app, run_server
+        from hybridkv.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
     except ImportError as e:
         raise missing_extra(e.name) from None
     model_dir = args.model_dir
@@ -799,7 +804,8 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_waiting=args.max_waiting, chat_template=args.chat_template,
         shutdown_timeout_s=args.shutdown_timeout, follow_up_wait_ms=args.follow_up_wait_ms,
-        replica_status=os.environ.get(REPLICA_STATUS_ENV) or None))
+        replica_status=os.environ.get(REPLICA_STATUS_ENV) or None,
+        max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES))
     log.info("serving %s as '%s' on http://%s:%d/v1", model_dir, name, args.host, args.port)
     # uvicorn handles SIGTERM/SIGINT (stop accepting, let requests finish, stop the engine),
     # then raises the signal again for the handler it found: a quiet one makes that exit 0.

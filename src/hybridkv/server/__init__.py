@@ -7,5 +7,7 @@
     chat          chat templates
     metrics       Prometheus metrics named like vLLM's (hybridkv: prefix)
     errors        OpenAI's error envelope for every failure
+    limits        what keeps a hostile request from stalling the server: body size, JSON
+                  nesting, a prompt's length in characters
     app           the FastAPI app and its routes
 """

@@ -27,6 +27,12 @@ from hybridkv.server.async_engine import AsyncEngine, EngineDeadError
 from hybridkv.server.chat import ChatTemplate, find_chat_template, special_tokens
 from hybridkv.server.errors import bad_request, error_response, install_error_handlers
 from hybridkv.server.follow_up import DEFAULT_WAIT_MS, FollowUpWait
+from hybridkv.server.limits import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    BodyLimitMiddleware,
+    JSONRoute,
+    max_chars_per_token,
+)
 from hybridkv.server.metrics import ServerMetrics, scheduler_loads
 from hybridkv.server.serving import ServerState, create_chat_completion, create_completion
 
@@ -47,6 +53,8 @@ class ServerConfig:
     # A replica of `--data-parallel-size`: the launcher's status file of all replicas,
     # reported by /metrics (server/replicas.py).
     replica_status: str | None = None
+    # A larger request body is refused with 413 before it is read (server/limits.py).
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
 
 
 def group_names(engine: LLMEngine) -> list[str]:
@@ -121,7 +129,9 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     holder["engine"] = async_engine
     state = ServerState(engine=async_engine, metrics=metrics, model_name=config.model_name,
                         model_dir=config.model_dir, tokenizer=engine.tokenizer,
-                        max_model_len=engine.max_model_len, chat_template=chat_template)
+                        max_model_len=engine.max_model_len, chat_template=chat_template,
+                        chars_per_token=max_chars_per_token(engine.tokenizer)
+                        if engine.tokenizer is not None else None)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -135,8 +145,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="hybridkv", version=hybridkv.__version__, lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
-    if config.api_key:
+    app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes)
+    if config.api_key:  # added last, so it runs first: no key, nothing read
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.router.route_class = JSONRoute  # bodies parsed with a stated nesting limit
     add_routes(app, state)
     return app
 
@@ -178,9 +190,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
         if body.messages is not None:
-            ids = state.encode_chat(body.messages, body.add_generation_prompt)
+            ids = await state.tokenize_chat(body.messages, body.add_generation_prompt)
         else:
-            ids = state.encode(body.prompt or "")
+            [ids] = await state.tokenize([body.prompt or ""])
         return p.TokenizeResponse(count=len(ids), max_model_len=state.max_model_len,
                                   tokens=ids)
 
@@ -190,11 +202,11 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         if state.tokenizer is None:
             raise bad_request("this model has no tokenizer", "tokens")
         vocab = state.tokenizer.get_vocab_size()
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})",
                               "tokens")
-        return p.DetokenizeResponse(prompt=state.decode(body.tokens))
+        return p.DetokenizeResponse(prompt=await state.detokenize(body.tokens))
 
     @app.post("/reset_prefix_cache", response_model=None)
     async def reset_prefix_cache() -> Response:

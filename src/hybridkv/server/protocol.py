@@ -1,21 +1,57 @@
 """Request and response bodies of the OpenAI-compatible API, as pydantic models.
 
-Requests forbid unknown fields (a typo is a 400 naming it, not a silent default) and are
-strict about types (`"max_tokens": "16"` or `true` is refused). Fields the API defines but the
-engine cannot honour yet are accepted by the schema and refused by `unsupported_fields` with
-a 400 naming them, so nothing is ever silently ignored.
+Requests refuse unknown fields at every depth (a typo is a 400 naming its path and the
+fields accepted there, not a silent default) and are strict about types (`"max_tokens":
+"16"` or `true` is refused). Fields the API defines but the engine cannot honour yet are
+accepted by the schema and refused by `unsupported_fields` with a 400 naming them, so
+nothing is ever silently ignored.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    FailFast,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+T = TypeVar("T")
+
+
+class _FailFast(FailFast):
+    __hash__ = object.__hash__  # pydantic's is unhashable, and unions hash their members
+
+
+# A list stops at its first bad item: pydantic otherwise reports every one, and FastAPI
+# turning them into its error list holds the event loop (3 million bad token ids: 46 s).
+Items = Annotated[list[T], _FailFast()]
 
 
 class Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unknown_fields(cls, data: Any) -> Any:
+        """An unknown field is named with the fields accepted in its place (extra="forbid"
+        alone names only the field)."""
+        if isinstance(data, dict):
+            accepted = [f.alias or name for name, f in cls.model_fields.items()]
+            unknown = next((key for key in data if key not in accepted), None)
+            if unknown is not None:
+                raise PydanticCustomError("unknown_field", "unknown field {field}",
+                                          {"field": str(unknown),
+                                           "accepted": ", ".join(accepted)})
+        return data
 
 
 class Response(BaseModel):
@@ -27,6 +63,30 @@ class StreamOptions(Request):
     continuous_usage_stats: bool = False
 
 
+class JSONSchemaFormat(Request):
+    """response_format.json_schema. OpenAI requires `name`; nothing here reads it."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsParams(Request):
+    """vLLM's structured_outputs (its other fields tune vLLM's own backends)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: Items[str] | None = None
+    grammar: str | None = None
+
+
 class SamplingFields(Request):
     """What completions and chat share: sampling, stopping, streaming."""
 
@@ -36,8 +96,8 @@ class SamplingFields(Request):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | Items[str] | None = None
+    stop_token_ids: Items[int] | None = None
     ignore_eos: bool = False
     n: int = 1
     presence_penalty: float | None = None
@@ -64,20 +124,60 @@ class SamplingFields(Request):
     bootstrap_host: Any = None
     bootstrap_port: Any = None
     bootstrap_room: Any = None
-    rid: str | list[str] | None = None
+    rid: str | Items[str] | None = None
     # Structured output (server/structured.py): OpenAI's response_format, vLLM's
     # structured_outputs; vLLM's old guided_* names are refused with a 400 naming the new.
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _first_bad_bias(cls, value: Any) -> Any:
+        """Stop at the first bad bias: pydantic reports every bad entry of a dict (FailFast
+        is for lists), and a million of them hold the event loop for seconds."""
+        if isinstance(value, dict):
+            for token, bias in value.items():
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+                    raise PydanticCustomError(
+                        "bias_type", "logit_bias[{token}] must be a number, got {kind}",
+                        {"token": str(token)[:40], "kind": type(bias).__name__})
+        return value
+
+
+MAX_PROMPTS = 1024  # prompts in one completion request (each is an engine request)
+PROMPT_FORMS = ("a string, a list of strings, a list of token ids or a list of lists of token "
+                "ids")
+
+
+def _prompt_form(value: Any) -> str | None:
+    """Which form a prompt takes, from its first item: only that member of the union is
+    tried (trying each costs seconds on a list of millions, and buries the error that
+    matters among the others)."""
+    if isinstance(value, str):
+        return "text"
+    if not isinstance(value, list):
+        return None
+    first = value[0] if value else 0
+    return "texts" if isinstance(first, str) else "token_lists" if isinstance(first, list) \
+        else "tokens"
+
+
+Prompt = Annotated[
+    Annotated[str, Tag("text")]
+    | Annotated[Items[str], Field(max_length=MAX_PROMPTS), Tag("texts")]
+    | Annotated[Items[int], Tag("tokens")]
+    | Annotated[Items[Items[int]], Field(max_length=MAX_PROMPTS), Tag("token_lists")],
+    Discriminator(_prompt_form, custom_error_type="prompt_form",
+                  custom_error_message=f"the prompt must be {PROMPT_FORMS}")]
+
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -89,12 +189,37 @@ class TextPart(Request):
     type: Literal["text"]
     text: str
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        """Another kind of part (image_url, input_audio, file) is named as such, before its
+        fields would be refused as unknown ones."""
+        if isinstance(data, dict) and isinstance(data.get("type"), str) and \
+                data["type"] != "text":
+            raise PydanticCustomError("part_type", "content parts of type {kind} are not "
+                                      "supported; accepted: text",
+                                      {"kind": repr(data["type"])[:60]})
+        return data
+
+
+class CalledFunction(Request):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # JSON text, as OpenAI sends it (or an object)
+
+
+class MessageToolCall(Request):
+    """An assistant's earlier call, as OpenAI's responses give it."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
 
 class ChatMessage(Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Items[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_calls: Items[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's result: which call it answers
 
     @property
@@ -104,27 +229,50 @@ class ChatMessage(Request):
         return self.content or ""
 
 
+class FunctionDefinition(Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: any object
+    # OpenAI's "follow the schema exactly": constrained calls (tool_choice required or
+    # named) always do; an auto call is parsed, not constrained, either way.
+    strict: bool | None = None
+
+
+class Tool(Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(Request):
+    name: str
+
+
+class NamedToolChoice(Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Items[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of the next one
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)
+    tools: Items[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
     add_generation_prompt: bool = True
 
 
 class TokenizeRequest(Request):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Items[ChatMessage] | None = None
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: Items[int]
 
 
 # Router-added field -> (the value that changes nothing, what any other value would ask for).

@@ -3,6 +3,10 @@ their outputs back as one response or as server-sent events.
 
 Every check that can fail runs before the first request is queued; a request whose client
 goes away (mid-stream, or while waiting for a whole response) is aborted at once.
+Tokenizing, detokenizing and chat templating run in threads (the tokenizer releases the
+GIL), so a long prompt never holds up the event loop, /health or the other requests; a
+prompt whose characters alone prove it longer than the context is refused without
+tokenizing it (server/limits.py).
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from hybridkv.server.async_engine import (
 )
 from hybridkv.server.chat import NO_TEMPLATE, ChatTemplate, ChatTemplateError
 from hybridkv.server.errors import APIError, bad_request, error_body
+from hybridkv.server.limits import too_long
 from hybridkv.server.metrics import ServerMetrics
-from hybridkv.server.structured import compile_or_400, request_spec
+from hybridkv.server.structured import check_tool_schemas, compile_or_400, request_spec
 from hybridkv.server.tools import (
     CallStream,
     ToolUse,
@@ -54,6 +59,9 @@ class ServerState:
     tokenizer: Any | None  # tokenizers.Tokenizer
     max_model_len: int
     chat_template: ChatTemplate | None
+    # The most characters one token stands for (limits.max_chars_per_token); None: no
+    # character count proves a prompt too long.
+    chars_per_token: int | None = None
 
     # ------------------------------------------------------------ checks
     def check_model(self, model: str | None) -> None:
@@ -67,16 +75,43 @@ class ServerState:
             raise bad_request("this model has no tokenizer: send token ids", param)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def encode_chat(self, messages: list[p.ChatMessage], add_generation_prompt: bool,
-                    use: ToolUse | None = None) -> list[int]:
-        """The rendered chat's tokens as transformers' `apply_chat_template(tokenize=True)`
-        gives them: templates print their own special tokens (`{{ bos_token }}`), so the
-        tokenizer adds none (its post-processor would add a second BOS)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, use), "messages",
-                           add_special_tokens=False)
-
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids))) if self.tokenizer else ""
+
+    # Off the event loop: a prompt within the bound below can still be ~10^6 characters,
+    # seconds of tokenizing (the tokenizer and jinja2 let the loop run meanwhile).
+    async def tokenize(self, texts: list[str], param: str = "prompt", *,
+                       add_special_tokens: bool = True) -> list[list[int]]:
+        for text in texts:
+            self.check_length(text, param)
+
+        def encode() -> list[list[int]]:
+            return [self.encode(text, param, add_special_tokens=add_special_tokens)
+                    for text in texts]
+
+        return await asyncio.to_thread(encode)
+
+    async def tokenize_chat(self, messages: list[p.ChatMessage], add_generation_prompt: bool,
+                            use: ToolUse | None = None) -> list[int]:
+        """The rendered chat's tokens as transformers' `apply_chat_template(tokenize=True)`
+        gives them: templates print their own special tokens (`{{ bos_token }}`), so the
+        tokenizer adds none (its post-processor would add a second BOS). Rendered, checked
+        and tokenized in one thread hop (~0.1 ms)."""
+        def render_and_encode() -> list[int]:
+            text = self.render_chat(messages, add_generation_prompt, use)
+            self.check_length(text, "messages")
+            return self.encode(text, "messages", add_special_tokens=False)
+
+        return await asyncio.to_thread(render_and_encode)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        return await asyncio.to_thread(self.decode, token_ids)
+
+    def check_length(self, text: str, param: str) -> None:
+        """A text longer than the context whatever its tokens: refused untokenized."""
+        why = too_long(text, self.max_model_len, self.chars_per_token)
+        if why is not None:
+            raise bad_request(why, param)
 
     def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
         if not token_ids:
@@ -149,7 +184,7 @@ def plain_message(m: p.ChatMessage, native_tools: bool) -> dict[str, Any]:
         message["tool_call_id"] = m.tool_call_id
     if m.tool_calls:
         if native_tools:
-            message["tool_calls"] = m.tool_calls
+            message["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
         else:
             message["content"] = "\n".join([m.text] * bool(m.text) +
                                            [render_call(c) for c in m.tool_calls])
@@ -181,14 +216,14 @@ def sampling_params(body: p.SamplingFields, *, max_tokens: int, logprobs: int | 
         raise bad_request(message, param) from None
 
 
-def completion_prompts(state: ServerState, prompt: object) -> list[list[int]]:
+async def completion_prompts(state: ServerState, prompt: object) -> list[list[int]]:
     """str | list[str] | list[int] | list[list[int]] -> token ids per prompt, checked."""
     if isinstance(prompt, str):
-        prompts = [state.encode(prompt)]
+        prompts = await state.tokenize([prompt])
     elif isinstance(prompt, list) and not prompt:
         raise bad_request("'prompt' is an empty list", "prompt")
     elif isinstance(prompt, list) and isinstance(prompt[0], str):
-        prompts = [state.encode(text) for text in prompt]
+        prompts = await state.tokenize([str(text) for text in prompt])
     elif isinstance(prompt, list) and isinstance(prompt[0], int):
         prompts = [list(prompt)]
     else:
@@ -370,7 +405,7 @@ async def create_completion(state: ServerState, body: p.CompletionRequest,
                             request: Request) -> Response:
     state.check_model(body.model)
     spec, spec_param = request_spec(body)
-    prompts = completion_prompts(state, body.prompt)
+    prompts = await completion_prompts(state, body.prompt)
     params = [sampling_params(body, logprobs=body.logprobs, max_tokens=max_tokens_for(
         body.max_tokens, ids, state.max_model_len, "max_tokens"), structured_output=spec)
         for ids in prompts]
@@ -477,6 +512,7 @@ async def create_chat_completion(state: ServerState, body: p.ChatCompletionReque
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     use = parse_tools(body.tools, body.tool_choice)
+    await check_tool_schemas(use.tools)
     spec, spec_param = request_spec(body)
     if use.constrained:
         if spec is not None:
@@ -484,7 +520,7 @@ async def create_chat_completion(state: ServerState, body: p.ChatCompletionReque
                               f"call: {spec_param.split('.')[0]} cannot be set with it",
                               "tool_choice")
         spec, spec_param = StructuredOutput(json_schema=use.call_schema()), "tools"
-    prompt = state.encode_chat(body.messages, body.add_generation_prompt, use)
+    prompt = await state.tokenize_chat(body.messages, body.add_generation_prompt, use)
     state.check_prompt(prompt, "messages")
     requested = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens

@@ -7,24 +7,31 @@
     guided_*            vLLM's old names: refused with a 400 naming structured_outputs (vLLM
                         now ignores them silently and returns unconstrained text)
 
-Every error is a 400 naming the field it is about, and the grammar is compiled before the
-request is queued, so a schema the library cannot enforce is a 400 too, never a failed
-request mid-stream.
+    tools[i].function.parameters
+                        checked whatever tool_choice is (check_tool_schemas)
+
+Every error is a 400 naming the field it is about, and the grammar is compiled (and probed:
+sched/structured/backend.py) before the request is queued, so a schema the library cannot
+enforce, one that matches nothing or one past the limits of sched/structured/limits.py is a
+400 too, never a failed request mid-stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 from hybridkv.engine.engine import LLMEngine
 from hybridkv.sched.structured import StructuredOutput
+from hybridkv.sched.structured.backend import check_json_schema
 from hybridkv.server import protocol as p
 from hybridkv.server.errors import APIError, bad_request
+from hybridkv.server.tools import Tool
 
-# vLLM's structured_outputs keys -> ours
-_STRUCTURED_KEYS = {"json": "json_schema", "json_object": "json_object", "regex": "regex",
-                    "choice": "choice", "grammar": "grammar"}
+# vLLM's structured_outputs fields -> ours
+_STRUCTURED_FIELDS = {"json_": "json_schema", "json_object": "json_object", "regex": "regex",
+                      "choice": "choice", "grammar": "grammar"}
 LEGACY_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar", "guided_decoding_backend": None}
 
@@ -52,37 +59,25 @@ def _rename(message: str, param: str) -> str:
     return f"{param}: {message}"
 
 
-def from_response_format(value: dict[str, Any]) -> StructuredOutput | None:
-    kind = value.get("type")
-    if kind in (None, "text"):
-        if kind is None:
-            raise bad_request("response_format.type is missing (text, json_object or "
-                              "json_schema)", "response_format")
-        return None
-    if kind == "json_object":
-        return _spec({"json_object": True}, "response_format")
-    if kind != "json_schema":
-        raise bad_request(f"response_format.type must be text, json_object or json_schema, "
-                          f"got {kind!r}", "response_format")
-    wrapper = value.get("json_schema")
-    if not isinstance(wrapper, dict):
-        raise bad_request("response_format.json_schema must be an object with 'name' and "
-                          "'schema'", "response_format")
-    schema = wrapper.get("schema")
-    if not isinstance(schema, dict):
-        raise bad_request("response_format.json_schema.schema must be a JSON schema object",
+def from_response_format(value: p.ResponseFormat) -> StructuredOutput | None:
+    if value.type != "json_schema":
+        if value.json_schema is not None:
+            raise bad_request(f"response_format.json_schema is only read with type "
+                              f"json_schema, not {value.type}", "response_format")
+        return None if value.type == "text" else _spec({"json_object": True},
+                                                        "response_format")
+    if value.json_schema is None or value.json_schema.schema_ is None:
+        raise bad_request("response_format.json_schema.schema is missing: type json_schema "
+                          "needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
                           "response_format")
-    return _spec({"json_schema": schema}, "response_format.json_schema.schema")
+    return _spec({"json_schema": value.json_schema.schema_},
+                 "response_format.json_schema.schema")
 
 
-def from_structured_outputs(value: dict[str, Any]) -> StructuredOutput:
-    unknown = sorted(k for k in value if k not in _STRUCTURED_KEYS)
-    if unknown:
-        raise bad_request(f"unknown structured_outputs field(s) {', '.join(unknown)}; "
-                          f"accepted: {', '.join(_STRUCTURED_KEYS)}", "structured_outputs")
-    values = {_STRUCTURED_KEYS[k]: v for k, v in value.items()
-              if v is not None and v is not False}
-    return _spec(values, "structured_outputs")
+def from_structured_outputs(value: p.StructuredOutputsParams) -> StructuredOutput:
+    values = {ours: getattr(value, name) for name, ours in _STRUCTURED_FIELDS.items()}
+    return _spec({k: v for k, v in values.items() if v is not None and v is not False},
+                 "structured_outputs")
 
 
 def request_spec(body: p.SamplingFields) -> tuple[StructuredOutput | None, str]:
@@ -105,8 +100,9 @@ def request_spec(body: p.SamplingFields) -> tuple[StructuredOutput | None, str]:
 
 
 async def compile_or_400(engine: LLMEngine, spec: StructuredOutput, param: str) -> None:
-    """Compile on the engine's grammar threads (the engine finds it cached); a spec the
-    library refuses is a 400 naming `param`."""
+    """Compile on the engine's grammar threads (the engine finds it cached), checks and a
+    probe of the grammar included (sched/structured/backend.py); a spec the library
+    refuses is a 400 naming `param`."""
     if engine.structured is None:
         raise bad_request("structured output needs the model's tokenizer, and this model has "
                           "none", param.split(".")[0])
@@ -117,3 +113,15 @@ async def compile_or_400(engine: LLMEngine, spec: StructuredOutput, param: str) 
     except Exception as e:  # the library itself failed: still this request's alone
         raise APIError(500, f"the grammar failed to compile: {type(e).__name__}: {e}",
                        param=param.split(".")[0]) from None
+
+
+async def check_tool_schemas(tools: Sequence[Tool]) -> None:
+    """Every tool's parameters, whatever tool_choice says: a schema that is invalid or
+    matches nothing is a 400 before the request is queued (with tool_choice auto or none
+    the model is shown it, not held to it, so keywords the grammar library cannot enforce
+    pass). Off the event loop: a big schema takes milliseconds."""
+    for i, tool in enumerate(tools):
+        try:
+            await asyncio.to_thread(check_json_schema, tool.parameters)
+        except ValueError as e:
+            raise bad_request(f"tools[{i}].function.parameters: {e}", "tools") from None

@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from hybridkv.server import protocol as p
 from hybridkv.server.errors import bad_request
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -74,9 +75,10 @@ class ToolUse:
         return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def parse_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None
+def parse_tools(tools: list[p.Tool] | None, tool_choice: str | p.NamedToolChoice | None
                 ) -> ToolUse:
-    """The request's tools and tool_choice, checked: a 400 naming the field otherwise."""
+    """The request's tools and tool_choice, checked: a 400 naming the field otherwise (their
+    shapes are the protocol's; their parameters schemas, structured.check_tool_schemas)."""
     checked = tuple(_tool(i, t) for i, t in enumerate(tools or []))
     names = [t.name for t in checked]
     duplicate = next((n for n in names if names.count(n) > 1), None)
@@ -92,38 +94,20 @@ def parse_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str,
         if tool_choice != "none" and not checked:
             raise bad_request(f"tool_choice {tool_choice!r} needs tools", "tool_choice")
         return ToolUse(checked, tool_choice)
-    function = tool_choice.get("function")
-    name = function.get("name") if isinstance(function, dict) else None
-    if tool_choice.get("type") != "function" or not isinstance(name, str):
-        raise bad_request('tool_choice must be {"type": "function", "function": {"name": '
-                          '...}} to name a function', "tool_choice")
+    name = tool_choice.function.name
     if name not in names:
         raise bad_request(f"tool_choice names the function {name!r}, which is not in tools "
                           f"({', '.join(names) or 'none given'})", "tool_choice")
     return ToolUse(checked, "named", name)
 
 
-def _tool(index: int, tool: dict[str, Any]) -> Tool:
-    where = f"tools[{index}]"
-    if tool.get("type", "function") != "function":
-        raise bad_request(f"{where}.type must be 'function', got {tool.get('type')!r}",
+def _tool(index: int, tool: p.Tool) -> Tool:
+    function = tool.function
+    if not function.name:
+        raise bad_request(f"tools[{index}].function.name is empty: every tool needs a name",
                           "tools")
-    function = tool.get("function")
-    if not isinstance(function, dict):
-        raise bad_request(f"{where}.function is missing: a tool is {{\"type\": \"function\", "
-                          f"\"function\": {{\"name\": ..., \"parameters\": ...}}}}", "tools")
-    name = function.get("name")
-    if not isinstance(name, str) or not name:
-        raise bad_request(f"{where}.function.name is missing: every tool needs a name",
-                          "tools")
-    description = function.get("description") or ""
-    if not isinstance(description, str):
-        raise bad_request(f"{where}.function.description must be a string", "tools")
-    parameters = function.get("parameters", _ANY_PARAMETERS)
-    if not isinstance(parameters, dict):
-        raise bad_request(f"{where}.function.parameters must be a JSON schema object",
-                          "tools")
-    return Tool(name, description, parameters)
+    parameters = function.parameters if function.parameters is not None else _ANY_PARAMETERS
+    return Tool(function.name, function.description or "", parameters)
 
 
 def describe(tools: tuple[Tool, ...]) -> str:
@@ -134,14 +118,13 @@ def describe(tools: tuple[Tool, ...]) -> str:
             'JSON object: {"name": <function name>, "arguments": <its arguments>}.')
 
 
-def render_call(call: dict[str, Any]) -> str:
+def render_call(call: p.MessageToolCall) -> str:
     """An assistant's earlier tool call (OpenAI's form) as the model writes one."""
-    function = call.get("function") or {}
-    arguments = function.get("arguments", "{}")
+    arguments: Any = call.function.arguments
     if isinstance(arguments, str):
         with contextlib.suppress(ValueError):  # else shown verbatim, as the client sent it
             arguments = json.loads(arguments)
-    return json.dumps({"name": function.get("name"), "arguments": arguments})
+    return json.dumps({"name": call.function.name, "arguments": arguments})
 
 
 def parse_calls(text: str, use: ToolUse) -> list[dict[str, Any]] | None:

@@ -27,7 +27,12 @@ from typing import Any
 import llguidance
 import numpy as np
 
-from hybridkv.sched.structured.backend import GrammarError, compile_grammar, token_table
+from hybridkv.sched.structured.backend import (
+    GrammarError,
+    TokenTable,
+    compile_grammar,
+    token_table,
+)
 from hybridkv.sched.structured.spec import StructuredOutput
 
 MAX_CACHED_GRAMMARS = 512  # distinct specs kept compiled (least recently used go first)
@@ -96,7 +101,7 @@ class StructuredOutputManager:
         self._tokenizer = tokenizer  # tokenizers.Tokenizer
         self.vocab_size = vocab_size
         self._eos_token_ids = tuple(eos_token_ids)
-        self._table: llguidance.LLTokenizer | None = None
+        self._table: TokenTable | None = None
         self._table_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._cache: OrderedDict[str, Future[llguidance.LLMatcher]] = OrderedDict()
@@ -135,7 +140,7 @@ class StructuredOutputManager:
             self.on_compile(time.perf_counter() - start)
         return matcher
 
-    def _token_table(self) -> llguidance.LLTokenizer:
+    def _token_table(self) -> TokenTable:
         with self._table_lock:  # built once, by the first compile that needs it
             if self._table is None:
                 self._table = token_table(self._tokenizer, self.vocab_size,
