@@ -65,8 +65,9 @@ def test_int8_pages_on_the_real_model():
 
 # Eight ordinary requests of a chat, fixed (none chosen for its tokens' margins), sharing a
 # system prompt of two blocks and more, so later ones hit the earlier ones' blocks.
-SYSTEM = ("You are a helpful assistant running on a small computer. Answer clearly and "
-          "briefly. If a question is unclear, say what you would need to know. ")
+SYSTEM = ("You are a helpful assistant running on a small computer in a public library. "
+          "Answer clearly and briefly, in plain words, and keep to the facts you are sure "
+          "of. If a question is unclear, say what you would need to know. ")
 QUESTIONS = [
     "What is the tallest mountain in Europe?",
     "Give me a short recipe for pancakes.",
@@ -77,7 +78,7 @@ QUESTIONS = [
     "Explain what a prime number is to a child.",
     "Suggest a name for a small bakery by the sea.",
 ]
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 def _one_by_one(llm: LLM, prompts: list[str]) -> list[list[int]]:

@@ -36,12 +36,14 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
 
 def model_identity(model_dir: str) -> bytes:
-    """xxh3-128 of the model's config and weight files (their bytes, streamed): two
-    checkpoints of one architecture (a fine-tune) never share blocks."""
+    """xxh3-128 of the model's config and weight files (their bytes, streamed), or of the
+    GGUF file the model is: two checkpoints of one architecture (a fine-tune) never share
+    blocks."""
     h = xxhash.xxh3_128()
     root = Path(model_dir)
-    for path in sorted(root.iterdir()):
-        if path.name == "config.json" or path.suffix in _WEIGHT_SUFFIXES:
+    files = [root] if root.is_file() else sorted(root.iterdir())
+    for path in files:
+        if path.name == "config.json" or path.suffix in (*_WEIGHT_SUFFIXES, ".gguf"):
             h.update(path.name.encode() + b"\0")
             with open(path, "rb") as f:
                 while chunk := f.read(1 << 24):
