@@ -6,8 +6,7 @@
    the attention's time. Here each query walks its request's kernel blocks directly, every
    head at once block by block (so a block is read in address order, once per step), with an
    online softmax per head (running max, sum and output) and the block two ahead prefetched
-   a few lines per key scored. A KV head's query heads (up to MAX_HEADS at a time) share each
-   key and value row it reads. A query's arithmetic depends only on its position, its keys
+   a few lines per key scored. A query's arithmetic depends only on its position, its keys
    and the block layout, never on the other queries of its chunk or step: a token's output
    is the same bytes however its step was made (batch invariance).
 
@@ -254,77 +253,6 @@ static inline void score_rows(const float *restrict q, const float *rows, int64_
     }
 }
 
-/* T(a) = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)) of two vectors at once: the
-   tree score_rows reduces its groups of eight keys by (so the same score bits). */
-static inline void tree_pair(v8 a, v8 b, float *ta, float *tb) {
-    const v8 h = hadd8(a, b);
-    const v8 h2 = hadd8(h, h);
-    *ta = h2[0] + h2[4];
-    *tb = h2[1] + h2[5];
-}
-
-/* score_rows for the G (<= MAX_HEADS) query heads q + g * dim sharing these key rows, into
-   scores + g * TILE: the same FMAs per (head, key) and the same trees (keys in whole
-   groups of eight by T, two at a time; the rest by hsum8), so the same bits as G calls of
-   score_rows, with each key row read once for all the heads instead of once per head. */
-#define MAX_HEADS 4
-static inline void score_heads(const float *restrict q, const int G, const float *rows,
-                               int64_t stride, int64_t n, int64_t dim,
-                               float *restrict scores) {
-    const int64_t n8 = n - n % 8;
-    for (int64_t t = 0; t < n8; t += 2) {
-        const float *r0 = rows + t * stride, *r1 = r0 + stride;
-        v8 a[MAX_HEADS][2];
-        for (int g = 0; g < G; g++) a[g][0] = a[g][1] = (v8){0};
-        for (int64_t d = 0; d < dim; d += 8) {
-            const v8 k0 = load8(r0 + d), k1 = load8(r1 + d);
-            for (int g = 0; g < G; g++) {
-                const v8 qv = load8(q + g * dim + d);
-                a[g][0] += qv * k0;
-                a[g][1] += qv * k1;
-            }
-        }
-        for (int g = 0; g < G; g++)
-            tree_pair(a[g][0], a[g][1], &scores[g * TILE + t], &scores[g * TILE + t + 1]);
-    }
-    for (int64_t t = n8; t < n; t++) {
-        const float *r = rows + t * stride;
-        for (int g = 0; g < G; g++) {
-            v8 a = {0};
-            for (int64_t d = 0; d < dim; d += 8) a += load8(q + g * dim + d) * load8(r + d);
-            scores[g * TILE + t] = hsum8(a);
-        }
-    }
-}
-
-/* weigh_rows for the G heads' outputs out + g * dim (factors c[g], weights p + g * TILE)
-   over the same value rows, each row read once for the heads: per (head, value) the same
-   products in the same order as weigh_rows. dim: a multiple of 8. */
-static inline void weigh_heads(float *restrict out, const float *c, const float *restrict p,
-                               const int G, const float *rows, int64_t stride, int64_t n,
-                               int64_t dim) {
-    for (int64_t d = 0; d < dim; d += 16) {
-        const int two = d + 16 <= dim;
-        v8 a[MAX_HEADS][2];
-        for (int g = 0; g < G; g++) {
-            a[g][0] = load8(out + g * dim + d) * c[g];
-            a[g][1] = two ? load8(out + g * dim + d + 8) * c[g] : (v8){0};
-        }
-        for (int64_t t = 0; t < n; t++) {
-            const float *row = rows + t * stride + d;
-            const v8 v0 = load8(row), v1 = two ? load8(row + 8) : (v8){0};
-            for (int g = 0; g < G; g++) {
-                a[g][0] += p[g * TILE + t] * v0;
-                a[g][1] += p[g * TILE + t] * v1;
-            }
-        }
-        for (int g = 0; g < G; g++) {
-            store8(out + g * dim + d, a[g][0]);
-            if (two) store8(out + g * dim + d + 8, a[g][1]);
-        }
-    }
-}
-
 /* out[d] = out[d] * c + sum_t p[t] * rows[t * stride + d]: the running output of one head
    over a tile. Eight 8-wide slices at a time stay in registers across the tile's rows, so
    the adds of consecutive rows do not wait on each other. */
@@ -548,7 +476,7 @@ int hkv_paged_attention(
     for (int64_t i = 0; i < num_rows; i++) {
         float qs[num_heads * head_dim];  /* scaled queries of one position, [Hq, D] */
         float acc[num_heads * head_dim]; /* running outputs [Hq, D] */
-        float scores[TILE], head_scores[MAX_HEADS * TILE];
+        float scores[TILE];
         /* A tile's decoded K and V rows of one KV head (quantized pages only). */
         float kbuf[quantized ? TILE * head_dim : 1], vbuf[quantized ? TILE * head_dim : 1];
         /* q4 K/V: the per-channel scales and minimums of the key group being decoded. */
@@ -680,25 +608,6 @@ int hkv_paged_attention(
                         k0 = (const float *)(row0 + kh * head_stride);
                         v0 = (const float *)(row0 + kv_stride + kh * head_stride);
                         stride = token_stride / 4;
-                    }
-                    if (head_dim % 8 == 0) {
-                        /* The KV head's query heads a few at a time over each row. */
-                        for (int64_t g0 = 0; g0 < group; g0 += MAX_HEADS) {
-                            const int G = group - g0 < MAX_HEADS ? (int)(group - g0) : MAX_HEADS;
-                            const int64_t h0 = kh * group + g0;
-                            float corr_g[MAX_HEADS];
-                            for (int g = 0; g < G; g++) {
-                                PREFETCH_HEAD()
-                            }
-                            score_heads(qs + h0 * head_dim, G, k0, stride, n, head_dim,
-                                        head_scores);
-                            for (int g = 0; g < G; g++)
-                                corr_g[g] = softmax_tile(head_scores + g * TILE, n, softcap,
-                                                         &run_max[h0 + g], &run_sum[h0 + g]);
-                            weigh_heads(acc + h0 * head_dim, corr_g, head_scores, G, v0,
-                                        stride, n, head_dim);
-                        }
-                        continue;
                     }
                     for (int64_t g = 0; g < group; g++) {
                         const int64_t h = kh * group + g;
