@@ -14,8 +14,7 @@ Which path y = x W^T takes (M: the rows of x):
     keep a request's tokens; docs/engine.md, "Batch invariance"). Under 8 rows it
     dequantizes the blocks in registers as it streams them (decode reads the quantized
     bytes once), from 8 rows it dequantizes chunks of rows into a thread's buffer and runs
-    register tiles on them. Gate/up pairs take its gated epilogue at every M. Widths that
-    are not a multiple of 32 (F32/F16/BF16 rows only) take the older kernels below.
+    register tiles on them. Gate/up pairs take its gated epilogue at every M.
   * With 8-bit activations on (quant_activations="int8"; off by default, see
     FLOAT_ACTIVATIONS), quantized types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) on a
     CPU with AVX2, M up to 24 (Q8_0), 20 (Q4_0, Q4_1), 16 (Q5_0, Q6_K), 12 (Q5_1), 10 (Q4_K)
@@ -24,9 +23,8 @@ Which path y = x W^T takes (M: the rows of x):
     integers in int32 (AVX2 maddubs/madd), one float scaling per 32 values; mins go
     through x's exact block sums. At M=1 on one core this runs 1.7-2.2x the float kernel.
     Such rows are not batch invariant: past those M the float kernel takes them.
-  * The older float kernels (quant.c's fused rows and dot panels, the packed float tiles,
-    torch's GEMM on dequantized chunks) serve the rest: rows whose width is not a multiple
-    of 32, and machines where quant_gemm.c does not build.
+  * Rows whose width is not a multiple of 32 (F32/F16/BF16 only), and machines where the
+    C kernels do not build, take torch's matmul on the dequantized weights.
 
 Accuracy of the 8-bit activations: rounding x to its block's grid moves each value by at
 most d / 2 = max|x_block| / 254, so for each output
