@@ -302,6 +302,20 @@ def test_a_rows_result_does_not_depend_on_its_batch(qtype: int) -> None:
 
 
 @needs_c
+def test_rows_wider_than_the_chunk_buffer() -> None:
+    """Rows of more than half a thread's chunk buffer (32,768 floats) still take two rows a
+    chunk, the buffer grown to fit: the same bytes as one row at a time."""
+    qtype, rows, cols = 8, 5, 40960  # Q8_0
+    raw = weights(qtype, rows, cols, seed=4)
+    data = as_tensor(raw)
+    x = torch.randn(9, cols)
+    many = ql.matmul(x, data, qtype, cols)
+    close_matmul(many, x, reference(raw, qtype, cols))
+    assert torch.equal(many, torch.cat([ql.matmul(x[i:i + 1], data, qtype, cols)
+                                        for i in range(9)]))
+
+
+@needs_c
 def test_gate_and_up_of_two_types_get_the_one_matrix_bytes() -> None:
     """A gated MLP whose gate and up are of two block types: two plain products, then the
     kernel's own activation loop (gated_rows), the same bytes as one gated matrix."""

@@ -476,9 +476,10 @@ static void deq_rows(int type, const uint8_t *const *wr, int64_t nr, int64_t col
 }
 
 /* A thread's buffer of dequantized rows, kept for its next calls (grown, never freed: it
-   is at most BUF_FLOATS floats, and a fresh allocation of that size per call costs a
-   mapping and its page faults). */
+   is BUF_FLOATS floats, or two rows where rows are wider, and a fresh allocation of that
+   size per call costs a mapping and its page faults). */
 static __thread float *thread_buf;
+static __thread int64_t thread_buf_floats;
 
 /* y[i, j0 + j] for the chunk's outputs from their sums (plain, or gated: sums hold gate,
    up pairs, which gated_row takes from a copy side by side). */
@@ -532,7 +533,13 @@ int hkv_quant_gemm(const float *x, int64_t m, int64_t ldx, const uint8_t *w, int
         const uint8_t *wr[2 * MAX_BUF_ROWS];
         float *buf = NULL;
         if (many) {
-            if (thread_buf == NULL) thread_buf = malloc((size_t)BUF_FLOATS * sizeof(float));
+            /* Rows wider than BUF_FLOATS / 2 still take two rows a chunk. */
+            const int64_t need = rows_per * cols > BUF_FLOATS ? rows_per * cols : BUF_FLOATS;
+            if (thread_buf_floats < need) {
+                free(thread_buf);
+                thread_buf = malloc((size_t)need * sizeof(float));
+                thread_buf_floats = thread_buf == NULL ? 0 : need;
+            }
             buf = thread_buf;
             if (buf == NULL) {
 #pragma omp atomic write
