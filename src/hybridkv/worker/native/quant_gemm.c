@@ -142,6 +142,15 @@ static inline int super_block(int type) {
     return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
 }
 
+/* Q4_K / Q5_K block p's sub-block s: its scale d sc and its offset -(dmin mn), both
+   dequantizations' (so both give the same values). */
+static inline void k_scale_min(const uint8_t *p, int s, vf *d, vf *m) {
+    float sc, mn;
+    scale_min_k4(p + 4, s, &sc, &mn);
+    *d = vf_set1(half_to_float(rd16(p)) * sc);
+    *m = vf_set1(-(half_to_float(rd16(p + 2)) * mn));
+}
+
 /* ---- Dequantization, 32 values at a time ----
    w[t] = values 32 sb + 8 t .. + 7 of the row (sb: sub-block `sub` of 256-value block `blk`,
    else block `blk`, sub 0): d q (Q4_0, Q5_0, Q8_0, Q6_K with
@@ -187,10 +196,8 @@ static inline __attribute__((always_inline)) void deq32_lanes(const int type, co
         const int five = type == T_Q5_K;
         const int s = sub;
         const uint8_t *p = row + blk * (five ? 176 : 144);
-        float sc, mn;
-        scale_min_k4(p + 4, s, &sc, &mn);
-        const vf d = vf_set1(half_to_float(rd16(p)) * sc);
-        const vf m = vf_set1(-(half_to_float(rd16(p + 2)) * mn));
+        vf d, m;
+        k_scale_min(p, s, &d, &m);
         const uint8_t *qh = p + 16, *qs = p + (five ? 48 : 16) + 32 * (s >> 1);
         for (int t = 0; t < 4; t++) {
             vi q = vi_and(vi_shr(u8_lanes(qs + 8 * t), 4 * (s & 1)), 15);
@@ -279,10 +286,8 @@ static inline __attribute__((always_inline)) void deq32(const int type, const ui
         const int five = type == T_Q5_K;
         const int s = sub;
         const uint8_t *p = row + blk * (five ? 176 : 144);
-        float sc, mn;
-        scale_min_k4(p + 4, s, &sc, &mn);
-        const vf d = vf_set1(half_to_float(rd16(p)) * sc);
-        const vf m = vf_set1(-(half_to_float(rd16(p + 2)) * mn));
+        vf d, m;
+        k_scale_min(p, s, &d, &m);
         __m256i q = _mm256_loadu_si256((const __m256i *)(p + (five ? 48 : 16) + 32 * (s >> 1)));
         if (s & 1) q = _mm256_srli_epi16(q, 4);
         q = _mm256_and_si256(q, low4);
