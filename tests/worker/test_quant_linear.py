@@ -319,8 +319,6 @@ def test_rows_wider_than_the_chunk_buffer() -> None:
 def test_gate_and_up_of_two_types_get_the_one_matrix_bytes() -> None:
     """A gated MLP whose gate and up are of two block types: two plain products, then the
     kernel's own activation loop (gated_rows), the same bytes as one gated matrix."""
-    from hybridkv.worker.quantized import concat
-
     qtype, n, cols = 6, 45, 256
     gate, up = (ql.QuantizedWeight(as_tensor(weights(qtype, n, cols, seed=s)), qtype, n, cols)
                 for s in (1, 2))
@@ -337,8 +335,6 @@ def test_gated_product_equals_activation_of_gate_times_up(qtype: int, act: str) 
     with 8-bit activations' rows: the caller applies the activation); outputs that fill no
     whole chunk, several chunks on two threads."""
     from hybridkv.worker import cpu_linear
-    from hybridkv.worker.quantized import concat
-
     if not ql.takes_gemm(qtype, 256):
         pytest.skip("the one-order kernel does not build here")
     fn = {"silu": torch.nn.functional.silu, "relu": torch.relu,
@@ -433,3 +429,34 @@ def test_shapes_and_errors() -> None:
         ql.matmul(torch.randn(1, 32), torch.zeros(1, 18, dtype=torch.uint8), 99, 32)
     with pytest.raises(ValueError, match="multiple"):
         ql.dequantize(torch.zeros(1, 18, dtype=torch.uint8), 2, 33)
+
+
+def concat(weights: list[ql.QuantizedWeight]) -> ql.QuantizedWeight:
+    """Matrices of one block type and width stacked by rows (one matrix, as a fused file
+    tensor holds them)."""
+    first = weights[0]
+    return ql.QuantizedWeight(torch.cat([w.data for w in weights]), first.qtype,
+                              sum(w.rows for w in weights), first.cols)
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", [2, 8, 12, 14], ids=["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_parts_kept_apart_give_the_stacked_matrix_bytes(qtype: int) -> None:
+    """q/k/v and gate/up stay where the file holds them (QuantizedParts writes each part's
+    columns; the gated product takes gate and up as two matrices): at every row count the
+    bytes of one product on the rows stacked, as a copy side by side gave them."""
+    from hybridkv.worker.quantized import QuantizedLinear, QuantizedParts
+
+    cols = 256
+    q, k, v = (ql.QuantizedWeight(as_tensor(weights(qtype, n, cols, seed=s)), qtype, n, cols)
+               for s, n in ((1, 64), (2, 24), (3, 24)))
+    gate, up = (ql.QuantizedWeight(as_tensor(weights(qtype, 40, cols, seed=s)), qtype, 40,
+                                   cols) for s in (4, 5))
+    parts = QuantizedParts([QuantizedLinear(w) for w in (q, k, v)])
+    stacked, both = concat([q, k, v]), concat([gate, up])
+    for m in (1, 3, 5, 8, 9, 40):
+        x = torch.randn(m, cols)
+        assert torch.equal(parts(x), stacked.matmul(x)), m
+        for mode in (1, 2):
+            assert torch.equal(ql.gated_matmul(x, gate, mode, up),
+                               ql.gated_matmul(x, both, mode)), (m, mode)

@@ -178,11 +178,13 @@ class GatedLinear(nn.Module):
         if self.quantized_mode is not None:
             parts = self.gate_up.quantized
             rows = x.reshape(-1, x.shape[-1])
-            if parts is not None and len(parts.weights) == 1:
-                y = quant_linear.gated_matmul(rows, parts.weights[0], self.quantized_mode)
+            if parts is not None and len(parts.weights) <= 2:
+                # One matrix of gate then up rows (a fused file tensor), or gate and up.
+                y = quant_linear.gated_matmul(rows, parts.weights[0], self.quantized_mode,
+                                              *parts.weights[1:])
                 if y is not None:
                     return y.view(*x.shape[:-1], y.shape[-1])
-            elif parts is not None and all(quant_linear.takes_gemm(w.qtype, w.cols)
+            if parts is not None and all(quant_linear.takes_gemm(w.qtype, w.cols)
                                            for w in parts.weights) \
                     and quant_linear.FLOAT_ACTIVATIONS:
                 # Gate and up of two block types: the activation by the kernel's own loop,

@@ -130,7 +130,7 @@ def set_float_activations(on: bool) -> bool:
 
 
 _GEMM_SIGNATURE: list[Any] = [_PTR, _I64, _I64, _PTR, _I64, _INT, _I64, _I64, _PTR, _I64,
-                              _INT]
+                              _INT, _PTR]
 _GATED_SIGNATURE: list[Any] = [_PTR, _I64, _PTR, _I64, _I64, _I64, _INT, _PTR, _I64]
 _GEMM_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30})
 
@@ -164,10 +164,12 @@ def gated_rows(gate: torch.Tensor, up: torch.Tensor, mode: int) -> torch.Tensor:
 
 
 def _gemm_product(x: torch.Tensor, data: torch.Tensor, qtype: int, n: int, cols: int,
-                  out: torch.Tensor, mode: int = 0) -> None:
-    """out = x W^T (or the gated product) through quant_gemm.c."""
+                  out: torch.Tensor, mode: int = 0, up: torch.Tensor | None = None) -> None:
+    """out = x W^T (or the gated product: gate = data, up = `up`, or data's second n rows
+    where `up` is None) through quant_gemm.c."""
     rc = _gemm()(x.data_ptr(), x.shape[0], x.stride(0), data.data_ptr(), data.stride(0),
-                 qtype, n, cols, out.data_ptr(), out.stride(0), mode)
+                 qtype, n, cols, out.data_ptr(), out.stride(0), mode,
+                 None if up is None else up.data_ptr())
     if rc == -2:
         raise MemoryError("the quantized matmul could not allocate its buffers")
     if rc != 0:
@@ -302,22 +304,29 @@ def _product(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int,
     return out
 
 
-def gated_matmul(x: torch.Tensor, weight: QuantizedWeight, mode: int) -> torch.Tensor | None:
-    """act(x G^T) * (x U^T), float32 [M, n], for `weight` the n gate rows then the n up rows
-    and `mode` one of worker/cpu_linear.py's GATED_ACTIVATIONS: quant_gemm.c's gated
+def gated_matmul(x: torch.Tensor, weight: QuantizedWeight, mode: int,
+                 up: QuantizedWeight | None = None) -> torch.Tensor | None:
+    """act(x G^T) * (x U^T), float32 [M, n], for `weight` the n gate rows and `up` the n up
+    rows (of one type, width and row stride), or, `up` None, `weight` the n gate rows then the
+    n up rows; `mode` one of worker/cpu_linear.py's GATED_ACTIVATIONS: quant_gemm.c's gated
     epilogue, at every M (batch invariant). None where the plain product runs these rows
     (8-bit activations' rows, a type or width the kernel does not take): the caller then
     applies the activation."""
     m = x.shape[0]
-    if (weight.rows % 2 or x.dim() != 2 or x.dtype != torch.float32
+    if up is not None and (up.qtype != weight.qtype or up.cols != weight.cols
+                           or up.rows != weight.rows
+                           or up.data.stride(0) != weight.data.stride(0)):
+        return None
+    if ((up is None and weight.rows % 2) or x.dim() != 2 or x.dtype != torch.float32
             or x.device.type != "cpu" or not available() or m <= int8_rows(weight.qtype)
             or not takes_gemm(weight.qtype, weight.cols)):
         return None
     if x.stride(1) != 1:
         x = x.contiguous()
-    n = weight.rows // 2
+    n = weight.rows if up is not None else weight.rows // 2
     out = torch.empty((m, n), dtype=torch.float32)
-    _gemm_product(x, weight.data, weight.qtype, n, weight.cols, out, mode)
+    _gemm_product(x, weight.data, weight.qtype, n, weight.cols, out, mode,
+                  None if up is None else up.data)
     return out
 
 

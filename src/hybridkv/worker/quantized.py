@@ -52,30 +52,16 @@ class QuantizedEmbedding(nn.Module):
         return self.qweight.rows_of(flat).reshape(*ids.shape, self.embedding_dim)
 
 
-def concat(weights: Sequence[QuantizedWeight]) -> QuantizedWeight:
-    """Matrices of one block type and width stacked by rows."""
-    if len(weights) == 1:
-        return weights[0]
-    first = weights[0]
-    assert all(w.qtype == first.qtype and w.cols == first.cols for w in weights)
-    return QuantizedWeight(torch.cat([w.data for w in weights]), first.qtype,
-                           sum(w.rows for w in weights), first.cols)
-
-
 class QuantizedParts(nn.Module):
-    """Several quantized maps of one input side by side (q/k/v; gate/up): consecutive maps
-    of one block type become one matrix (their rows concatenated: GGUF blocks never cross a
-    row), so a layer whose q, k and v share a type is one kernel call."""
+    """Several quantized maps of one input side by side (q/k/v; gate/up), each kept where it
+    lies (a mapped GGUF's pages, shared by every process that maps the file: a copy side by
+    side would be memory of this process's own). Each part writes its columns of one output;
+    a row's sums do not depend on the matrix around it, so the bytes are those of one call
+    on the rows stacked."""
 
     def __init__(self, linears: Sequence[QuantizedLinear]) -> None:
         super().__init__()
-        parts: list[list[QuantizedLinear]] = []
-        for lin in linears:
-            if parts and parts[-1][-1].qweight.qtype == lin.qweight.qtype:
-                parts[-1].append(lin)
-            else:
-                parts.append([lin])
-        self.weights = [concat([p.qweight for p in run]) for run in parts]
+        self.weights = [lin.qweight for lin in linears]
         biases = [lin.bias for lin in linears]
         self.bias = None if all(b is None for b in biases) else torch.cat([
             b.detach() if b is not None else torch.zeros(lin.out_features)
@@ -86,8 +72,14 @@ class QuantizedParts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
-        outs = [w.matmul(rows) for w in self.weights]
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if len(self.weights) == 1:
+            y = self.weights[0].matmul(rows)
+        else:
+            y = torch.empty((rows.shape[0], self.out_features), dtype=torch.float32)
+            start = 0
+            for w in self.weights:
+                w.matmul(rows, out=y[:, start:start + w.rows])
+                start += w.rows
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)

@@ -35,7 +35,7 @@ typedef int (*attention_fn)(const float *, int64_t, int64_t, float *, int64_t, i
 /* quant_gemm.c's hkv_quant_gemm: one order of arithmetic for every row count, so a
    decode step's rows are the bytes the operator path gives them at any batch. */
 typedef int (*matmul_fn)(const float *, int64_t, int64_t, const uint8_t *, int64_t, int,
-                         int64_t, int64_t, float *, int64_t, int);
+                         int64_t, int64_t, float *, int64_t, int, const uint8_t *);
 
 typedef struct {
     void *rms_norm, *rope, *write_kv, *attention, *matmul;
@@ -80,19 +80,22 @@ static void gated(const float *gu, int64_t m, int64_t n, int act, float *out) {
     for (int64_t i = 0; i < m; i++) gated_row(gu + i * 2 * n, gu + i * 2 * n + n, n, act, out + i * n);
 }
 
-/* y = x W^T for one matrix, or act(x G^T) * (x U^T) (mode: 1 SiLU, 2 GELU-tanh) with its
-   n / 2 gate rows then n / 2 up rows. */
+/* y = x W^T for one matrix, or act(x G^T) * (x U^T) (mode: 1 SiLU, 2 GELU-tanh): G = w,
+   U = up (w and up of one type and width), or, up NULL, w's n / 2 gate rows then n / 2 up
+   rows. */
 static int product1(const hkv_kernels *k, const float *x, int64_t m, int64_t ldx,
-                    const hkv_qmatrix *w, int64_t cols, float *y, int64_t ldy, int mode) {
-    const int rc = ((matmul_fn)k->matmul)(x, m, ldx, w->w, w->ldw, (int)w->type,
-                                          mode ? w->rows / 2 : w->rows, cols, y, ldy, mode);
+                    const hkv_qmatrix *w, const hkv_qmatrix *up, int64_t cols, float *y,
+                    int64_t ldy, int mode) {
+    const int64_t n = !mode ? w->rows : up != NULL ? w->rows : w->rows / 2;
+    const int rc = ((matmul_fn)k->matmul)(x, m, ldx, w->w, w->ldw, (int)w->type, n, cols, y,
+                                          ldy, mode, up != NULL ? up->w : NULL);
     return rc == -2 ? 2 : rc != 0 ? 3 : 0;
 }
 
 static int product(const hkv_kernels *k, const float *x, int64_t m, int64_t ldx,
                    const hkv_qmatrix *parts, int64_t n, int64_t cols, float *y, int64_t ldy) {
     for (int64_t p = 0; p < n; p++) {
-        const int rc = product1(k, x, m, ldx, &parts[p], cols, y, ldy, 0);
+        const int rc = product1(k, x, m, ldx, &parts[p], NULL, cols, y, ldy, 0);
         if (rc != 0) return rc;
         y += parts[p].rows;
     }
@@ -177,9 +180,13 @@ int hkv_decode_layers(const hkv_layer *layers, int64_t n, const hkv_group *group
 
         ((rms_norm_fn)k->rms_norm)(h, hidden, 0, x, m, 1, hidden, L->pre_ffn_norm,
                                    L->norm_offset, L->eps);
-        if (L->n_gate_up == 1) {
-            /* Gate and up in one matrix: the kernel applies the activation and product. */
-            if ((rc = product1(k, x, m, hidden, L->gate_up, hidden, act, I, (int)L->act)) != 0)
+        const hkv_qmatrix *gu2 = L->gate_up;
+        if (L->n_gate_up == 1 || (L->n_gate_up == 2 && gu2[0].type == gu2[1].type &&
+                                  gu2[0].ldw == gu2[1].ldw && gu2[0].rows == gu2[1].rows)) {
+            /* Gate and up of one type (one matrix, or two where the file holds them): the
+               kernel applies the activation and product. */
+            if ((rc = product1(k, x, m, hidden, gu2, L->n_gate_up == 2 ? &gu2[1] : NULL, hidden,
+                               act, I, (int)L->act)) != 0)
                 return rc;
         } else {
             if ((rc = product(k, x, m, hidden, L->gate_up, L->n_gate_up, hidden, gu, 2 * I)))

@@ -511,11 +511,15 @@ void hkv_gated_rows(const float *g, int64_t ldg, const float *u, int64_t ldu, in
 
 /* y [m, n] (row stride ldy) = x [m, cols] (row stride ldx) times W^T, W's rows of `type`
    at row stride ldw bytes: mode 0, W holds the n output rows; a gated mode (1 SiLU, 2
-   GELU-tanh, 3 ReLU), W holds n gate rows then n up rows and y = act(x G^T) * (x U^T).
+   GELU-tanh, 3 ReLU), y = act(x G^T) * (x U^T) with G = W's first n rows and U = u's n rows
+   (same type and stride), or W's next n rows where u is NULL. Gate and up stay two
+   matrices where they lie in the file (a mapped GGUF), rather than one copy side by side.
    cols: a multiple of 32 (whole blocks of every quantized type). Returns -1 for a type or
    width not handled here, -2 when a buffer cannot be allocated, else 0. */
 int hkv_quant_gemm(const float *x, int64_t m, int64_t ldx, const uint8_t *w, int64_t ldw,
-                   int type, int64_t n, int64_t cols, float *y, int64_t ldy, int mode) {
+                   int type, int64_t n, int64_t cols, float *y, int64_t ldy, int mode,
+                   const uint8_t *u) {
+    if (u == NULL) u = w + n * ldw;
     if (!gemm_type(type) || cols % 32 || cols <= 0) return -1;
     if (m <= 0 || n <= 0) return 0;
     const int gated = mode != 0;
@@ -560,7 +564,7 @@ int hkv_quant_gemm(const float *x, int64_t m, int64_t ldx, const uint8_t *w, int
             for (int64_t j = 0; j < outs; j++) {
                 if (gated) {
                     wr[2 * j] = w + (j0 + j) * ldw;
-                    wr[2 * j + 1] = w + (n + j0 + j) * ldw;
+                    wr[2 * j + 1] = u + (j0 + j) * ldw;
                 } else {
                     wr[j] = w + (j0 + j) * ldw;
                 }
