@@ -4,6 +4,7 @@ the long prompt's in a process of its own."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -21,11 +22,16 @@ def test_bench_gguf_reports_a_long_prompt_beside_the_batch_1_figures(tmp_path):
     model_dir = build_tiny_model("llama", tmp_path / "hf", max_position_embeddings=4096,
                                  vocab_size=1024)
     path = write_gguf(model_dir, tmp_path / "model.gguf")
+    cores = sorted(os.sched_getaffinity(0))
+    threads = min(2, len(cores))  # all the cores CI has
     out = subprocess.run(
         [sys.executable, "-m", "hybridkv.cli", "bench", "gguf", str(path), "--rounds", "1",
          "--no-batched", "--long-prompt", "640", "--llama-bin", str(tmp_path / "none"),
-         "--json"], capture_output=True, text=True, timeout=600, check=True)
+         "--threads", str(threads), "--json"], capture_output=True, text=True, timeout=600,
+        check=True)
     summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["threads"] == threads
+    assert summary["pin"] == ",".join(str(c) for c in cores[:threads])
     figures = summary["hybridkv"]
     assert {"pp512", "pp640", "tg128", "rss_mib", "load_s"} <= figures.keys()
     assert all(figures[k] > 0 for k in ("pp512", "pp640", "tg128"))
@@ -42,3 +48,17 @@ def test_a_long_prompt_of_512_tokens_is_refused_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith("--long-prompt 512 is the 512-token prompt already measured; give "
                             "another length"), err
+
+
+def test_threads_need_a_core_each(tmp_path, capsys):
+    from hybridkv.cli import main
+
+    gguf_file = tmp_path / "model.gguf"
+    gguf_file.write_bytes(b"GGUF")
+    cores = len(os.sched_getaffinity(0))
+    assert main(["bench", "gguf", str(gguf_file), "--threads", str(cores + 1)]) != 0
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"--threads {cores + 1} is more than the {cores} cores this process may run on")
+    assert main(["bench", "gguf", str(gguf_file), "--threads", "2", "--pin", "0"]) != 0
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "--pin 0 names 1 core(s) for --threads 2: each thread needs a core of its own")

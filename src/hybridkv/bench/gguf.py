@@ -1,8 +1,9 @@
 """`hybridkv bench gguf MODEL`: a GGUF model under hybridkv, and beside llama.cpp on the same
 file when its binaries are there (`../shared/bench/peer-llamacpp/setup.sh` builds them).
 
-Each figure comes from a fresh process pinned to one core (`--pin`), one thread, the engines
-alternating round by round; ratios are medians of the rounds' pairs:
+Each figure comes from a fresh process pinned to the same cores (`--pin`, default the first
+`--threads` cores), both engines with the same thread count (`--threads`, default 1), the
+engines alternating round by round; ratios are medians of the rounds' pairs:
 - batch 1 (llama-bench's figures): pp512 = tokens/s of one 512-token prompt, tg128 = tokens/s
   of the 128 decode steps after an 8-token prompt's first token (timed alone, as llama-bench
   times its decode calls: the request's time less its prompt's and first token's);
@@ -46,12 +47,12 @@ def prompt_keys(long_prompt: int | None) -> list[str]:
     return ["pp512", *([f"pp{long_prompt}"] if long_prompt else [])]
 
 
-def child_single(model: str, repeats: int, spawned: float, activations: str
+def child_single(model: str, repeats: int, spawned: float, activations: str, threads: int
                  ) -> dict[str, Any]:
     from hybridkv import LLM, SamplingParams
 
     llm = LLM(model, max_model_len=1024, enable_prefix_caching=False, max_num_seqs=4,
-              kv_cache_memory="256MiB", threads=1, quant_activations=activations)
+              kv_cache_memory="256MiB", threads=threads, quant_activations=activations)
     greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate([_prompt(16)], greedy, use_tqdm=False)
     load_s = time.time() - spawned
@@ -74,13 +75,14 @@ def child_single(model: str, repeats: int, spawned: float, activations: str
     return {"pp512": statistics.median(pp), "tg128": statistics.median(tg), "load_s": load_s}
 
 
-def child_long(model: str, length: int, repeats: int, activations: str) -> dict[str, Any]:
+def child_long(model: str, length: int, repeats: int, activations: str, threads: int
+               ) -> dict[str, Any]:
     """Prompt tokens/s of one `length`-token prompt (its first token included), the median of
     `repeats`, in a process of its own (the batch-1 process's peak RSS stays comparable)."""
     from hybridkv import LLM, SamplingParams
 
     llm = LLM(model, max_model_len=length + 16, enable_prefix_caching=False, max_num_seqs=4,
-              kv_cache_memory="1GiB", threads=1, quant_activations=activations)
+              kv_cache_memory="1GiB", threads=threads, quant_activations=activations)
     greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate([_prompt(length, 99)], greedy, use_tqdm=False)
     rates = []
@@ -91,12 +93,12 @@ def child_long(model: str, length: int, repeats: int, activations: str) -> dict[
     return {f"pp{length}": statistics.median(rates)}
 
 
-def child_batched(model: str, n: int, length: int, k: int, repeats: int, activations: str
-                  ) -> dict[str, Any]:
+def child_batched(model: str, n: int, length: int, k: int, repeats: int, activations: str,
+                  threads: int) -> dict[str, Any]:
     from hybridkv import LLM, SamplingParams
 
     llm = LLM(model, max_model_len=length + k + 32, enable_prefix_caching=False,
-              max_num_seqs=max(n, 2), kv_cache_memory="1GiB", threads=1,
+              max_num_seqs=max(n, 2), kv_cache_memory="1GiB", threads=threads,
               quant_activations=activations)
     params = SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True)
     llm.generate(_batched_prompts(2, length, 99), params, use_tqdm=False)
@@ -148,43 +150,70 @@ def _last_json(text: str) -> dict[str, Any]:
     raise RuntimeError(f"no JSON line in {text[-200:]!r}")
 
 
-def bench_gguf(model: str, *, rounds: int = 3, pin: str = "0", llama_bin: Path | None = None,
-               batched: tuple[int, int, int] = (32, 64, 128), skip_batched: bool = False,
-               activations: str = "float32", long_prompt: int | None = None,
-               as_json: bool = False) -> str:
+def pin_for(threads: int, pin: str | None) -> str:
+    """The cores both engines run on: `pin` as given (at least `threads` cores), or the
+    first `threads` cores of this process's affinity mask."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        list(range(os.cpu_count() or 1))
+    if pin is None:
+        if threads > len(cores):
+            raise ValueError(f"--threads {threads} is more than the {len(cores)} cores this "
+                             f"process may run on")
+        return ",".join(str(c) for c in cores[:threads])
+    try:
+        given = [int(c) for c in pin.split(",")]
+    except ValueError:
+        raise ValueError(f"--pin {pin!r}: give core numbers joined by commas, e.g. 0,1") \
+            from None
+    if len(set(given)) < threads:
+        raise ValueError(f"--pin {pin} names {len(set(given))} core(s) for --threads "
+                         f"{threads}: each thread needs a core of its own")
+    return pin
+
+
+def bench_gguf(model: str, *, rounds: int = 3, pin: str | None = None, threads: int = 1,
+               llama_bin: Path | None = None, batched: tuple[int, int, int] = (32, 64, 128),
+               skip_batched: bool = False, activations: str = "float32",
+               long_prompt: int | None = None, as_json: bool = False) -> str:
     from hybridkv.models.sources import resolve_model
 
     source = resolve_model(model)
     if not source.is_gguf:
         raise ValueError(f"{model}: not a GGUF file (bench gguf compares GGUF models)")
     path = str(source.path)
+    pin = pin_for(threads, pin)
     keys = [*prompt_keys(long_prompt), "tg128", "batched_tok_s", "rss_mib"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    # gen_llamacpp reads OMP_NUM_THREADS; llama-bench gets -t.
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
     bin_dir = llama_bin or DEFAULT_LLAMA_BIN
     have_llama = (bin_dir / "llama-bench").is_file()
     me = [sys.executable, "-m", "hybridkv.bench.gguf"]
+    t = ["--threads", str(threads)]
     rows: list[dict[str, Any]] = []
     for _ in range(rounds):
         row: dict[str, Any] = {}
         spawned = time.time()
-        out, rss = _run_rss([*me, "single", path, activations, "--spawned", repr(spawned)],
-                            pin, env)
+        out, rss = _run_rss([*me, "single", path, activations, "--spawned", repr(spawned),
+                             *t], pin, env)
         row["hybridkv"] = {**_last_json(out), "rss_mib": rss / 1024}
         if long_prompt:
-            out, _ = _run_rss([*me, "long", path, activations, str(long_prompt)], pin, env)
+            out, _ = _run_rss([*me, "long", path, activations, str(long_prompt), *t], pin,
+                              env)
             row["hybridkv"].update(_last_json(out))
         if not skip_batched:
-            out, _ = _run_rss([*me, "batched", path, activations, *map(str, batched)], pin,
-                              env)
+            out, _ = _run_rss([*me, "batched", path, activations, *map(str, batched), *t],
+                              pin, env)
             row["hybridkv"]["batched_tok_s"] = _last_json(out)["tok_s"]
         if have_llama:
-            out, rss = _run_rss([str(bin_dir / "llama-bench"), "-m", path, "-t", "1", "-p",
+            out, rss = _run_rss([str(bin_dir / "llama-bench"), "-m", path, "-t", str(threads),
+                                 "-p",
                                  "512", "-n", "128", "-r", "2", "-o", "json"], pin, env)
             figures = {("pp512" if r["n_prompt"] else "tg128"): r["avg_ts"]
                        for r in json.loads(out)}
             row["llama.cpp"] = {**figures, "rss_mib": rss / 1024}
             if long_prompt:
-                out, _ = _run_rss([str(bin_dir / "llama-bench"), "-m", path, "-t", "1", "-p",
+                out, _ = _run_rss([str(bin_dir / "llama-bench"), "-m", path, "-t",
+                                   str(threads), "-p",
                                    str(long_prompt), "-n", "0", "-r", "2", "-o", "json"], pin,
                                   env)
                 row["llama.cpp"].update({f"pp{r['n_prompt']}": r["avg_ts"]
@@ -194,7 +223,7 @@ def bench_gguf(model: str, *, rounds: int = 3, pin: str = "0", llama_bin: Path |
                                    *map(str, batched), "2", "0", "f32"], pin, env)
                 row["llama.cpp"]["batched_tok_s"] = _last_json(out)["median_tok_s"]
         rows.append(row)
-    summary: dict[str, Any] = {"model": path, "rounds": rows, "pin": pin, "threads": 1,
+    summary: dict[str, Any] = {"model": path, "rounds": rows, "pin": pin, "threads": threads,
                                "batched": list(batched), "quant_activations": activations}
     hyb = {k: statistics.median(r["hybridkv"][k] for r in rows) for k in keys + ["load_s"]
            if all(k in r["hybridkv"] for r in rows)}
@@ -208,8 +237,8 @@ def bench_gguf(model: str, *, rounds: int = 3, pin: str = "0", llama_bin: Path |
         summary["pairs"] = {k: [round(x, 3) for x in v] for k, v in ratios.items() if v}
     if as_json:
         return json.dumps(summary)
-    lines = [f"{path}: one core ({pin}), one thread, {rounds} rounds, engines alternating; "
-             f"hybridkv activations {activations}"]
+    lines = [f"{path}: cores {pin}, {threads} thread(s) each engine, {rounds} rounds, engines "
+             f"alternating; hybridkv activations {activations}"]
     names = {"pp512": "prompt 512 (tok/s)", f"pp{long_prompt}": f"prompt {long_prompt} (tok/s)",
              "tg128": "decode, batch 1 (tok/s)",
              "batched_tok_s": f"batched {batched[0]} x {batched[1]} in, {batched[2]} out "
@@ -230,14 +259,15 @@ def bench_gguf(model: str, *, rounds: int = 3, pin: str = "0", llama_bin: Path |
     return "\n".join(lines)
 
 
-def add_side_by_side_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
+def add_side_by_side_arguments(parser: argparse.ArgumentParser, rounds: int,
+                               pin_help: str = "the core(s) both engines run on (default: 0)"
+                               ) -> None:
     """The options every side-by-side bench shares: rounds, the pinned core(s), the batched
     workload."""
     parser.add_argument("--rounds", type=positive_int, default=rounds,
                         help=f"rounds of both engines, alternating; medians reported "
                              f"(default: {rounds})")
-    parser.add_argument("--pin", default="0",
-                        help="the core(s) both engines run on (default: 0)")
+    parser.add_argument("--pin", default="0", help=pin_help)
     parser.add_argument("--batched", type=positive_int, nargs=3, default=[32, 64, 128],
                         metavar=("N", "L", "K"),
                         help="the batched workload (default: 32 64 128)")
@@ -246,7 +276,13 @@ def add_side_by_side_arguments(parser: argparse.ArgumentParser, rounds: int) -> 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a .gguf file or a real model's short name "
                                       "(gemma-3-270m, smollm2-135m-instruct)")
-    add_side_by_side_arguments(parser, rounds=3)
+    add_side_by_side_arguments(parser, rounds=3, pin_help=(
+        "the cores both engines run on, e.g. 0,1 (default: the first --threads cores this "
+        "process may run on)"))
+    parser.set_defaults(pin=None)
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="threads of each engine, one core each (llama.cpp's -t; "
+                             "default: 1)")
     parser.add_argument("--llama-bin", type=Path, default=None,
                         help=f"llama.cpp's build/bin (default {DEFAULT_LLAMA_BIN})")
     parser.add_argument("--no-batched", action="store_true", help="batch 1 only")
@@ -260,7 +296,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    print(bench_gguf(args.model, rounds=args.rounds, pin=args.pin, llama_bin=args.llama_bin,
+    print(bench_gguf(args.model, rounds=args.rounds, pin=args.pin, threads=args.threads,
+                     llama_bin=args.llama_bin,
                      batched=tuple(args.batched), skip_batched=args.no_batched,
                      activations=args.quant_activations, long_prompt=args.long_prompt,
                      as_json=args.json))
@@ -272,13 +309,15 @@ COMMAND = Command("gguf", "a GGUF model at batch 1 and batched, its memory and l
 
 
 def _child_main(argv: list[str]) -> None:
+    threads = int(argv[argv.index("--threads") + 1])
     if argv[0] == "single":
-        result = child_single(argv[1], 3, float(argv[argv.index("--spawned") + 1]), argv[2])
+        result = child_single(argv[1], 3, float(argv[argv.index("--spawned") + 1]), argv[2],
+                              threads)
     elif argv[0] == "long":
-        result = child_long(argv[1], int(argv[3]), 2, argv[2])
+        result = child_long(argv[1], int(argv[3]), 2, argv[2], threads)
     else:
         n, length, k = (int(x) for x in argv[3:6])
-        result = child_batched(argv[1], n, length, k, 2, argv[2])
+        result = child_batched(argv[1], n, length, k, 2, argv[2], threads)
     print(json.dumps(result))
 
 
