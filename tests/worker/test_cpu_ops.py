@@ -218,3 +218,33 @@ def test_causal_conv_in_c_equals_torchs(bias, monkeypatch):
     assert torch.equal(state, ref_state)
     for o in checkpoints:
         assert torch.equal(checkpoints[o], ref_checkpoints[o]), o
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_mamba2_scan_gives_one_threads_bytes_at_any_thread_count(threads):
+    """The prompt scan splits heads over threads: output, state and checkpoints are the
+    bytes one thread gives (a shape past the kernel's threshold for threads)."""
+    from hybridkv.worker import cpu_ops
+
+    torch.manual_seed(9)
+    heads, head_dim, size, groups, tokens = 6, 16, 32, 2, 200
+    xbc = torch.randn(tokens, heads * head_dim + 2 * groups * size)
+    dt = torch.randn(tokens, heads)
+    dt_bias, a, skip = torch.randn(heads), -torch.rand(heads), torch.randn(heads)
+    state0 = torch.randn(heads, head_dim, size)
+
+    def scan(t):
+        state = state0.clone()
+        saves = {50: torch.empty_like(state0), tokens: torch.empty_like(state0)}
+        before = torch.get_num_threads()
+        torch.set_num_threads(t)
+        try:
+            y = cpu_ops.mamba2_scan(xbc, dt, dt_bias, a, skip, 1e-3, state, groups, saves)
+        finally:
+            torch.set_num_threads(before)
+        return y, state, saves
+
+    y1, s1, c1 = scan(1)
+    y2, s2, c2 = scan(threads)
+    assert torch.equal(y1, y2) and torch.equal(s1, s2)
+    assert all(torch.equal(c1[k], c2[k]) for k in c1)

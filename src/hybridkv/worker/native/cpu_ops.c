@@ -8,7 +8,11 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -209,6 +213,30 @@ static void ssd_token(float *restrict st, int64_t head_dim, int64_t state_size, 
     for (int64_t p = 0; p < head_dim; p++) yt[p] += x[p] * skip;
 }
 
+/* One head's recurrence over the prompt (hkv_mamba2_scan_f32), in `st`, a
+   [state_size, head_dim] buffer of its own. */
+static void scan_head(float *state, int64_t h, int64_t tokens, int64_t heads, int64_t head_dim,
+                      int64_t state_size, int64_t per, int64_t size, int64_t inner,
+                      const float *xbc, int64_t xbc_stride, int64_t b_offset,
+                      int64_t c_offset, const float *dts, const float *decay,
+                      const float *skip, const int64_t *save_at, int64_t num_saves,
+                      float *const *saves, float *y, float *st) {
+    to_np(state + h * size, st, head_dim, state_size);
+    const int64_t g = h / per;
+    int64_t next = 0;
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *row = xbc + t * xbc_stride;
+        ssd_token(st, head_dim, state_size, decay[t * heads + h], row + h * head_dim,
+                  dts[t * heads + h], row + b_offset + g * state_size,
+                  row + c_offset + g * state_size, skip[h], y + t * inner + h * head_dim);
+        while (next < num_saves && save_at[next] == t + 1) {
+            to_np(st, saves[next] + h * size, state_size, head_dim);
+            next++;
+        }
+    }
+    to_np(st, state + h * size, state_size, head_dim);
+}
+
 void hkv_mamba2_scan_f32(float *state, int64_t tokens, int64_t heads, int64_t head_dim,
                          int64_t state_size, int64_t groups, const float *xbc,
                          int64_t xbc_stride, int64_t b_offset, int64_t c_offset,
@@ -225,21 +253,28 @@ void hkv_mamba2_scan_f32(float *state, int64_t tokens, int64_t heads, int64_t he
             dts[t * heads + h] = v;
             decay[t * heads + h] = expf(v * a[h]);
         }
-    for (int64_t h = 0; h < heads; h++) {
-        to_np(state + h * size, st, head_dim, state_size);
-        const int64_t g = h / per;
-        int64_t next = 0;
-        for (int64_t t = 0; t < tokens; t++) {
-            const float *row = xbc + t * xbc_stride;
-            ssd_token(st, head_dim, state_size, decay[t * heads + h], row + h * head_dim,
-                      dts[t * heads + h], row + b_offset + g * state_size,
-                      row + c_offset + g * state_size, skip[h], y + t * inner + h * head_dim);
-            while (next < num_saves && save_at[next] == t + 1) {
-                to_np(st, saves[next] + h * size, state_size, head_dim);
-                next++;
-            }
-        }
-        to_np(st, state + h * size, state_size, head_dim);
+    /* Heads are independent: split over torch's OpenMP threads, each head's recurrence in
+       a buffer of its thread's (the first thread's in `work`, the others' from malloc, or
+       their stack where that fails), the same operations in the same order as on one
+       thread, so the same bytes. */
+    const int parallel = heads > 1 && tokens * heads * size >= (1 << 18);
+#pragma omp parallel if (parallel)
+    {
+        float *own = NULL;
+#ifdef _OPENMP
+        if (omp_get_thread_num() > 0) own = malloc(sizeof(float) * size);
+        const int on_stack = omp_get_thread_num() > 0 && own == NULL;
+#else
+        const int on_stack = 0;
+#endif
+        float local[on_stack ? size : 1];
+        float *buf = on_stack ? local : own != NULL ? own : st;
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < heads; h++)
+            scan_head(state, h, tokens, heads, head_dim, state_size, per, size, inner, xbc,
+                      xbc_stride, b_offset, c_offset, dts, decay, skip, save_at, num_saves,
+                      saves, y, buf);
+        free(own);
     }
 }
 
