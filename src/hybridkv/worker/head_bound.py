@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.worker import native, quant_linear
+from hybridkv.worker import head_cache, native, quant_linear
 from hybridkv.worker.head_topk import HeadCandidates
 
 BLOCK = 32  # values per scale, in the copy and in x
@@ -82,14 +82,22 @@ class HeadBound:
 
     @classmethod
     def of_rows(cls, rows: Callable[[int, int], torch.Tensor], vocab: int, cols: int,
-                exact_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-                ) -> HeadBound | None:
+                exact_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                key: bytes | None = None) -> HeadBound | None:
         """The copy of a head whose float32 rows r0..r1 `rows(r0, r1)` gives (None where
         cols is not a multiple of 32, there is no kernel here, or a row is not finite:
-        the full path reports its NaN logits)."""
+        the full path reports its NaN logits). `key` (head_cache.head_key of the head):
+        the copy is mapped from the cache where it was stored, else built and stored."""
         if cols % BLOCK or not available():
             return None
         nb, groups = cols // BLOCK, -(-vocab // GROUP)
+        if key is not None:
+            cached = head_cache.load(key, vocab, cols, groups)
+            if cached is not None:
+                t, exact = cached
+                return cls(t["packed"], t["scales"], vocab, cols, t["wnorm"],
+                           None if exact else t["dnorm"], t["wblock"],
+                           None if exact else t["dblock"], exact_logits)
         packed = torch.zeros((groups, nb, GROUP, BLOCK), dtype=torch.int8)
         scales = torch.zeros((groups, nb, GROUP), dtype=torch.float16)
         wnorm = torch.empty(vocab, dtype=torch.float32)
@@ -115,6 +123,10 @@ class HeadBound:
         if not (bool(torch.isfinite(wnorm).all()) and bool(torch.isfinite(dnorm).all())):
             return None
         exact = not bool(dnorm.any())  # a Q8_0 head's own values: no weight error
+        if key is not None:
+            head_cache.store(key, vocab, cols, {
+                "packed": packed, "scales": scales, "wnorm": wnorm, "wblock": wblock,
+                "dnorm": None if exact else dnorm, "dblock": None if exact else dblock})
         return cls(packed, scales, vocab, cols, wnorm, None if exact else dnorm, wblock,
                    None if exact else dblock, exact_logits)
 
@@ -132,7 +144,8 @@ class HeadBound:
             return quant_linear.matmul(x.view(1, -1), weight.data.index_select(0, ids),
                                        weight.qtype, weight.cols)[0]
 
-        return cls.of_rows(rows, weight.rows, weight.cols, exact_logits)
+        return cls.of_rows(rows, weight.rows, weight.cols, exact_logits,
+                           head_cache.head_key(weight.data, f"ggml{weight.qtype}x{weight.cols}"))
 
     @classmethod
     def of_float(cls, weight: torch.Tensor) -> HeadBound | None:
@@ -148,7 +161,7 @@ class HeadBound:
             return quant_linear.matmul(x.view(1, -1), rows, 0, weight.shape[1])[0]
 
         return cls.of_rows(lambda r0, r1: weight[r0:r1], weight.shape[0], weight.shape[1],
-                           exact_logits)
+                           exact_logits, head_cache.head_key(weight, f"f32x{weight.shape[1]}"))
 
     def approx(self, x: torch.Tensor) -> torch.Tensor:
         """[N, groups * 8] float32: the pre-pass logits (no multiplier or cap) of x's rows,
