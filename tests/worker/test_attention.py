@@ -276,3 +276,36 @@ def test_attention_tiles_in_c_refuse_queries_their_keys_do_not_cover():
     with pytest.raises(ValueError, match="positions the keys cover"):
         cpu_linear.attention(torch.randn(16, 32), 1, k_panels, 64, v_panels,
                              torch.empty(16, 32), q_start=60)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize(("lens", "new"), [([100], [45]),  # one prompt: split by queries
+                                           ([100, 20, 9, 33], [45, 1, 9, 1])])
+def test_the_in_place_kernel_gives_one_threads_bytes_at_any_thread_count(lens, new, threads):
+    """The paged kernel splits a step's queries over threads (runs of a request's queries):
+    every output row is the bytes one thread gives it, a lone prompt included."""
+    from hybridkv.worker import cpu_attention
+
+    torch.manual_seed(5)
+    kv = torch.zeros(40, 2, 2, BS, H_KV, D)
+    tables, next_block = [], 0
+    for n in lens:
+        tables.append(list(range(next_block, next_block + -(-n // BS))))
+        next_block += len(tables[-1])
+    for r, (table, n) in enumerate(zip(tables, lens, strict=True)):
+        for pos in range(n - new[r]):
+            b = table[pos // BS]
+            kv[b // 2, b % 2, :, pos % BS] = torch.randn(2, H_KV, D)
+    meta = paged_metadata(tables, lens, new, 2, BS)
+    assert cpu_attention.max_query(meta) >= max(new)  # every query takes the paged kernel
+    q = torch.randn(sum(new), H_Q, D)
+    k_new, v_new = torch.randn(sum(new), H_KV, D), torch.randn(sum(new), H_KV, D)
+    params = AttentionParams(scale=1 / math.sqrt(D), sliding_window=37)
+    before, outs = torch.get_num_threads(), []
+    try:
+        for t in (1, threads):
+            torch.set_num_threads(t)
+            outs.append(get_backend("cpu").forward(q, k_new, v_new, kv.clone(), meta, params))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])

@@ -135,7 +135,9 @@ class CPUPagedBackend(TorchReferenceBackend):
             None if fresh is None else fresh.data_ptr(),
             0 if fresh is None else fresh.stride(0),
             None if starts is None else starts.data_ptr(),
-            torch.get_num_threads() if rows.numel() > 1 else 1)
+            torch.get_num_threads())  # the kernel splits only where it has several items
+        if status == -2:
+            raise MemoryError("paged attention could not allocate its work list")
         if status != 0:
             raise RuntimeError(f"paged attention kernel refused its arguments ({status}): "
                                f"{num_heads} heads, {kv_cache.shape[4]} KV heads, "

@@ -173,7 +173,7 @@ int hkv_decode_layers(const hkv_layer *layers, int64_t n, const hkv_group *group
             L->cs[2] * f, L->cs[3] * f, L->cs[4] * f, G->block_size, G->kernel_block_size,
             G->blocks_per_page, G->block_table, G->table_stride, G->rows, G->num_rows,
             G->query_start_loc, G->seq_lens, L->heads, L->kv_heads, D, L->scale, L->window,
-            0, L->softcap, NULL, NULL, 0, NULL, G->num_rows > 1 ? threads : 1);
+            0, L->softcap, NULL, NULL, 0, NULL, threads);
         if (rc != 0) return 4;
         if ((rc = product(k, att, m, qw, &L->o, 1, qw, o, hidden)) != 0) return rc;
         add_normed(k, h, o, m, hidden, L->post_attn_norm, L->norm_offset, L->eps);

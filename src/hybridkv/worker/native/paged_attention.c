@@ -27,12 +27,14 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "simd.h"
 
 #define PREFETCH_BLOCKS 2 /* how far ahead the next blocks are fetched */
 #define TILE 32 /* at most this many keys scored before the running softmax is updated */
+#define ITEM_QUERIES 4 /* queries of one request per work item (a prompt's split over threads) */
 #define GROUP 32 /* values per scale in quantized rows */
 #define KEY_GROUP 16 /* tokens per key group of q4 K/V pages */
 
@@ -470,10 +472,28 @@ int hkv_paged_attention(
     const int64_t pf_lines_per_head =
         (block_bytes / 64 + num_heads * tiles_per_block) / (num_heads * tiles_per_block);
 
-    /* Requests are independent: split across torch's OpenMP threads (the library links the
-       libgomp torch has loaded, so both share one pool). */
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
+    /* Queries are independent (each has its own running max, sum and output, over keys in
+       one order): work items are runs of up to ITEM_QUERIES queries of one request, split
+       across torch's OpenMP threads (the library links the libgomp torch has loaded, so
+       both share one pool). A query's bytes do not depend on the item or thread it falls
+       in, and a one-request prompt uses every thread. */
+    int64_t items_stack[65];
+    int64_t *item_start = num_rows < 64 ? items_stack : malloc(sizeof(int64_t) * (num_rows + 1));
+    if (item_start == NULL) return -2;
+    item_start[0] = 0;
     for (int64_t i = 0; i < num_rows; i++) {
+        const int64_t nq = query_start_loc[rows[i] + 1] - query_start_loc[rows[i]];
+        item_start[i + 1] = item_start[i] + (nq + ITEM_QUERIES - 1) / ITEM_QUERIES;
+    }
+    const int64_t num_items = item_start[num_rows];
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) \
+    if (num_threads > 1 && num_items > 1)
+    for (int64_t item = 0; item < num_items; item++) {
+        int64_t i = 0, hi = num_rows; /* the request: item_start[i] <= item < item_start[i + 1] */
+        while (hi - i > 1) {
+            const int64_t mid = (i + hi) / 2;
+            if (item_start[mid] <= item) i = mid; else hi = mid;
+        }
         float qs[num_heads * head_dim];  /* scaled queries of one position, [Hq, D] */
         float acc[num_heads * head_dim]; /* running outputs [Hq, D] */
         float scores[TILE];
@@ -496,7 +516,9 @@ int hkv_paged_attention(
         const int64_t num_q = query_start_loc[r + 1] - first_tok;
         const int64_t seq_len = seq_lens[r];
         const int64_t *table = block_table + r * table_stride;
-        for (int64_t j = 0; j < num_q; j++) {
+        const int64_t j_first = (item - item_start[i]) * ITEM_QUERIES;
+        const int64_t j_end = j_first + ITEM_QUERIES < num_q ? j_first + ITEM_QUERIES : num_q;
+        for (int64_t j = j_first; j < j_end; j++) {
             const int64_t tok = first_tok + j;
             const int64_t pos = seq_len - num_q + j;
             int64_t lo = 0;
@@ -629,5 +651,6 @@ int hkv_paged_attention(
             }
         }
     }
+    if (item_start != items_stack) free(item_start);
     return 0;
 }
