@@ -35,7 +35,9 @@ def _fields(bound: HeadBound) -> list[torch.Tensor | None]:
 def _mapped(tensor: torch.Tensor, path) -> bool:
     """Whether the tensor's bytes lie in this process's mapping of `path`."""
     ptr, target = tensor.untyped_storage().data_ptr(), os.path.realpath(path)
-    for line in open("/proc/self/maps"):
+    with open("/proc/self/maps") as maps:
+        lines = maps.read().splitlines()
+    for line in lines:
         fields = line.split(maxsplit=5)
         if len(fields) == 6 and fields[5].strip() == target:
             start, end = (int(a, 16) for a in fields[0].split("-"))
