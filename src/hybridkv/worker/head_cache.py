@@ -48,7 +48,7 @@ def head_key(data: torch.Tensor, kind: str) -> bytes:
     digest.update(kind.encode())
     for maker in _MAKERS:
         digest.update(maker.read_bytes())
-    digest.update(memoryview(data.detach().contiguous().view(torch.uint8).numpy()))
+    digest.update(data.detach().contiguous().view(torch.uint8).numpy().data)
     return digest.digest()
 
 
@@ -110,7 +110,7 @@ def store(key: bytes, vocab: int, cols: int, tensors: dict[str, torch.Tensor | N
             for name in shapes(vocab, cols, groups, exact):
                 tensor = tensors[name]
                 assert tensor is not None
-                f.write(memoryview(tensor.contiguous().view(torch.uint8).numpy()))
+                f.write(tensor.contiguous().view(torch.uint8).numpy().data)
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)
