@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import hybridkv
 from hybridkv.engine.engine import LLMEngine
+from hybridkv.server import anthropic_api, ollama_api, responses_api
 from hybridkv.server import protocol as p
 from hybridkv.server.async_engine import AsyncEngine, EngineDeadError
 from hybridkv.server.chat import ChatTemplate, find_chat_template, special_tokens
@@ -34,7 +35,9 @@ from hybridkv.server.limits import (
     max_chars_per_token,
 )
 from hybridkv.server.metrics import ServerMetrics, scheduler_loads
-from hybridkv.server.serving import ServerState, create_chat_completion, create_completion
+from hybridkv.server.openai_api import create_chat_completion, create_completion
+from hybridkv.server.reasoning import reasoning_enabled
+from hybridkv.server.serving import ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,12 @@ class ServerConfig:
     replica_status: str | None = None
     # A larger request body is refused with 413 before it is read (server/limits.py).
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # Replies split into reasoning and content (server/reasoning.py): auto, when the chat
+    # template writes </think>.
+    reasoning_parser: str = "auto"
+    # Responses kept for previous_response_id (server/responses_api.py); 0: none; None:
+    # responses_api.DEFAULT_MAX_STORED_RESPONSES.
+    max_stored_responses: int | None = None
 
 
 def group_names(engine: LLMEngine) -> list[str]:
@@ -88,20 +97,26 @@ def cache_info(engine: LLMEngine) -> dict[str, str]:
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer KEY` on /v1/... (health, metrics and version stay open, as in
-    vLLM). Checked before the body is read, so an unauthenticated client learns nothing."""
+    """`Authorization: Bearer KEY` (or `x-api-key: KEY`, as Anthropic's clients send it) on
+    /v1/... and Ollama's /api/... (health, metrics and version stay open, as in vLLM).
+    Checked before the body is read, so an unauthenticated client learns nothing."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.bearer = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") \
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path.startswith(("/v1", "/api/")) \
                 and scope["method"] != "OPTIONS":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            headers = dict(scope["headers"])
+            bearer = hmac.compare_digest(headers.get(b"authorization", b""), self.bearer)
+            key = hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)
+            if not (bearer or key):
                 response = error_response(401, "a valid API key is required "
-                                               "(Authorization: Bearer KEY)")
+                                               "(Authorization: Bearer KEY, or x-api-key: "
+                                               "KEY)", path=path)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -131,7 +146,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                         model_dir=config.model_dir, tokenizer=engine.tokenizer,
                         max_model_len=engine.max_model_len, chat_template=chat_template,
                         chars_per_token=max_chars_per_token(engine.tokenizer)
-                        if engine.tokenizer is not None else None)
+                        if engine.tokenizer is not None else None,
+                        thinks=reasoning_enabled(config.reasoning_parser, template))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -150,6 +166,11 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     app.router.route_class = JSONRoute  # bodies parsed with a stated nesting limit
     add_routes(app, state)
+    anthropic_api.add_routes(app, state)
+    ollama_api.add_routes(app, state)
+    stored = config.max_stored_responses
+    responses_api.add_routes(app, state, responses_api.ResponseStore(
+        responses_api.DEFAULT_MAX_STORED_RESPONSES if stored is None else stored))
     return app
 
 

@@ -71,6 +71,7 @@ def special_tokens(model_dir: str | Path) -> dict[str, str]:
 
 class ChatTemplate:
     def __init__(self, source: str, variables: dict[str, str] | None = None) -> None:
+        self.source = source
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_exception
         try:

@@ -1,11 +1,13 @@
 """Errors in OpenAI's envelope, `{"error": {"message", "type", "param", "code"}}`, for every
 failure the server answers: bad JSON, schema errors, bad values, auth, unknown routes, a
-full queue, and (logged, without a traceback to the client) bugs."""
+full queue, and (logged, without a traceback to the client) bugs. An API with an envelope of
+its own (Anthropic's, Ollama's) registers it for its paths (`register_envelope`): the same
+failures then answer in its shape."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -57,9 +59,29 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
     return ErrorResponse(error=info).model_dump()
 
 
+# (status, message, param) -> an error's JSON body
+ErrorBody = Callable[[int, str, "str | None"], dict[str, Any]]
+# Path prefix -> the envelope of the API served there; OpenAI's everywhere else.
+_ENVELOPES: dict[str, ErrorBody] = {}
+
+
+def register_envelope(prefix: str, body: ErrorBody) -> None:
+    _ENVELOPES[prefix] = body
+
+
+def envelope_for(path: str | None) -> ErrorBody:
+    if path:
+        for prefix, body in _ENVELOPES.items():
+            if path == prefix or path.startswith(prefix.rstrip("/") + "/"):
+                return body
+    return error_body
+
+
 def error_response(status: int, message: str, param: str | None = None,
-                   headers: Mapping[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status,
+                   headers: Mapping[str, str] | None = None, *,
+                   path: str | None = None) -> JSONResponse:
+    """The error in the envelope of the API that `path` belongs to."""
+    return JSONResponse(envelope_for(path)(status, message, param), status_code=status,
                         headers=dict(headers or {}))
 
 
@@ -138,22 +160,25 @@ def describe_validation_error(errors: Sequence[Any], body: Any = None
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.headers)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.headers,
+                              path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = describe_validation_error(exc.errors(), getattr(exc, "body", None))
-        return error_response(400, message, param)
+        return error_response(400, message, param, path=request.url.path)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         message = str(exc.detail) if exc.detail else "error"
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
-        return error_response(exc.status_code, message, headers=exc.headers)
+        return error_response(exc.status_code, message, headers=exc.headers,
+                              path=request.url.path)
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("internal error while serving a request")
-        return error_response(500, f"internal server error ({type(exc).__name__})")
+        return error_response(500, f"internal server error ({type(exc).__name__})",
+                              path=request.url.path)

@@ -68,7 +68,7 @@ class BodyLimitMiddleware:
         size = int(declared) if declared is not None and declared.isdigit() else None
         if size is not None and size > self.limit:
             error = BodyTooLarge(self.limit, size)
-            await error_response(413, str(error.detail))(scope, receive, send)
+            await error_response(413, str(error.detail), path=scope["path"])(scope, receive, send)
             return
         received = 0
 

@@ -18,6 +18,7 @@ from pydantic import (
     Discriminator,
     FailFast,
     Field,
+    SerializeAsAny,
     Tag,
     field_validator,
     model_validator,
@@ -280,9 +281,9 @@ ROUTER_FIELDS: dict[str, tuple[object, str]] = {
     "skip_special_tokens": (True, "special tokens in the output text"),
     "spaces_between_special_tokens": (True, "no spaces between special tokens"),
     "no_stop_trim": (False, "stop strings kept in the output"),
-    "include_reasoning": (True, "reasoning left out (no reasoning parser here)"),
-    "separate_reasoning": (True, "reasoning merged (no reasoning parser here)"),
-    "stream_reasoning": (True, "reasoning held back (no reasoning parser here)"),
+    "include_reasoning": (True, "reasoning left out of the reply"),
+    "separate_reasoning": (True, "reasoning merged into the content"),
+    "stream_reasoning": (True, "reasoning held back until the reply ends"),
     "return_hidden_states": (False, "hidden states"),
     "continue_final_message": (False, "continuing the final message"),
     "min_tokens": (0, "a minimum number of tokens"),
@@ -384,9 +385,17 @@ class AssistantMessage(Response):
     tool_calls: list[ToolCall] | None = None
 
 
+class ThinkingMessage(AssistantMessage):
+    """The reply of a model that thinks (a reasoning parser): its reasoning apart, under
+    vLLM's name and under the newer one."""
+
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
 class ChatChoice(Response):
     index: int
-    message: AssistantMessage
+    message: SerializeAsAny[AssistantMessage]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -408,9 +417,14 @@ class Delta(Response):
     tool_calls: list[dict[str, Any]] | None = None
 
 
+class ThinkingDelta(Delta):
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
 class ChatChunkChoice(Response):
     index: int
-    delta: Delta
+    delta: SerializeAsAny[Delta]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 

@@ -1,5 +1,15 @@
-"""/v1/completions and /v1/chat/completions: a request body in, engine requests out, and
-their outputs back as one response or as server-sent events.
+"""The core every API adapter stands on: tokenizing and chat templating, the engine
+requests a body asks for, and the outputs they give back, whole or streamed.
+
+    openai_api.py   anthropic_api.py   responses_api.py   ollama_api.py   (one per API)
+          |                |                  |                |
+    ServerState.start_chat / submit, collect / merged, ReplyStream (here, replies.py)
+                                     |
+                                AsyncEngine
+
+An adapter maps its request onto `start_chat` (messages, tools, sampling values, a
+structured-output spec) and the engine's outputs onto its own wire format; scheduling,
+tokenizing, tool parsing, reasoning and errors live here once.
 
 Every check that can fail runs before the first request is queued; a request whose client
 goes away (mid-stream, or while waiting for a whole response) is aborted at once.
@@ -13,14 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from hybridkv.engine.outputs import RequestOutput
@@ -37,17 +45,17 @@ from hybridkv.server.chat import NO_TEMPLATE, ChatTemplate, ChatTemplateError
 from hybridkv.server.errors import APIError, bad_request, error_body
 from hybridkv.server.limits import too_long
 from hybridkv.server.metrics import ServerMetrics
-from hybridkv.server.structured import check_tool_schemas, compile_or_400, request_spec
+from hybridkv.server.reasoning import starts_inside
+from hybridkv.server.replies import Reply, ReplyStream, parse_reply
+from hybridkv.server.structured import check_tool_schemas, compile_or_400
 from hybridkv.server.tools import (
-    CallStream,
     ToolUse,
     describe,
-    parse_calls,
-    parse_tools,
     render_call,
 )
 
 RETRY_AFTER_S = "1"
+NO_TOOLS = ToolUse((), "none")
 
 
 @dataclass
@@ -62,6 +70,8 @@ class ServerState:
     # The most characters one token stands for (limits.max_chars_per_token); None: no
     # character count proves a prompt too long.
     chars_per_token: int | None = None
+    # Whether replies are split into reasoning and content (server/reasoning.py).
+    thinks: bool = False
 
     # ------------------------------------------------------------ checks
     def check_model(self, model: str | None) -> None:
@@ -97,10 +107,17 @@ class ServerState:
         gives them: templates print their own special tokens (`{{ bos_token }}`), so the
         tokenizer adds none (its post-processor would add a second BOS). Rendered, checked
         and tokenized in one thread hop (~0.1 ms)."""
-        def render_and_encode() -> list[int]:
-            text = self.render_chat(messages, add_generation_prompt, use)
-            self.check_length(text, "messages")
-            return self.encode(text, "messages", add_special_tokens=False)
+        _, ids = await self.render_and_tokenize(messages, add_generation_prompt, use)
+        return ids
+
+    async def render_and_tokenize(self, messages: list[p.ChatMessage],
+                                  add_generation_prompt: bool, use: ToolUse | None = None,
+                                  param: str = "messages") -> tuple[str, list[int]]:
+        """(the rendered chat, its tokens), as `tokenize_chat`."""
+        def render_and_encode() -> tuple[str, list[int]]:
+            text = self.render_chat(messages, add_generation_prompt, use, param)
+            self.check_length(text, param)
+            return text, self.encode(text, param, add_special_tokens=False)
 
         return await asyncio.to_thread(render_and_encode)
 
@@ -122,9 +139,9 @@ class ServerState:
                               f"least one generated token)", param)
 
     def render_chat(self, messages: list[p.ChatMessage], add_generation_prompt: bool,
-                    use: ToolUse | None = None) -> str:
+                    use: ToolUse | None = None, param: str = "messages") -> str:
         if self.chat_template is None:
-            raise bad_request(NO_TEMPLATE, "messages")
+            raise bad_request(NO_TEMPLATE, param)
         native = self.chat_template.reads_tools
         plain = [plain_message(m, native) for m in messages]
         tools = use.tools if use is not None and use.choice != "none" else ()
@@ -139,9 +156,52 @@ class ServerState:
                 plain, add_generation_prompt=add_generation_prompt,
                 tools=[t.as_openai() for t in tools] if tools and native else None)
         except ChatTemplateError as e:
-            raise bad_request(str(e), "messages") from None
+            raise bad_request(str(e), param) from None
 
     # ------------------------------------------------------------ queueing
+    async def start_chat(self, base_id: str, messages: list[p.ChatMessage], use: ToolUse,
+                         job: ChatJob, *, context: Sequence[int] = (),
+                         earlier: Exchange | None = None) -> ChatTurn:
+        """Queue one chat reply: the tools' schemas checked, the chat rendered and tokenized
+        (after `context`, the tokens of an earlier exchange), then `start`. When the chat
+        renders as `earlier`'s text and more, its prompt is `earlier`'s tokens and the rest:
+        the tokens the engine already computed, reused whole by the prefix cache (the text
+        tokenized again can differ from what the model wrote, and would miss from there)."""
+        await check_tool_schemas(use.tools)
+        text, prompt = await self.render_and_tokenize(messages, True, use, job.messages_param)
+        if earlier is not None and text.startswith(earlier.text):
+            [rest] = await self.tokenize([text[len(earlier.text):]], job.messages_param,
+                                         add_special_tokens=False)
+            prompt = [*earlier.token_ids, *rest]
+        return await self.start(base_id, [*context, *prompt], job, use=use,
+                                prompt_text=None if context else text,
+                                inside=self.thinks and starts_inside(text))
+
+    async def start(self, base_id: str, prompt: list[int], job: ChatJob, *,
+                    use: ToolUse = NO_TOOLS, inside: bool = False,
+                    prompt_text: str | None = None) -> ChatTurn:
+        """Queue one reply to `prompt`: a constrained tool_choice turned into the reply's
+        grammar, the sampling values checked, the grammar compiled; every failure a 400
+        before anything is queued."""
+        spec, spec_param = job.spec, job.spec_param
+        if use.constrained:
+            if spec is not None:
+                raise bad_request(f"a tool choice that forces a call constrains the reply: "
+                                  f"{spec_param} cannot be set with it", spec_param)
+            spec, spec_param = StructuredOutput(json_schema=use.call_schema()), "tools"
+        self.check_prompt(prompt, job.messages_param)
+        max_tokens = max_tokens_for(job.max_tokens, prompt, self.max_model_len,
+                                    job.max_tokens_param)
+        params = engine_params({**job.values, "max_tokens": max_tokens,
+                                "structured_output": spec}, job.names)
+        if spec is not None:
+            await compile_or_400(self.engine.engine, spec, spec_param)
+        streams = await self.submit(base_id, [prompt], [params])
+        # A reply held to a grammar (a forced call, a schema) has no room to think.
+        thinks = self.thinks and spec is None
+        return ChatTurn(streams=streams, prompt=prompt, prompt_text=prompt_text, use=use,
+                        thinks=thinks, inside=thinks and inside)
+
     async def submit(self, base_id: str, prompts: list[list[int]],
                      params: list[SamplingParams]) -> list[RequestStream]:
         """Queue one engine request per prompt, all or none."""
@@ -189,6 +249,74 @@ def plain_message(m: p.ChatMessage, native_tools: bool) -> dict[str, Any]:
             message["content"] = "\n".join([m.text] * bool(m.text) +
                                            [render_call(c) for c in m.tool_calls])
     return message
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatJob:
+    """What an API asks of one chat reply, in the engine's terms, with the API's own field
+    names for its errors."""
+
+    values: dict[str, Any]  # SamplingParams fields (max_tokens and the grammar apart)
+    max_tokens: int | None  # None: up to the context's end
+    max_tokens_param: str
+    messages_param: str = "messages"
+    spec: StructuredOutput | None = None
+    spec_param: str = ""
+    names: dict[str, str] = field(default_factory=dict)  # engine field -> API field
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """An earlier prompt and its reply: the text, and the tokens the engine computed."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatTurn:
+    """A queued chat reply: its stream, and how to read its text."""
+
+    streams: list[RequestStream]
+    prompt: list[int]
+    prompt_text: str | None  # the rendered chat; None: a prompt of tokens
+    use: ToolUse
+    thinks: bool
+    inside: bool  # the prompt opened the thinking
+
+    @property
+    def base_id(self) -> str:
+        return self.streams[0].request_id.rsplit("-", 1)[0]
+
+    def exchange(self, out: RequestOutput) -> Exchange | None:
+        """The prompt and its reply, as text and tokens, for a continuation to start from;
+        None when the two do not match (a stop string is in the tokens, not the text)."""
+        if self.prompt_text is None or isinstance(out.stop_reason, str):
+            return None
+        ids = list(out.token_ids)
+        if ids and out.stop_reason is not None and ids[-1] == out.stop_reason:
+            ids.pop()  # EOS: the template writes its own end of turn
+        return Exchange(self.prompt_text + out.text, [*self.prompt, *ids])
+
+    def reply_stream(self) -> ReplyStream:
+        return ReplyStream(self.use, thinks=self.thinks, inside=self.inside)
+
+    def reply(self, text: str) -> Reply:
+        return parse_reply(text, self.use, thinks=self.thinks, inside=self.inside)
+
+
+def engine_params(values: dict[str, Any], names: dict[str, str]) -> SamplingParams:
+    """SamplingParams of `values`; a bad value is a 400 naming the API's field (`names`
+    maps the engine's field names to it)."""
+    try:
+        return SamplingParams(**values)
+    except ValueError as e:
+        message = str(e)
+        field_name = next((f for f in accepted_fields() if message.startswith(f)), None)
+        param = names.get(field_name, field_name) if field_name else None
+        if field_name and param and param != field_name:
+            message = param + message[len(field_name):]
+        raise bad_request(message, param) from None
 
 
 def sampling_params(body: p.SamplingFields, *, max_tokens: int, logprobs: int | None,
@@ -304,14 +432,17 @@ def choice_index(streams: Sequence[RequestStream], stream_index: int,
     return stream_index * streams[stream_index].n + out.index
 
 
-async def collect(state: ServerState, request: Request, streams: list[RequestStream]
+async def collect(state: ServerState, request: Request, streams: list[RequestStream],
+                  on_output: Callable[[RequestOutput], None] | None = None
                   ) -> list[RequestOutput] | None:
     """Every sample's final output, in choice order; None (all aborted) if the client went
-    away first."""
+    away first. `on_output` sees every output as it comes (an API's timings)."""
     finals: list[RequestOutput | None] = [None] * sum(s.n for s in streams)
 
     async def gather() -> None:
         async for index, out, _ in merged(streams):
+            if on_output is not None:
+                on_output(out)
             if out.finished:
                 finals[choice_index(streams, index, out)] = out
 
@@ -331,11 +462,13 @@ async def collect(state: ServerState, request: Request, streams: list[RequestStr
 
 
 async def finished_outputs(state: ServerState, request: Request,
-                           streams: list[RequestStream]) -> list[RequestOutput] | None:
+                           streams: list[RequestStream],
+                           on_output: Callable[[RequestOutput], None] | None = None
+                           ) -> list[RequestOutput] | None:
     """`collect`, with the engine's failures as API errors: 503 when it died, 500 when a
     request failed inside a step."""
     try:
-        finals = await collect(state, request, streams)
+        finals = await collect(state, request, streams, on_output)
     except EngineDeadError as e:
         raise APIError(503, str(e)) from None
     if finals is not None:
@@ -364,242 +497,30 @@ def usage_of(streams: Sequence[RequestStream], outputs: Sequence[RequestOutput])
 
 def streaming(state: ServerState, streams: list[RequestStream],
               chunks: AsyncIterator[str]) -> StreamingResponse:
+    """OpenAI's server-sent events: an error event when the engine dies, then [DONE]."""
+    return event_stream(state, streams, chunks, on_dead=lambda m: sse(error_body(503, m)),
+                        last="data: [DONE]\n\n")
+
+
+def event_stream(state: ServerState, streams: list[RequestStream], chunks: AsyncIterator[str],
+                 *, on_dead: Callable[[str], str], media_type: str = "text/event-stream",
+                 last: str = "") -> StreamingResponse:
+    """A streamed response of any API: `on_dead(message)` is its last event when the engine
+    dies mid-stream; the requests are aborted when the client goes away."""
     async def body() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
                 yield chunk
         except EngineDeadError as e:
-            yield sse(error_body(503, str(e)))
+            yield on_dead(str(e))
         finally:
-            # The client went away (the response was cancelled) or we are done.
             state.abort_unfinished(streams)
-        yield "data: [DONE]\n\n"
+        if last:
+            yield last
 
-    return StreamingResponse(body(), media_type="text/event-stream",
+    return StreamingResponse(body(), media_type=media_type,
                              headers={"Cache-Control": "no-cache"})
 
 
 def finish_reason(out: RequestOutput) -> str | None:
     return out.finish_reason if out.finished else None
-
-
-# ---------------------------------------------------------------- /v1/completions
-
-def completion_logprobs(state: ServerState, out: RequestOutput, token_ids: Sequence[int],
-                        first: int, offset: int, k: int) -> p.CompletionLogprobs:
-    """OpenAI's legacy logprobs for `token_ids`, the generated tokens from index `first`."""
-    result = p.CompletionLogprobs()
-    entries = (out.logprobs or [])[first:first + len(token_ids)]
-    for token, entry in zip(token_ids, entries, strict=False):
-        text = state.decode([token])
-        top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
-        result.tokens.append(text)
-        result.token_logprobs.append(entry.get(token))
-        result.top_logprobs.append({state.decode([t]): lp for t, lp in top})
-        result.text_offset.append(offset)
-        offset += len(text)
-    return result
-
-
-async def create_completion(state: ServerState, body: p.CompletionRequest,
-                            request: Request) -> Response:
-    state.check_model(body.model)
-    spec, spec_param = request_spec(body)
-    prompts = await completion_prompts(state, body.prompt)
-    params = [sampling_params(body, logprobs=body.logprobs, max_tokens=max_tokens_for(
-        body.max_tokens, ids, state.max_model_len, "max_tokens"), structured_output=spec)
-        for ids in prompts]
-    if spec is not None:
-        await compile_or_400(state.engine.engine, spec, spec_param)
-    # echo: the prompt's text before each choice's (a prompt of token ids, decoded).
-    echoes = [prompt_text(state, body.prompt, i, ids) if body.echo else ""
-              for i, ids in enumerate(prompts)]
-    base_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await state.submit(base_id, prompts, params)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return streaming(state, streams, completion_chunks(state, body, base_id, streams,
-                                                           include_usage, echoes))
-    finals = await finished_outputs(state, request, streams)
-    if finals is None:
-        return Response(status_code=499)  # the client went away: nobody to answer
-    n = streams[0].n
-    choices = [p.CompletionChoice(
-        index=i, text=echoes[i // n] + out.text, finish_reason=out.finish_reason,
-        stop_reason=out.stop_reason,
-        logprobs=completion_logprobs(state, out, out.token_ids, 0, 0, body.logprobs)
-        if body.logprobs is not None else None) for i, out in enumerate(finals)]
-    response = p.CompletionResponse(id=base_id, model=state.model_name, choices=choices,
-                                    usage=usage_of(streams, finals))
-    return JSONResponse(response.model_dump())
-
-
-def prompt_text(state: ServerState, prompt: object, index: int, ids: list[int]) -> str:
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and isinstance(prompt[index], str):
-        return str(prompt[index])
-    return state.decode(ids)
-
-
-async def completion_chunks(state: ServerState, body: p.CompletionRequest, base_id: str,
-                            streams: list[RequestStream], include_usage: bool,
-                            echoes: Sequence[str]) -> AsyncIterator[str]:
-    num_choices = sum(s.n for s in streams)
-    finals: list[RequestOutput | None] = [None] * num_choices
-    offsets = [0] * num_choices
-    pending_echo = [bool(echoes[i // streams[0].n]) for i in range(num_choices)]
-    # Every chunk has the same head; only the choice changes (built as a dict: this runs
-    # once per token of every stream).
-    head = {"id": base_id, "object": "text_completion", "created": int(time.time()),
-            "model": state.model_name}
-    batch: list[str] = []
-    async for stream_index, out, more in merged(streams):
-        index = choice_index(streams, stream_index, out)
-        if out.finished:
-            finals[index] = out
-        if out.error:
-            batch.append(sse(error_body(500, out.error)))
-        else:
-            logprobs = None
-            if body.logprobs is not None and out.new_token_ids:
-                first = len(out.token_ids) - len(out.new_token_ids)
-                logprobs = completion_logprobs(state, out, out.new_token_ids, first,
-                                               offsets[index], body.logprobs).model_dump()
-            offsets[index] += len(out.new_text)
-            text = out.new_text
-            if pending_echo[index]:  # the prompt goes first, in the choice's first chunk
-                pending_echo[index] = False
-                text = echoes[stream_index] + text
-            # Nothing to send for a token still being decoded (an incomplete UTF-8
-            # sequence).
-            if text or out.finished or logprobs is not None:
-                batch.append(sse({**head, "choices": [{
-                    "index": index, "text": text, "logprobs": logprobs,
-                    "finish_reason": finish_reason(out), "stop_reason": out.stop_reason}],
-                    "usage": None}))
-        if batch and not more:
-            yield "".join(batch)
-            batch.clear()
-    if batch:
-        yield "".join(batch)
-    if include_usage:
-        done = [out for out in finals if out is not None]
-        yield sse(p.CompletionResponse(id=base_id, model=state.model_name, choices=[],
-                                       usage=usage_of(streams, done)))
-
-
-# ---------------------------------------------------------------- /v1/chat/completions
-
-def chat_logprobs(state: ServerState, out: RequestOutput, token_ids: Sequence[int],
-                  first: int, k: int) -> p.ChatLogprobs:
-    content = []
-    entries = (out.logprobs or [])[first:first + len(token_ids)]
-    for token, entry in zip(token_ids, entries, strict=False):
-        text = state.decode([token])
-        top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
-        content.append(p.TokenLogprob(
-            token=text, logprob=entry.get(token, float("-inf")),
-            bytes=list(text.encode()), top_logprobs=[
-                p.TopLogprob(token=state.decode([t]), logprob=lp,
-                             bytes=list(state.decode([t]).encode())) for t, lp in top]))
-    return p.ChatLogprobs(content=content)
-
-
-async def create_chat_completion(state: ServerState, body: p.ChatCompletionRequest,
-                                 request: Request) -> Response:
-    state.check_model(body.model)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    use = parse_tools(body.tools, body.tool_choice)
-    await check_tool_schemas(use.tools)
-    spec, spec_param = request_spec(body)
-    if use.constrained:
-        if spec is not None:
-            raise bad_request(f"tool_choice {use.choice!r} constrains the reply to a tool "
-                              f"call: {spec_param.split('.')[0]} cannot be set with it",
-                              "tool_choice")
-        spec, spec_param = StructuredOutput(json_schema=use.call_schema()), "tools"
-    prompt = await state.tokenize_chat(body.messages, body.add_generation_prompt, use)
-    state.check_prompt(prompt, "messages")
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None \
-        else body.max_tokens
-    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    k = body.top_logprobs or 0
-    params = sampling_params(body, logprobs=k if body.logprobs else None,
-                             max_tokens=max_tokens_for(requested, prompt,
-                                                       state.max_model_len, param),
-                             structured_output=spec)
-    if spec is not None:
-        await compile_or_400(state.engine.engine, spec, spec_param)
-    base_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await state.submit(base_id, [prompt], [params])
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return streaming(state, streams, chat_chunks(state, body, base_id, streams,
-                                                     include_usage, use))
-    finals = await finished_outputs(state, request, streams)
-    if finals is None:
-        return Response(status_code=499)  # the client went away: nobody to answer
-    choices = [chat_choice(state, body, out, use, k) for out in finals]
-    response = p.ChatCompletionResponse(id=base_id, model=state.model_name, choices=choices,
-                                        usage=usage_of(streams, finals))
-    return JSONResponse(response.model_dump())
-
-
-def chat_choice(state: ServerState, body: p.ChatCompletionRequest, out: RequestOutput,
-                use: ToolUse, k: int) -> p.ChatChoice:
-    calls = parse_calls(out.text, use) if use.parses_calls else None
-    message = p.AssistantMessage(content=None, tool_calls=[p.ToolCall(**c) for c in calls]) \
-        if calls else p.AssistantMessage(content=out.text)
-    return p.ChatChoice(index=out.index, message=message,
-                        finish_reason=use.finish_reason(out.finish_reason, bool(calls)),
-                        stop_reason=out.stop_reason,
-                        logprobs=chat_logprobs(state, out, out.token_ids, 0, k)
-                        if body.logprobs else None)
-
-
-async def chat_chunks(state: ServerState, body: p.ChatCompletionRequest, base_id: str,
-                      streams: list[RequestStream], include_usage: bool, use: ToolUse
-                      ) -> AsyncIterator[str]:
-    def chunk(index: int, delta: p.Delta, reason: str | None = None,
-              logprobs: p.ChatLogprobs | None = None) -> str:
-        return sse(p.ChatCompletionChunk(id=base_id, model=state.model_name, choices=[
-            p.ChatChunkChoice(index=index, delta=delta, finish_reason=reason,
-                              logprobs=logprobs)]))
-
-    for index in range(streams[0].n):
-        yield chunk(index, p.Delta(role="assistant", content=""))
-    # Per choice: text that could be a tool call is held back until the choice ends.
-    calls = [CallStream(use) for _ in range(streams[0].n)]
-    finals: list[RequestOutput] = []
-    batch: list[str] = []
-    async for _, out, more in merged(streams):
-        if out.error:
-            batch.append(sse(error_body(500, out.error)))
-        else:
-            logprobs = None
-            if body.logprobs and out.new_token_ids:
-                first = len(out.token_ids) - len(out.new_token_ids)
-                logprobs = chat_logprobs(state, out, out.new_token_ids, first,
-                                         body.top_logprobs or 0)
-            text = calls[out.index].feed(out.new_text)
-            reason = finish_reason(out)
-            if out.finished:
-                finals.append(out)
-                rest, found = calls[out.index].finish()
-                text += rest
-                reason = use.finish_reason(reason, bool(found))
-                if found:  # each call whole in one delta; clients join deltas by index
-                    batch.append(chunk(out.index, p.Delta(tool_calls=[
-                        {"index": i, **call} for i, call in enumerate(found)])))
-            if text or out.finished or logprobs is not None:
-                batch.append(chunk(out.index, p.Delta(content=text), reason, logprobs))
-        if batch and not more:  # outputs already waiting go out in one write
-            yield "".join(batch)
-            batch.clear()
-    if batch:
-        yield "".join(batch)
-    if include_usage and finals:
-        yield sse(p.ChatCompletionChunk(id=base_id, model=state.model_name, choices=[],
-                                        usage=usage_of(streams, finals)))
