@@ -24,8 +24,12 @@ GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "q
              "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "phi3": "phi3",
              "starcoder2": "starcoder2", "mamba": "mamba", "mamba2": "mamba2", "lfm2": "lfm2",
              "nemotron_h": "nemotron_h", "granitemoehybrid": "granitehybrid",
-             "jamba": "jamba", "falcon_h1": "falcon-h1"}
-PERMUTED_QK = {"llama", "granitehybrid"}  # granite: LlamaModel's modify_tensors
+             "jamba": "jamba", "falcon_h1": "falcon-h1", "exaone4": "exaone4",
+             "olmo3": "olmo2"}
+# granite, smollm3: LlamaModel's modify_tensors
+PERMUTED_QK = {"llama", "granitehybrid", "smollm3"}
+# Sliding layers as a per-layer pattern (True = sliding), as Exaone4Model / Olmo2Model write it.
+WINDOW_PATTERN = {"exaone4", "olmo2"}
 GEMMA = {"gemma2", "gemma3"}
 # Tensors llama.cpp's converter always writes as F32 (besides vectors and norms).
 F32_TENSORS = ("ffn_gate_inp", "ssm_conv1d", "shortconv.conv")
@@ -112,9 +116,8 @@ def write_gguf(model_dir: Path, out: Path, qtypes: dict[str, T] | None = None, *
         name = table.get_name(hf_name, try_suffixes=(".weight", ".bias")) or (
             hf_name if hf_name.startswith("blk.") else None)
         assert name is not None, hf_name
-        suffix = next((x for x in (".weight", ".bias") if hf_name.endswith(x)), "")
-        if not name.endswith(suffix):  # entries written with their suffix (Falcon-H1's)
-            name += suffix
+        # Entries the table writes with their suffix (Falcon-H1's pre_ff_layernorm.weight)
+        # give the name without it, and llama.cpp's converter writes that (blk.N.ffn_norm).
         value = value.astype(np.float32)
         if arch in PERMUTED_QK and name.endswith(("attn_q.weight", "attn_k.weight")):
             value = _permute(value, heads if "attn_q" in name else kv_heads)
@@ -288,6 +291,13 @@ def _arch_metadata(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -
             writer.add_sliding_window(int(config["sliding_window"]))
     if arch == "starcoder2":
         writer.add_layer_norm_eps(float(config["norm_epsilon"]))
+    if arch in WINDOW_PATTERN and config.get("sliding_window"):
+        writer.add_sliding_window(int(config["sliding_window"]))
+        writer.add_sliding_window_pattern([t == "sliding_attention"
+                                           for t in config["layer_types"]])
+        if arch == "olmo2":
+            writer.add_rope_freq_base_swa(float(
+                config["rope_parameters"]["sliding_attention"]["rope_theta"]))
     if arch in ("mamba", "mamba2"):
         writer.add_ssm_conv_kernel(int(config["conv_kernel"]))
         writer.add_ssm_state_size(int(config["state_size"]))

@@ -14,8 +14,8 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from hybridkv import LLM
-from hybridkv.models.gguf_config import config_from_gguf
-from hybridkv.models.gguf_file import read_header
+from hybridkv.models.formats.gguf_config import config_from_gguf
+from hybridkv.models.formats.gguf_file import read_header
 from hybridkv.models.sources import resolve_model
 from tests.models.gguf_writer import write_gguf
 from tests.models.tiny import build_tiny_model

@@ -82,6 +82,16 @@ CASES = {
     # (the rounded reference holds the folded weights and multipliers of 1).
     "falcon_h1": ("falcon_h1", dict(hidden_size=64, intermediate_size=128, head_dim=16),
                   HYBRID_TYPES),
+    # Post-norm families with a sliding pattern; SmolLM3 with NoPE every 4th layer (the step
+    # llama.cpp fixes) and its q/k permuted as LlamaModel's converter does. Against the
+    # rounded checkpoint (transformers reads none of them from GGUF).
+    "exaone4": ("exaone4", dict(hidden_size=64, intermediate_size=128, head_dim=16),
+                HYBRID_TYPES),
+    "olmo3": ("olmo3", dict(hidden_size=64, intermediate_size=128, head_dim=16),
+              HYBRID_TYPES),
+    "smollm3": ("smollm3", dict(hidden_size=64, intermediate_size=128, head_dim=16,
+                                no_rope_layers=[1, 1, 1, 0], use_sliding_window=False),
+                HYBRID_TYPES),
 }
 # Config fields transformers' GGUF reader leaves at its defaults (it reads no
 # expert_feed_forward_length, nor expert_shared_feed_forward_length): given to it
@@ -95,7 +105,8 @@ HF_KWARGS = {
     "phi3": dict(sliding_window=16, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                      "partial_rotary_factor": 0.5}),
 }
-ROUNDED = {"mamba2", "nemotron_h", "granitemoehybrid", "jamba", "falcon_h1"}
+ROUNDED = {"mamba2", "nemotron_h", "granitemoehybrid", "jamba", "falcon_h1", "exaone4", "olmo3",
+           "smollm3"}
 ARCH_OF = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_hidden_layers=2))}
 
 

@@ -1,5 +1,6 @@
-"""hybridkv.models.gguf_tokenizer: a `tokenizers.Tokenizer` built from GGUF metadata gives the same
-ids as transformers' GGUF tokenizer (`AutoTokenizer.from_pretrained(dir, gguf_file=name)`).
+"""hybridkv.models.formats.gguf_tokenizer: a `tokenizers.Tokenizer` built from GGUF metadata
+gives the same ids as transformers' GGUF tokenizer
+(`AutoTokenizer.from_pretrained(dir, gguf_file=name)`).
 
 Transformers needs ~10-40 s to build the 262k-token Gemma tokenizer, so its backend (the
 `tokenizers.Tokenizer` its `encode` runs, serialized) is kept in pytest's cache, keyed by the GGUF
@@ -20,7 +21,7 @@ import tokenizers
 
 gguf = pytest.importorskip("gguf")
 
-from hybridkv.models.gguf_tokenizer import (  # noqa: E402
+from hybridkv.models.formats.gguf_tokenizer import (  # noqa: E402
     PRE_TOKENIZER_NAMES,
     read_tokenizer_metadata,
     tokenizer_from_gguf,
@@ -545,7 +546,7 @@ def test_module_does_not_import_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, hybridkv.models.gguf_tokenizer; print('torch' in sys.modules)"
+    code = "import sys, hybridkv.models.formats.gguf_tokenizer; print('torch' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout

@@ -65,7 +65,7 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from hybridkv.models.loader import load_model  # noqa: E402
+from hybridkv.models.formats.loader import load_model  # noqa: E402
 from hybridkv.models.registry import build_model  # noqa: E402
 from tests.models.test_against_transformers import check, hf_reference, run  # noqa: E402
 from tests.models.tiny import build_tiny_model  # noqa: E402

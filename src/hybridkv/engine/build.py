@@ -20,13 +20,19 @@ from hybridkv.engine.offload import (
     layout_fingerprint,
     model_identity,
 )
+from hybridkv.engine.weight_memory import describe, weight_memory
 from hybridkv.kv.cache_dtype import apply_cache_dtype
 from hybridkv.kv.manager import KVCacheManager
 from hybridkv.kv.plan import KVCachePlan, format_bytes, memory_for_requests, plan_kv_cache
-from hybridkv.models.gguf_config import config_from_gguf
-from hybridkv.models.gguf_file import read_header
+from hybridkv.models.formats.gguf_config import config_from_gguf
+from hybridkv.models.formats.gguf_file import read_header
+from hybridkv.models.formats.loader import (
+    LoadedModel,
+    load_gguf_model,
+    load_model,
+    read_config,
+)
 from hybridkv.models.layer_mix import kv_layout_from_config
-from hybridkv.models.loader import LoadedModel, load_gguf_model, load_model, read_config
 from hybridkv.models.native_decode import attach as attach_native_decode
 from hybridkv.models.sources import resolve_model
 from hybridkv.sched.scheduler import Scheduler, SchedulerOutput
@@ -206,11 +212,12 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
         check_memory_budget(int(config.kv_cache_memory), device)
     # Before any torch work: the thread pool is sized once, on purpose (worker/threads.py).
     set_intra_op_threads(config.threads)
-    if device == "cpu":
-        keep_buffers_in_heap()  # activations reuse heap buffers, not fresh pages (see module)
     loaded, hf_config, dtype_name = _load(model_dir, config, device)
     if device == "cpu":
         release_free_memory()  # what loading freed (a tokenizer's build, read buffers)
+        # From here, activations reuse heap buffers, not fresh pages (see module). Not
+        # before the load: the heap would keep the tokenizer build's peak as well.
+        keep_buffers_in_heap()
     text_cfg = hf_config.get("text_config") or hf_config
     if choose_backend(config.attention_backend, device) == "cpu":
         use_cpu_ops(loaded.model)  # the C norms and RoPE that go with the C attention
@@ -218,6 +225,11 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
             unfit = attach_native_decode(loaded.model)
             if unfit is not None:
                 logger.info("decode steps run layer by layer: %s", unfit)
+    source = resolve_model(model_dir)
+    if source.is_gguf:
+        memory = weight_memory(loaded.model, source.path)
+        if memory is not None:
+            logger.info("%s", describe(memory, source.path))
     max_pos = int(text_cfg.get("max_position_embeddings") or 8192)
     max_model_len = config.max_model_len or min(max_pos, 8192)
     if max_model_len > max_pos and not config.allow_long_max_model_len:

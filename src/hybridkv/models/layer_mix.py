@@ -37,7 +37,8 @@ KDA = "kda"  # Kimi Delta Attention: a conv and a [heads, d, d] state, decay per
 MLA = "mla"  # multi-head latent attention: one latent vector per token in the KV cache
 RWKV = "rwkv"  # an RWKV-4 block: token-shift inputs and the WKV numerator/denominator/max
 MLSTM = "mlstm"  # xLSTM's matrix memory: C [heads, dk, dv] and [n | m] [heads, dk + 1]
-STATE_KINDS = (MAMBA, MAMBA1, LINEAR, CONV, RG_LRU, LIGHTNING, KDA, RWKV, MLSTM)
+CCA = "cca"  # Zaya's attention inputs: the q/k convs' last inputs and the delayed values
+STATE_KINDS = (MAMBA, MAMBA1, LINEAR, CONV, RG_LRU, LIGHTNING, KDA, RWKV, MLSTM, CCA)
 # Families of KDA layers beside MLA layers (their "linear_attention" / "full_attention").
 KDA_MLA_TYPES = ("kimi_linear", "bailing_hybrid")
 
@@ -58,7 +59,10 @@ SUPPORTED_MODEL_TYPES = (
     # issue 16: KDA linear attention + multi-head latent attention
     "kimi_linear", "bailing_hybrid",
     # issue 16: more linear attention and recurrence families
-    "olmo_hybrid", "rwkv", "xlstm")
+    "olmo_hybrid", "rwkv", "xlstm",
+    # issue 50: sliding + full attention decoders of transformers 5.23
+    "cwm", "flint", "kolibri1", "laguna", "mellum", "modernbert-decoder", "beam",
+    "zaya", "doge")
 
 _LAYER_TYPE_WORDS = {
     "full_attention": FULL, "attention": FULL, "global": FULL, "global_attention": FULL,
@@ -91,8 +95,8 @@ def shipped_config_names() -> list[str]:
 def load_hf_config(source: str) -> dict[str, Any]:
     """A model directory, a `config.json` path, a GGUF file (or a directory holding one), the
     short name of a real model installed from PyPI, or the short name of a shipped config."""
-    from hybridkv.models.gguf_config import config_from_gguf
-    from hybridkv.models.gguf_file import read_header
+    from hybridkv.models.formats.gguf_config import config_from_gguf
+    from hybridkv.models.formats.gguf_file import read_header
     from hybridkv.models.sources import REAL_MODELS, resolve_model
 
     path = Path(source)
@@ -185,6 +189,8 @@ def layer_kinds(config: Mapping[str, Any]) -> list[tuple[str, ...]]:
                 for i in range(n)]
     if model_type in ("zamba", "zamba2"):
         return _zamba_kinds(cfg, model_type, n)
+    if model_type == "zaya":
+        return _zaya_kinds(cfg, n)
     kinds = _attention_kinds(cfg, model_type, n)
     if model_type == "minimax":  # its linear attention is lightning attention
         kinds = [LIGHTNING if k == LINEAR else k for k in kinds]
@@ -219,6 +225,18 @@ def _zamba_kinds(cfg: Mapping[str, Any], model_type: str, n: int) -> list[tuple[
         else:
             raise ValueError(f"layers_block_type: unknown {model_type} layer type {word!r}; "
                              f"accepted: hybrid, mamba, linear_attention")
+    return kinds
+
+
+def _zaya_kinds(cfg: Mapping[str, Any], n: int) -> list[tuple[str, ...]]:
+    """Zaya: every layer is attention ("hybrid": full, "hybrid_sliding": sliding) whose q/k
+    convolutions and delayed values keep a state beside the KV cache."""
+    kinds: list[tuple[str, ...]] = []
+    for word in cfg.get("layer_types") or ["hybrid"] * n:
+        if word not in ("hybrid", "hybrid_sliding"):
+            raise ValueError(f"layer_types: unknown zaya layer type {word!r}; accepted: "
+                             f"hybrid, hybrid_sliding")
+        kinds.append((SLIDING if word == "hybrid_sliding" else FULL, CCA))
     return kinds
 
 
@@ -332,6 +350,14 @@ _FULL_LAYER_DEFAULTS: dict[str, Any] = {
     "mimo_v2_flash": lambda cfg, i: i == 0 or (i + 1) % 6 == 0,
     "dots1": lambda cfg, i: i < int(_first(cfg, "max_window_layers", default=62)),
     "smollm3": lambda cfg, i: _smollm3_full(cfg, i),
+    # issue 50's families, as their transformers configs build `layer_types`.
+    "cwm": lambda cfg, i: i % 4 == 0,
+    "kolibri1": lambda cfg, i: (i + 1) % 5 == 0,
+    "flint": lambda cfg, i: i < 2 or i % 4 == 1 or i == int(cfg["num_hidden_layers"]) - 1,
+    "beam": lambda cfg, i: (i + 1) % 6 == 0 or i == int(cfg["num_hidden_layers"]) - 1,
+    "laguna": lambda cfg, i: True, "mellum": lambda cfg, i: True,
+    "modernbert-decoder": lambda cfg, i: i % int(cfg.get("global_attn_every_n_layers")
+                                                 or 3) == 0,
 }
 
 
@@ -461,6 +487,12 @@ def attention_shape(cfg: Mapping[str, Any], layer: int, kind: str) -> tuple[int,
         # the key head size (one head size per page).
         return ((2 if kind == SLIDING else 1) * num_kv_heads,
                 max(head_size, int(cfg.get("v_head_dim") or head_size)))
+    if cfg.get("model_type") == "doge":
+        # One more key channel per head for the key's bias (layers/key_bias_attention.py).
+        return num_kv_heads, head_size + 1
+    if cfg.get("model_type") == "modernbert-decoder":
+        # K/V heads as many as query heads, of hidden / heads (head fields are not read).
+        return heads, int(cfg["hidden_size"]) // heads
     if cfg.get("model_type") in ("zamba", "zamba2"):
         # The shared block attends over [h | embedding]: heads of 2 x hidden / heads.
         return num_kv_heads, int(_first(cfg, "attention_head_dim",
@@ -532,6 +564,15 @@ def _spec_for(kind: str, cfg: Mapping[str, Any], block_size: int, dtype: str,
         state = str(cfg.get("inference_state_dtype") or "float32")
         return MambaSpec(block_size=block_size, shapes=((heads, dk, dv), (heads, dk + 1)),
                          dtypes=(state, state))
+    if kind == CCA:
+        # The q/k convolutions' last (cca_time0 - 1) + (cca_time1 - 1) inputs over [q | k],
+        # and the previous token's delayed half of the values.
+        heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        kernel = int(cfg.get("cca_time0", 2)) + int(cfg.get("cca_time1", 2)) - 2
+        return MambaSpec(block_size=block_size,
+                         shapes=(((heads + kv_heads) * head_dim, kernel),
+                                 (kv_heads * head_dim // 2,)), dtypes=(dtype, dtype))
     if kind == CONV:
         # The last `conv_L_cache - 1` inputs of a depthwise conv over the hidden channels.
         return MambaSpec(block_size=block_size, shapes=((hidden, int(cfg["conv_L_cache"]) - 1),),

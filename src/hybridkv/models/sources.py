@@ -17,7 +17,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridkv.models.gguf_file import is_gguf
+from hybridkv.models.formats.gguf_file import is_gguf
 
 
 @dataclass(frozen=True)

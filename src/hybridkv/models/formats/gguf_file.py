@@ -3,7 +3,7 @@
 Pure Python (struct over a memory map), so `hybridkv plan model.gguf` needs no torch and no
 numpy. The `gguf` package's reader builds a numpy view per array element: 21 s for the
 262,144-token vocabulary of Gemma 3 270M on this machine class, against ~0.3 s here. Tensor
-data is not read here: the loader maps it (models/gguf_weights.py).
+data is not read here: the loader maps it (formats/gguf_weights.py).
 
 Every malformed file is one ValueError naming the file and what was wrong (a wrong magic, a
 truncated header, a value of an unknown type, a tensor past the end of the file).

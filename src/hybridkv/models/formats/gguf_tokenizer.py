@@ -33,7 +33,7 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
-from hybridkv.models.gguf_file import read_header
+from hybridkv.models.formats.gguf_file import read_header
 
 __all__ = [
     "GGUFTokenizerInfo",
@@ -550,7 +550,7 @@ def _post_processor(
 
 def read_tokenizer_metadata(path: str) -> dict[str, Any]:
     """The `tokenizer.*` and `general.architecture` keys of the GGUF file at `path`, without
-    reading any tensor (models/gguf_file.py reads the header; arrays come back as lists)."""
+    reading any tensor (formats/gguf_file.py reads the header; arrays come back as lists)."""
     header = read_header(path)
     return {key: value for key, value in header.metadata.items()
             if key.startswith("tokenizer.") or key == "general.architecture"}

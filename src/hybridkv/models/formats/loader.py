@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from hybridkv.models.config_check import check_config
-from hybridkv.models.gguf_file import GGUFHeader
+from hybridkv.models.formats.gguf_file import GGUFHeader
 from hybridkv.models.layer_mix import SUPPORTED_MODEL_TYPES
 from hybridkv.models.registry import build_model
 from hybridkv.worker.cpu_malloc import release_free_memory
@@ -156,10 +156,10 @@ def load_gguf_model(header: GGUFHeader, config: dict[str, Any], *,
                     linear_kernel: str | None = "auto", dequantize: bool = False,
                     ) -> LoadedModel:
     """A GGUF model: its tokenizer from the file's metadata, its weights kept in their
-    blocks on the CPU (models/gguf_weights.py). Elsewhere (CUDA), or with `dequantize`, the
+    blocks on the CPU (formats/gguf_weights.py). Elsewhere (CUDA), or with `dequantize`, the
     weights are dequantized at load and the model runs in `dtype` as any checkpoint does."""
-    from hybridkv.models.gguf_tokenizer import tokenizer_from_gguf
-    from hybridkv.models.gguf_weights import build_gguf_model
+    from hybridkv.models.formats.gguf_tokenizer import tokenizer_from_gguf
+    from hybridkv.models.formats.gguf_weights import build_gguf_model
 
     on_cpu = torch.device(device).type == "cpu"
     quantized = on_cpu and not dequantize

@@ -17,8 +17,12 @@ nemotron_h (Mamba-2 / attention / relu² MLP layers, the MLP ones where the per-
 `feed_forward_length` is > 0), granitehybrid (Mamba-2 or attention, then experts and a shared
 MLP; Granite's scales as its µP multipliers), jamba (Mamba-1 or attention; experts on the
 layers with a router) and falcon-h1 (attention and Mamba-2 in parallel, its multipliers
-already folded into the weights by the converter). Any other architecture is refused in one
-line naming it.
+already folded into the weights by the converter), lfm2moe (LFM2's layers, sigmoid-routed
+experts after the leading dense ones), qwen3next / qwen35 / qwen35moe (Gated DeltaNet where
+`attention.recurrent_layers` says; the `nextn` MTP layers after the model's own are not
+counted), and the attention models smollm3 (NoPE every 4th layer, as llama.cpp fixes it),
+exaone4 and olmo2 (OLMo 2 and 3; the sliding pattern as layer types). Any other architecture
+is refused in one line naming it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridkv.models.gguf_file import GGUFHeader
+from hybridkv.models.formats.gguf_file import GGUFHeader
 
 
 @dataclass(frozen=True)
@@ -42,8 +46,10 @@ class Arch:
     # llama.cpp's converter permutes the rows of q/k for these (its rotary pairs neighbours,
     # Hugging Face's pairs halves); the loader permutes them back.
     permuted_qk: bool = False
-    # Gemma's converter stores norm weights as (1 + w); the loader subtracts the 1.
+    # Gemma's converter stores norm weights as (1 + w); the loader subtracts the 1 (but from
+    # the tensor-name suffixes in norm_kept, which the converter leaves as they are).
     norm_shift: float = 0.0
+    norm_kept: tuple[str, ...] = ()
     tie_default: bool = False
     # Config fields read off the file's tensor names (which layers carry experts, biases).
     tensors: Callable[[Collection[str], dict[str, Any]], dict[str, Any]] = \
@@ -52,6 +58,10 @@ class Arch:
     per_layer_kv: bool = False
     # No attention at all (head_count 0): the config carries no head fields.
     attention_free: bool = False
+    # Layers appended after the model's own (multi-token prediction, `nextn`): not counted
+    # in num_hidden_layers.
+    nextn: Callable[[Callable[[str], Any], dict[str, Any]], int] = \
+        field(default=lambda get, cfg: 0)
 
 
 def _gemma2(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
@@ -247,6 +257,103 @@ def _lfm2_tensors(names: Collection[str], cfg: dict[str, Any]) -> dict[str, Any]
     return {"conv_bias": any(x.endswith(".shortconv.conv.bias") for x in names)}
 
 
+def _pattern_types(get: Callable[[str], Any], cfg: dict[str, Any]) -> list[str]:
+    """`attention.sliding_window_pattern` (True = sliding) as layer types; all full layers
+    where the file has no window."""
+    n = cfg["num_hidden_layers"]
+    pattern = get("attention.sliding_window_pattern")
+    if not get("attention.sliding_window") or not isinstance(pattern, list):
+        return ["full_attention"] * n
+    return ["sliding_attention" if p else "full_attention" for p in pattern[:n]]
+
+
+def _exaone4(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Post-norms, q/k norms per head; RoPE on the sliding layers only (all layers where
+    the file has no window), as both engines read the layer types."""
+    return {"layer_types": _pattern_types(get, cfg)}
+
+
+def _olmo3(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's olmo2 covers OLMo 2 and OLMo 3: OLMo 3's sliding layers (the pattern)
+    take their own RoPE base (`rope.freq_base_swa`) without scaling; OLMo 2 is all full
+    layers."""
+    types = _pattern_types(get, cfg)
+    full = dict(cfg["rope_parameters"])
+    local = {"rope_type": "default", "rope_theta": float(get("rope.freq_base_swa")
+                                                         or full["rope_theta"])}
+    return {"layer_types": types,
+            "rope_parameters": {"sliding_attention": local, "full_attention": full}}
+
+
+def _smollm3(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Every 4th layer without RoPE, as llama.cpp's smollm3 fixes it (the file has no list:
+    SmolLM3's released `no_rope_layers` is this pattern); no sliding window."""
+    n = cfg["num_hidden_layers"]
+    return {"no_rope_layers": [int((i + 1) % 4 != 0) for i in range(n)],
+            "use_sliding_window": False}
+
+
+def _lfm2_moe(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's layers; the first `leading_dense_block_count` with a dense MLP, the others
+    sigmoid-routed experts with a selection bias, the top-k weights renormalised (llama.cpp's
+    norm_w); a file without `expert_weights_scale` scales them by 1."""
+    gating = get("expert_gating_func")
+    if gating not in (None, 2):
+        raise ValueError(f"lfm2moe: expert_gating_func {gating} is not supported (2, sigmoid)")
+    return {**_lfm2(get, cfg), "num_dense_layers": get("leading_dense_block_count") or 0,
+            "num_experts": get("expert_count"), "num_experts_per_tok": get("expert_used_count"),
+            "moe_intermediate_size": get("expert_feed_forward_length"),
+            "norm_topk_prob": True, "use_expert_bias": True,
+            "routed_scaling_factor": get("expert_weights_scale") or 1.0}
+
+
+def _nextn(get: Callable[[str], Any], cfg: dict[str, Any]) -> int:
+    """Multi-token-prediction layers the converter appended after the others (`nextn`)."""
+    return int(get("nextn_predict_layers") or 0)
+
+
+def _qwen3_5(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gated DeltaNet where `attention.recurrent_layers` says, gated attention elsewhere;
+    the `ssm.*` keys give the DeltaNet shape (state_size = key head size, group_count = key
+    heads, time_step_rank = value heads); partial RoPE; the MRoPE sections kept (text
+    positions rotate alike in every section). The `nextn` layers after `block_count -
+    nextn_predict_layers` are the MTP block (kept by the weight loader, not run)."""
+    mtp = _nextn(get, cfg)
+    n = cfg["num_hidden_layers"]
+    recurrent = get("attention.recurrent_layers")
+    interval = int(get("full_attention_interval") or 4)
+    if not isinstance(recurrent, list):
+        recurrent = [(i + 1) % interval != 0 for i in range(n)]
+    value_heads = int(get("ssm.time_step_rank"))
+    rope = dict(cfg["rope_parameters"])
+    rope["partial_rotary_factor"] = cfg.get("partial_rotary_factor", 1.0)
+    sections = get("rope.dimension_sections")
+    if isinstance(sections, list):
+        rope.update(mrope_section=[int(x) for x in sections[:3]], mrope_interleaved=True)
+    out: dict[str, Any] = {
+        "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent[:n]],
+        "full_attention_interval": interval,
+        "linear_conv_kernel_dim": get("ssm.conv_kernel"),
+        "linear_key_head_dim": get("ssm.state_size"),
+        "linear_num_key_heads": get("ssm.group_count"),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": int(get("ssm.inner_size")) // value_heads,
+        "rope_parameters": rope, "mtp_num_hidden_layers": mtp}
+    if get("expert_count"):
+        out.update(_moe(get, cfg))
+        out["decoder_sparse_step"] = 1
+    return out
+
+
+def _qwen3_next(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's layout (the DeltaNet's value heads left grouped; no MRoPE sections), always
+    with experts and a gated shared expert."""
+    out = _qwen3_5(get, cfg)
+    out["rope_parameters"].pop("mrope_section", None)
+    out["rope_parameters"].pop("mrope_interleaved", None)
+    return out
+
+
 ARCHS: dict[str, Arch] = {
     "llama": Arch("llama", permuted_qk=True),
     "qwen2": Arch("qwen2", _qwen_window),
@@ -267,6 +374,17 @@ ARCHS: dict[str, Arch] = {
     "jamba": Arch("jamba", _jamba, tensors=_jamba_tensors, per_layer_kv=True),
     "granitehybrid": Arch("granitemoehybrid", _granite_hybrid, permuted_qk=True,
                           tensors=_ssm_biases, per_layer_kv=True),
+    "lfm2moe": Arch("lfm2_moe", _lfm2_moe, tensors=_lfm2_tensors, per_layer_kv=True),
+    "smollm3": Arch("smollm3", _smollm3, permuted_qk=True),
+    "exaone4": Arch("exaone4", _exaone4),
+    "olmo2": Arch("olmo3", _olmo3),
+    # Norms stored as 1 + w but the DeltaNet's gated norm (ssm_norm), as the converter adds.
+    "qwen3next": Arch("qwen3_next", _qwen3_next, norm_shift=1.0,
+                      norm_kept=("ssm_norm.weight",), nextn=_nextn),
+    "qwen35": Arch("qwen3_5_text", _qwen3_5, norm_shift=1.0, norm_kept=("ssm_norm.weight",),
+                   nextn=_nextn),
+    "qwen35moe": Arch("qwen3_5_moe_text", _qwen3_5, norm_shift=1.0,
+                      norm_kept=("ssm_norm.weight",), nextn=_nextn),
 }
 
 
@@ -308,7 +426,7 @@ def config_from_gguf(header: GGUFHeader) -> dict[str, Any]:
             raise ValueError(f"{header.path}: metadata {arch_name}.{key} is missing")
         return value
 
-    layers = _int(header, f"{arch_name}.block_count", need("block_count"))
+    layers = _int(header, f"{arch_name}.block_count", need("block_count")) - arch.nextn(get, {})
     hidden = _int(header, f"{arch_name}.embedding_length", need("embedding_length"))
     heads = _int(header, f"{arch_name}.attention.head_count", need("attention.head_count"))
     kv_value = get("attention.head_count_kv") or heads

@@ -24,12 +24,19 @@ per-group `ssm_norm`); shapes that differ only by dimensions of 1 (squeezed conv
 Mamba-2's [heads, 1] A and D, Qwen's vector `ffn_gate_inp_shexp`) are reshaped. The reverse
 of a split: a parameter the converter cut into several tensors (Granite's fused gate|up into
 `ffn_gate_*` and `ffn_up_*`) is joined back along its rows, bytes as they are where the types
-agree (each row is quantized on its own), else as float32.
+agree (each row is quantized on its own), else as float32. Rows the converter reordered
+(Qwen3.5's DeltaNet value heads, grouped -> tiled) move back as they are; columns it reordered
+stay, and the layer gathers its input into the file's order (`PermutedInput`).
+
+Tensors of the layers after the model's own (Qwen3.5's `nextn` multi-token-prediction block)
+are not loaded: they are listed on the model (`mtp_tensors`, their names, types and offsets in
+the file) for a speculative-decoding head to read.
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import re
 import warnings
 from collections.abc import Callable, Iterator
@@ -41,8 +48,8 @@ import torch
 from torch import nn
 
 from hybridkv.models.base import CausalLM
-from hybridkv.models.gguf_config import ARCHS
-from hybridkv.models.gguf_file import GGUFHeader, TensorInfo
+from hybridkv.models.formats.gguf_config import ARCHS
+from hybridkv.models.formats.gguf_file import GGUFHeader, TensorInfo
 from hybridkv.models.registry import build_model
 from hybridkv.worker import quant_linear
 from hybridkv.worker.quant_linear import QuantizedWeight
@@ -94,6 +101,72 @@ class _Fixups:
     # `input_linear` into ffn_gate* and ffn_up*): (regex on the parameter's name, the file
     # tensors' names as templates of its groups), joined back along their rows (dim -2).
     joins: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # (file tensor name, config) -> the file's row for each of the parameter's rows (the
+    # converter moved whole rows: each row is quantized on its own, so bytes move as they
+    # are), or None.
+    rows: Callable[[str, dict[str, Any]], np.ndarray | None] = lambda name, cfg: None
+    # The same for the columns of a matrix: a quantized matrix keeps its columns as stored
+    # and reads its input in the file's order instead (PermutedInput).
+    columns: Callable[[str, dict[str, Any]], np.ndarray | None] = lambda name, cfg: None
+
+
+def _tiled_to_grouped(num_k_heads: int, num_v_heads: int, head_dim: int) -> np.ndarray:
+    """Index of the file's row for each Hugging Face row of a value-head dimension.
+
+    Qwen3.5's converter reorders the DeltaNet's value heads from grouped by key head to
+    tiled, for ggml's broadcast: E.g. 2 key heads, 4 value heads (v0 v1 | v2 v3 grouped,
+    key head 0 then 1) -> file order v0 v2 v1 v3."""
+    per_k = num_v_heads // num_k_heads
+    # file position of (key head k, its value head r, element d) is (r, k, d)
+    return np.arange(num_v_heads * head_dim).reshape(per_k, num_k_heads, head_dim).transpose(
+        1, 0, 2).reshape(-1)
+
+
+def _qwen3_5_heads(cfg: dict[str, Any]) -> tuple[int, int, int, int] | None:
+    nk, nv = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
+    if nk == nv:
+        return None
+    return nk, nv, int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
+
+
+def _qwen3_5_rows(name: str, cfg: dict[str, Any]) -> np.ndarray | None:
+    """attn_qkv's and ssm_conv1d's value rows (after q and k), attn_gate's rows, one row per
+    value head of ssm_alpha / ssm_beta / ssm_a / ssm_dt."""
+    heads = _qwen3_5_heads(cfg)
+    if heads is None or not name.startswith("blk."):
+        return None
+    nk, nv, dk, dv = heads
+    if name.endswith(("attn_qkv.weight", "ssm_conv1d.weight")):
+        qk = 2 * nk * dk
+        return np.concatenate([np.arange(qk), qk + _tiled_to_grouped(nk, nv, dv)])
+    if name.endswith("attn_gate.weight"):
+        return _tiled_to_grouped(nk, nv, dv)
+    if name.endswith(("ssm_alpha.weight", "ssm_beta.weight", "ssm_a", "ssm_dt.bias")):
+        return _tiled_to_grouped(nk, nv, 1)
+    return None
+
+
+def _qwen3_next_rows(name: str, cfg: dict[str, Any]) -> np.ndarray | None:
+    """in_proj_qkvz joined back from the converter's attn_qkv ([all q | all k | all v]) and
+    attn_gate (all z) into Hugging Face's order, per key head [q | k | its v heads | their
+    z]."""
+    if ".attn_qkv.weight+" not in name:  # the joined tensor's name
+        return None
+    nk, nv = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
+    dk, dv = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
+    q, v, per_k = nk * dk, nv * dv, nv // nk * dv
+    return np.concatenate([np.concatenate([
+        h * dk + np.arange(dk), q + h * dk + np.arange(dk),
+        2 * q + h * per_k + np.arange(per_k), 2 * q + v + h * per_k + np.arange(per_k)])
+        for h in range(nk)])
+
+
+def _qwen3_5_columns(name: str, cfg: dict[str, Any]) -> np.ndarray | None:
+    heads = _qwen3_5_heads(cfg)
+    if heads is None or not name.endswith("ssm_out.weight"):
+        return None
+    nk, nv, _, dv = heads
+    return _tiled_to_grouped(nk, nv, dv)
 
 
 _EXPERTS = (r"\.experts\.\d+\.", ".experts.")
@@ -120,6 +193,21 @@ _FIXUPS: dict[str, _Fixups] = {
     # Jamba: Mamba-1 mixers (dt_proj's matrix read directly: float32), experts as qwen's.
     "jamba": _Fixups(renames=(_EXPERTS,), transforms=(("ssm_a", _a_log),
                                                       ("ssm_dt.weight", _reshape))),
+    # Qwen3.5: DeltaNet value heads back from tiled to grouped order; A and dt_bias as
+    # Mamba-2's (conv1d squeezed).
+    "qwen35": (_QWEN3_5 := _Fixups(
+        renames=((r"\.linear_attn\.dt_bias$", ".linear_attn.dt_proj.bias"),),
+        transforms=(("ssm_a", _a_log),), rows=_qwen3_5_rows, columns=_qwen3_5_columns)),
+    # Qwen3-Next: in_proj_qkvz was split into attn_qkv and attn_gate, reordered.
+    "qwen3next": _Fixups(
+        renames=(*_QWEN3_5.renames, _EXPERTS), transforms=_QWEN3_5.transforms,
+        joins=((r"^model\.layers\.(\d+)\.linear_attn\.in_proj_qkvz\.weight$",
+                ("blk.{0}.attn_qkv.weight", "blk.{0}.attn_gate.weight")),),
+        rows=_qwen3_next_rows),
+    "qwen35moe": _Fixups(renames=(*_QWEN3_5.renames, _EXPERTS), transforms=_QWEN3_5.transforms,
+                         rows=_qwen3_5_rows, columns=_qwen3_5_columns),
+    # LFM2-MoE: experts as qwen's; the routing bias written as a bias (exp_probs_b.bias).
+    "lfm2moe": _Fixups(renames=(_EXPERTS, (r"\.expert_bias$", ".expert_bias.bias"))),
     # Granite 4.0-H: the fused gate|up projections were split into ffn_gate*/ffn_up*.
     "granitehybrid": _Fixups(
         renames=((r"\.mamba\.dt_bias$", ".mamba.dt_proj.bias"),),
@@ -147,13 +235,15 @@ def gguf_names(model: nn.Module, arch: str, num_layers: int) -> dict[str, list[s
         for pattern, repl in renames:
             hf_name = pattern.sub(repl, hf_name)
         gguf_name = table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            continue
+        names.setdefault(gguf_name, []).append(param)
         suffix = next((x for x in (".weight", ".bias") if hf_name.endswith(x)), "")
-        if gguf_name is not None and not gguf_name.endswith(suffix):
-            # Entries written with their suffix (Falcon-H1's pre_ff_layernorm.weight) name
-            # the tensor without it; llama.cpp loads it with.
-            gguf_name += suffix
-        if gguf_name is not None:
-            names.setdefault(gguf_name, []).append(param)
+        if not gguf_name.endswith(suffix):
+            # Entries written with their suffix (Falcon-H1's pre_ff_layernorm.weight) give
+            # the name without it, which llama.cpp's converter writes; the name with it is
+            # what llama.cpp loads. Either places the parameter.
+            names.setdefault(gguf_name + suffix, []).append(param)
     return names
 
 
@@ -199,36 +289,49 @@ def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
 
 
 class _FileTensors:
-    """Each tensor's bytes read once into memory of its own (no mapping of the file stays
-    behind: its pages would count against the process as well)."""
+    """Each tensor's bytes as a view of one private mapping of the file: a weight kept in
+    its blocks is used where it lies, so its pages are the page cache's, shared by every
+    process (and replica) that maps the file, and read from disk on first use rather than
+    copied at load. Private (copy-on-write), so a stray write gets a page of its own instead
+    of a crash or a changed file. The mapping lives as long as any view of it (numpy keeps
+    it as their base); only what a load must change (dequantized norms, permuted or joined
+    rows) is memory of this process's own."""
 
     def __init__(self, header: GGUFHeader) -> None:
         self.header = header
-        self._file = open(header.path, "rb")  # noqa: SIM115  (closed by close())
+        with open(header.path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        # Read ahead: the first steps then find the weights in memory, not on disk.
+        with contextlib.suppress(AttributeError, OSError):
+            self._map.madvise(mmap.MADV_WILLNEED)
+        self._bytes = np.frombuffer(self._map, dtype=np.uint8)
 
     def raw(self, info: TensorInfo) -> np.ndarray:
         """uint8 [rows, bytes per row] (rows: every dimension but the last)."""
-        data = np.empty(info.nbytes, dtype=np.uint8)
-        self._file.seek(info.offset)
-        if self._file.readinto(memoryview(data)) != info.nbytes:
+        if info.offset + info.nbytes > self._bytes.size:
             raise ValueError(f"{self.header.path}: tensor {info.name!r} is cut short")
         rows = 1
         for d in info.shape[:-1]:
             rows *= d
-        return data.reshape(rows, -1)
+        return self._bytes[info.offset:info.offset + info.nbytes].reshape(rows, -1)
 
     def close(self) -> None:
-        self._file.close()
+        """Drop this reader's reference; the views the model keeps hold the mapping."""
+        del self._bytes
+
+
+def _tensor(raw: np.ndarray) -> torch.Tensor:
+    """A torch view of a tensor's bytes (rows permuted or joined at load are copies)."""
+    return torch.from_numpy(np.ascontiguousarray(raw))
 
 
 def _quantized(raw: np.ndarray, info: TensorInfo) -> QuantizedWeight:
-    data = torch.from_numpy(np.ascontiguousarray(raw))
+    data = _tensor(raw)
     return QuantizedWeight(data, info.qtype, data.shape[0], info.shape[-1])
 
 
 def _float(raw: np.ndarray, info: TensorInfo, shape: tuple[int, ...]) -> torch.Tensor:
-    data = torch.from_numpy(np.ascontiguousarray(raw))
-    return quant_linear.dequantize(data, info.qtype, info.shape[-1]).reshape(shape)
+    return quant_linear.dequantize(_tensor(raw), info.qtype, info.shape[-1]).reshape(shape)
 
 
 def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -266,10 +369,21 @@ def _module(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return model.get_submodule(parent), attr
 
 
+def _layer(name: str) -> int:
+    """The layer of a `blk.N.*` tensor name; -1 for the others."""
+    head, _, rest = name.partition(".")
+    index = rest.partition(".")[0]
+    return int(index) if head == "blk" and index.isdigit() else -1
+
+
 def load_gguf_weights(model: CausalLM, header: GGUFHeader, config: dict[str, Any], *,
-                      dequantize: bool) -> None:
+                      dequantize: bool) -> tuple[TensorInfo, ...]:
+    """Place the file's tensors in `model`; returns the tensors of the layers after the
+    model's own (the `nextn` multi-token-prediction block), left in the file."""
     arch = ARCHS[header.architecture]
-    names = gguf_names(model, header.architecture, int(config["num_hidden_layers"]))
+    num_layers = int(config["num_hidden_layers"])
+    names = gguf_names(model, header.architecture, num_layers)
+    mtp: list[TensorInfo] = []
     # Attention-free models (Mamba) carry no head counts; only q/k permutation reads them.
     heads = int(config.get("num_attention_heads") or 0)
     kv_heads = int(config.get("num_key_value_heads") or heads)
@@ -290,6 +404,9 @@ def load_gguf_weights(model: CausalLM, header: GGUFHeader, config: dict[str, Any
                     continue
                 raw, info = _join(pending.pop(pname))
                 names[info.name] = [pname]
+            elif _layer(info.name) >= num_layers:
+                mtp.append(info)  # the nextn block after the model's layers
+                continue
             elif info.name not in names:
                 raise ValueError(f"{header.path}: tensor {info.name!r} has no place in "
                                  f"{config['model_type']}")
@@ -301,13 +418,15 @@ def load_gguf_weights(model: CausalLM, header: GGUFHeader, config: dict[str, Any
                               if info.name.endswith(suffix)), None)
             if "+" not in info.name:  # a joined tensor has its bytes already
                 raw = files.raw(info)
+            if (order := fixups.rows(info.name, config)) is not None:
+                raw = raw.reshape(len(order), -1)[order].reshape(raw.shape)
             if arch.permuted_qk and info.name.endswith(("attn_q.weight", "attn_k.weight",
                                                         "attn_q.bias", "attn_k.bias")):
                 raw = _unpermute_rows(raw, heads if "attn_q" in info.name else kv_heads)
             for pname, part, shape in _slices(header, info, raw, pnames, params,
                                               transform is not None):
                 _place(header, model, params, pname, part, info, shape, arch, transform,
-                       dequantize=dequantize)
+                       fixups.columns(info.name, config), dequantize=dequantize)
                 loaded.add(pname)
     finally:
         files.close()
@@ -317,13 +436,29 @@ def load_gguf_weights(model: CausalLM, header: GGUFHeader, config: dict[str, Any
     if missing:
         raise ValueError(f"{header.path}: the file lacks {len(missing)} tensor(s) the model "
                          f"needs, e.g. {missing[0]!r}")
+    return tuple(mtp)
+
+
+class PermutedInput(nn.Module):
+    """A quantized linear layer whose columns the file stores in another order: its input is
+    gathered into that order (`x[..., columns]`), so the blocks stay as they are."""
+
+    def __init__(self, linear: QuantizedLinear, columns: np.ndarray) -> None:
+        super().__init__()
+        self.linear = linear
+        self.register_buffer("columns", torch.from_numpy(np.argsort(columns)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.index_select(-1, self.columns))
 
 
 def _place(header: GGUFHeader, model: nn.Module, params: dict[str, nn.Parameter], pname: str,
            raw: np.ndarray, info: TensorInfo, shape: tuple[int, ...], arch: Any,
-           transform: Transform | None, *, dequantize: bool) -> None:
+           transform: Transform | None, columns: np.ndarray | None, *,
+           dequantize: bool) -> None:
     """One parameter from its bytes: a linear or embedding weight as a quantized module
-    (unless `dequantize`), anything else as float32."""
+    (unless `dequantize`), anything else as float32. `columns`: the file's column for each
+    of the parameter's columns."""
     owner, attr = _module(model, pname)
     matrix = attr == "weight" and isinstance(owner, (nn.Linear, nn.Embedding))
     where = f"{header.path}: tensor {info.name!r}" + (
@@ -340,15 +475,19 @@ def _place(header: GGUFHeader, model: nn.Module, params: dict[str, nn.Parameter]
             setattr(parent, child, QuantizedEmbedding(weight))
         else:
             bias = owner.bias.detach() if owner.bias is not None else None
-            setattr(parent, child, QuantizedLinear(weight, bias))
+            linear = QuantizedLinear(weight, bias)
+            setattr(parent, child, linear if columns is None else PermutedInput(linear, columns))
             if bias is not None:  # the bias now lives in the new module
-                params[pname.rpartition(".")[0] + ".bias"] = parent.get_submodule(child).bias
+                params[pname.rpartition(".")[0] + ".bias"] = linear.bias
         return
     if info.qtype not in quant_linear.SUPPORTED:
         raise ValueError(f"{where} is {info.type_name}, which cannot be dequantized "
                          f"here (supported: {', '.join(quant_linear.SUPPORTED.values())})")
     value = _float(raw, info, shape)
-    if arch.norm_shift and info.name.endswith("norm.weight"):
+    if columns is not None:
+        value = value[..., columns]
+    if arch.norm_shift and info.name.endswith("norm.weight") \
+            and not info.name.endswith(arch.norm_kept):
         value = value - arch.norm_shift
     target = params[pname]
     if transform is not None:
@@ -380,7 +519,9 @@ def build_gguf_model(header: GGUFHeader, config: dict[str, Any], *,
     with _no_init(), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         model = build_model(config)
-    load_gguf_weights(model, header, config, dequantize=dequantize)
+    mtp = load_gguf_weights(model, header, config, dequantize=dequantize)
+    # Where a multi-token-prediction head will read its weights: listed, left in the file.
+    model.mtp_tensors = mtp
     model.eval()
     return model
 
