@@ -73,7 +73,11 @@ def check(llm, outs, tokens, logits, *, atol=2e-4):
 # (its config has no such field; its attention slides on every layer).
 DERIVED_WINDOWS: dict[str, dict[str, object]] = {
     "qwen2": {}, "qwen3_swa": {}, "qwen2_moe_swa": {}, "qwen3_moe_swa": {}, "smollm3": {},
-    "dots1": dict(layer_types=None, max_window_layers=1)}
+    "dots1": dict(layer_types=None, max_window_layers=1),
+    # Each its own rule (CWM: a full layer every 4th from 0; Kolibri 1: every 5th, so 5
+    # layers; Flint: the first two, every 4th from 1 and the last; ...).
+    **{name: dict(layer_types=None) for name in ("cwm", "flint", "beam", "modernbert_decoder")},
+    "kolibri1": dict(layer_types=None, num_hidden_layers=5)}
 
 
 @pytest.mark.parametrize("name", sorted(DERIVED_WINDOWS))

@@ -416,3 +416,76 @@ ARCHS["xlstm"] = ("xLSTMConfig", "xLSTMForCausalLM", dict(
     autocast_kernel_dtype="float32", chunk_size=16, gate_soft_cap=15.0,
     output_logit_soft_cap=30.0))
 PERTURB_CONSTANTS.add("xlstm")
+
+# CWM: Llama layers, full attention every 4th layer from layer 0, llama3 RoPE scaling.
+ARCHS["cwm"] = ("CwmConfig", "CwmForCausalLM", dict(num_hidden_layers=4, sliding_window=16))
+
+# Flint: NoPE full layers, a sink logit per head, layer 0 dense, then top-2 of 4 sigmoid-routed
+# experts + an ungated shared expert.
+ARCHS["flint"] = ("FlintConfig", "FlintForCausalLM", dict(
+    num_hidden_layers=4, sliding_window=16, layer_types=["sliding_attention",
+                                                         "full_attention"] * 2,
+    mlp_only_layers=[0], moe_intermediate_size=32, shared_expert_intermediate_size=48,
+    num_experts=4, num_experts_per_tok=2))
+
+# Kolibri 1: NoPE full layer, sandwich norms, top-2 of 4 experts chosen on logits + bias
+# (the bias, a zero buffer, and the norms get noise) + shared experts on every layer.
+ARCHS["kolibri1"] = ("Kolibri1Config", "Kolibri1ForCausalLM", dict(
+    num_hidden_layers=4, sliding_window=16, layer_types=["sliding_attention"] * 2 + [
+        "full_attention", "sliding_attention"], moe_intermediate_size=32,
+    shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+    norm_topk_prob=True))
+PERTURB_CONSTANTS.add("kolibri1")
+
+# Laguna: 4 / 2 query heads by layer, softplus head gates, RoPE on half of each full layer's
+# head, layer 0 dense, then top-2 of 4 experts (sigmoid + bias, soft-capped logits, scaled)
+# + a shared expert. Constants get noise as for Kolibri.
+ARCHS["laguna"] = ("LagunaConfig", "LagunaForCausalLM", dict(
+    num_hidden_layers=4, sliding_window=16, layer_types=["sliding_attention",
+                                                         "full_attention"] * 2,
+    num_attention_heads_per_layer=[4, 2, 4, 2], moe_intermediate_size=32,
+    shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+    moe_router_logit_softcapping=3.0, moe_routed_scaling_factor=1.5))
+PERTURB_CONSTANTS.add("laguna")
+
+# Mellum: RoPE θ per layer type, layer 0 dense, then top-2 of 4 softmax-routed experts.
+ARCHS["mellum"] = ("MellumConfig", "MellumForCausalLM", dict(
+    num_hidden_layers=4, sliding_window=16, layer_types=["sliding_attention",
+                                                         "full_attention"] * 2,
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"], moe_intermediate_size=32,
+    num_experts=4, num_experts_per_tok=2))
+
+# ModernBERT-Decoder: windows of 16 (half of local_attention) on layers 1-2, LayerNorms, a
+# prediction head before the biased decoder, tied to the embedding. Its attention has no
+# grouped KV heads (the config's num_key_value_heads is not read: 2 here, 4 in effect).
+ARCHS["modernbert_decoder"] = ("ModernBertDecoderConfig", "ModernBertDecoderForCausalLM", dict(
+    num_hidden_layers=4, local_attention=32, layer_types=[
+        "full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    tie_word_embeddings=True, cls_token_id=2, sep_token_id=3))
+PERTURB_CONSTANTS.add("modernbert_decoder")
+
+# Beam: RoPE on the sliding layers, NoPE with position-scaled queries on the full ones,
+# biased sigmoid gates, depth-scaled residuals; layer 0 dense, then top-2 of 8 experts in
+# 2 groups (1 kept) with a correction bias, scaled by 2.5; logits soft-capped at 30. The
+# gate and router biases (zeros) get noise.
+ARCHS["beam"] = ("BeamConfig", "BeamForCausalLM", dict(
+    num_hidden_layers=4, sliding_window=16, layer_types=["sliding_attention",
+                                                         "full_attention"] * 2,
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"], moe_intermediate_size=32,
+    num_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1))
+PERTURB_CONSTANTS.add("beam")
+
+# Zaya: CCA attention (q/k convs and delayed values: a state beside each layer's KV cache),
+# sliding and full layers, RoPE on half of each head, a top-1 router over 4 experts and a
+# skip class whose hidden state passes from layer to layer. Constants (residual scales,
+# the key temperature at zero) get noise.
+ARCHS["zaya"] = ("ZayaConfig", "ZayaForCausalLM", dict(
+    num_hidden_layers=4, sliding_window=16, layer_types=["hybrid_sliding", "hybrid"] * 2,
+    moe_intermediate_size=32, num_experts=4, num_experts_per_tok=1, router_hidden_size=32))
+PERTURB_CONSTANTS.add("zaya")
+
+# Doge: every layer sliding (window 16), a learned bias per key from its values (A, zero
+# at init, gets noise with the other constants: per-channel residual scales).
+ARCHS["doge"] = ("DogeConfig", "DogeForCausalLM", dict(num_hidden_layers=2,
+                                                        sliding_window=16))
+PERTURB_CONSTANTS.add("doge")

@@ -12,6 +12,7 @@ from hybridkv.models.base import CausalLM
 from hybridkv.models.layer_mix import kv_sharing_targets
 
 _LLAMA = "hybridkv.models.llama:DecoderForCausalLM"
+_SLIDING_MOE = "hybridkv.models.sliding_moe:SlidingMoEForCausalLM"
 # model_type -> "module:class"
 MODELS: dict[str, str] = {
     "llama": _LLAMA, "mistral": _LLAMA, "qwen3": _LLAMA, "gemma2": _LLAMA,
@@ -61,6 +62,13 @@ MODELS: dict[str, str] = {
     "gemma4_text": "hybridkv.models.gemma4:Gemma4ForCausalLM",
     "zamba2": "hybridkv.models.zamba:Zamba2ForCausalLM",
     "zamba": "hybridkv.models.zamba:ZambaForCausalLM",
+    "cwm": _LLAMA,
+    "flint": _SLIDING_MOE, "kolibri1": _SLIDING_MOE, "laguna": _SLIDING_MOE,
+    "mellum": _SLIDING_MOE,
+    "modernbert-decoder": "hybridkv.models.modernbert_decoder:ModernBertDecoderForCausalLM",
+    "beam": "hybridkv.models.beam:BeamForCausalLM",
+    "zaya": "hybridkv.models.zaya:ZayaForCausalLM",
+    "doge": "hybridkv.models.doge:DogeForCausalLM",
 }
 
 
