@@ -40,6 +40,7 @@ from hybridkv.models.layer_mix import (
     shipped_config_names,
 )
 from hybridkv.server.follow_up import DEFAULT_WAIT_MS as DEFAULT_FOLLOW_UP_WAIT_MS
+from hybridkv.server.reasoning import REASONING_PARSERS
 
 DESCRIPTION = (
     "hybridkv: a small LLM inference engine built around a hybrid KV cache manager. Full, "
@@ -175,6 +176,26 @@ def _dtype(text: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
+
+
+def speculative_config(text: str) -> dict[str, Any]:
+    """--speculative-config: a JSON object, read into the engine's speculative_config."""
+    from hybridkv.sched.spec import SpeculativeConfig
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from None
+    try:
+        SpeculativeConfig.from_dict(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return dict(value)
+
+
+SPECULATIVE_HELP = ('speculative decoding, as vLLM spells it: \'{"method": "ngram", '
+                    '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                    '"prompt_lookup_min": 1}\' (default: off)')
 
 
 def read_text(path: Path) -> str:
@@ -386,6 +407,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template", default=None,
                         help="with --chat: a Jinja chat template (a file or the text) "
                              "(default: the model's own)")
+    parser.add_argument("--speculative-config", type=speculative_config, default=None,
+                        metavar="JSON", help=SPECULATIVE_HELP)
     parser.add_argument("--max-tokens", type=positive_int, default=32,
                         help="output tokens per prompt at most")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0,
@@ -509,6 +532,7 @@ def run_generate(args: argparse.Namespace) -> int:
         # From the environment, not a flag: a secret on the command line is visible to
         # every user of the machine (ps).
         block_hash_seed=os.environ.get(BLOCK_HASH_SEED_ENV) or None,
+        speculative_config=args.speculative_config,
         **offload_options(args), **kv_cache_dtype_options(args))
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
@@ -642,6 +666,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "this long for that client's next request (agents and chat "
                              "clients send it at once); holding stops while it does not "
                              "pay (default: %(default)s; 0: never hold)")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="auto",
+                        help="split <think>...</think> reasoning from the answer in every "
+                             "API (think; deepseek_r1, qwen3 and smollm3 name the same "
+                             "format); auto: when the chat template writes </think>; none: "
+                             "never (default: auto)")
+    parser.add_argument("--max-stored-responses", type=non_negative_int, default=None,
+                        help="responses /v1/responses keeps for previous_response_id, the "
+                             "oldest dropped first (default: 1024; 0: none)")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="log level")
@@ -705,6 +737,8 @@ def add_server_engine_arguments(parser: argparse.ArgumentParser | Any) -> None:
     add_kv_cache_dtype_arguments(parser)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True, help="reuse the KV cache of shared prompt prefixes")
+    parser.add_argument("--speculative-config", type=speculative_config, default=None,
+                        metavar="JSON", help=SPECULATIVE_HELP)
     add_threads_argument(parser)
 
 
@@ -732,7 +766,8 @@ def server_engine_options(args: argparse.Namespace) -> dict[str, object]:
         kv_cache_memory=args.kv_cache_memory, dtype=args.dtype, dequantize=args.dequantize,
         quant_activations=args.quant_activations,
         enable_prefix_caching=args.enable_prefix_caching, threads=args.threads,
-        linear_kernel=args.linear_kernel, attention_backend=args.attention_backend)
+        linear_kernel=args.linear_kernel, attention_backend=args.attention_backend,
+        speculative_config=args.speculative_config)
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
     return options
@@ -805,7 +840,9 @@ def run_serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting, chat_template=args.chat_template,
         shutdown_timeout_s=args.shutdown_timeout, follow_up_wait_ms=args.follow_up_wait_ms,
         replica_status=os.environ.get(REPLICA_STATUS_ENV) or None,
-        max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES))
+        max_request_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
+        reasoning_parser=args.reasoning_parser,
+        max_stored_responses=args.max_stored_responses))
     log.info("serving %s as '%s' on http://%s:%d/v1", model_dir, name, args.host, args.port)
     # uvicorn handles SIGTERM/SIGINT (stop accepting, let requests finish, stop the engine),
     # then raises the signal again for the handler it found: a quiet one makes that exit 0.

@@ -22,6 +22,7 @@ from hybridkv.kv.plan import parse_bytes
 from hybridkv.kv.spec import DEFAULT_CHECKPOINT_TAIL
 from hybridkv.sched.checks import check_bool, check_int
 from hybridkv.sched.scheduler import SchedulerConfig
+from hybridkv.sched.spec import SpeculativeConfig
 from hybridkv.worker.config import RunnerConfig
 
 # The KV cache / weights dtypes the engine runs ("auto": the checkpoint's own).
@@ -145,6 +146,11 @@ class EngineConfig:
     # and routers file a batch's blocks under the rank it names for the URL it came from.
     replica_index: int = 0
 
+    # Speculative decoding, with vLLM's names: {"method": "ngram", "num_speculative_tokens":
+    # K, "prompt_lookup_max": N, "prompt_lookup_min": M} (a dict, read into a
+    # SpeculativeConfig); None: off.
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
+
     def __post_init__(self) -> None:
         # Every option is checked here, with one line naming it and what is accepted: a wrong
         # type found later would surface as an internal error far from its cause.
@@ -213,6 +219,9 @@ class EngineConfig:
             check_int("kv_events_queue", self.kv_events_queue, low=1,
                       what="an integer >= 1 or None (10,000)")
         check_int("replica_index", self.replica_index, low=0)
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config",
+                               SpeculativeConfig.from_dict(self.speculative_config))
         if self.kv_events_topic is not None and not isinstance(self.kv_events_topic, str):
             raise ValueError(f"kv_events_topic must be a string, got {self.kv_events_topic!r}")
         if self.kv_events_endpoint is None:
@@ -255,7 +264,14 @@ class EngineConfig:
                                max_num_batched_tokens=self.max_num_batched_tokens,
                                max_model_len=max_model_len,
                                enable_chunked_prefill=self.enable_chunked_prefill,
-                               policy=self.scheduling_policy)
+                               policy=self.scheduling_policy,
+                               speculative=self.speculative)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        spec = self.speculative_config
+        assert spec is None or isinstance(spec, SpeculativeConfig)  # read in __post_init__
+        return spec
 
     def runner_config(self, max_model_len: int, device: str) -> RunnerConfig:
         return RunnerConfig(max_num_seqs=self.max_num_seqs, max_model_len=max_model_len,

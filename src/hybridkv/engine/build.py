@@ -24,6 +24,7 @@ from hybridkv.engine.weight_memory import describe, weight_memory
 from hybridkv.kv.cache_dtype import apply_cache_dtype
 from hybridkv.kv.manager import KVCacheManager
 from hybridkv.kv.plan import KVCachePlan, format_bytes, memory_for_requests, plan_kv_cache
+from hybridkv.kv.spec import with_speculative_states
 from hybridkv.models.formats.gguf_config import config_from_gguf
 from hybridkv.models.formats.gguf_file import read_header
 from hybridkv.models.formats.loader import (
@@ -242,6 +243,9 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
     layout = replace(layout, layer_specs=apply_cache_dtype(
         layout.layer_specs, config.kv_cache_dtype, config.kv_cache_dtype_skip,
         config.state_dtype))
+    if config.speculative is not None:
+        layout = replace(layout, layer_specs=with_speculative_states(layout.layer_specs,
+                                                                   config.max_num_seqs))
     if config.kv_cache_dtype == "fp8" and not device.startswith("cuda"):
         # e4m3 has no fast conversion on CPUs: int8 pages hold as many bytes and are read
         # by the in-place kernel.

@@ -333,23 +333,35 @@ class LLMEngine:
         for rid, message in result.errors.items():
             logger.warning("request %s failed: %s", rid, message)
             outputs.append(self._fail(self.scheduler.requests[rid], message))
-        updated = self.scheduler.update_from_output(out, result.sampled)
+        updated = self.scheduler.update_from_output(out, result.sampled, result.accepted)
         finished: dict[RequestStatus, list[Request]] = {}
         for request in updated:
             rid = request.request_id
+            # With accepted drafts a step brings several tokens: each is taken as a step of
+            # its own would take it, and those after a stop are dropped.
+            later = request.token_ids[request.num_tokens - request.num_new_tokens + 1:]
+            if later:
+                request.truncate(request.num_tokens - len(later))
+            new_text = ""
             try:
-                if rid in result.logprobs:
+                if rid in result.logprobs:  # (a request with drafts asks for none)
                     request.output_logprobs.append(result.logprobs[rid])
-                status = self._check_stop(request)
-                grammar_status = self._advance_grammar(request)
-                status = status or grammar_status
-                new_text, stopped = self._detokenize(request, final=status is not None)
+                while True:
+                    status = self._check_stop(request)
+                    grammar_status = self._advance_grammar(request)
+                    status = status or grammar_status
+                    text, stopped = self._detokenize(request, final=status is not None)
+                    new_text += text
+                    if stopped and status is None:
+                        status = RequestStatus.FINISHED_STOPPED
+                    if status is not None or not later:
+                        break
+                    request.append_token_ids([later.pop(0)])
             except Exception as e:
                 logger.exception("request %s failed after its step", rid)
                 outputs.append(self._fail(request, f"{type(e).__name__}: {e}"))
                 continue
-            if stopped and status is None:
-                status = RequestStatus.FINISHED_STOPPED
+            request.num_new_tokens -= len(later)
             if status is not None:
                 finished.setdefault(status, []).append(request)
             outputs.append(self._output(request, status, new_text))
@@ -405,10 +417,14 @@ class LLMEngine:
             finished=status is not None, finish_reason=status.value if status else None,
             logprobs=list(request.output_logprobs) if request.sampling_params.logprobs
             is not None else None,
-            new_token_ids=[request.token_ids[-1]] if new_token else [], new_text=new_text,
+            new_token_ids=request.token_ids[request.num_tokens - request.num_new_tokens:]
+            if new_token else [],
+            new_text=new_text,
             stop_reason=request.stop_reason if status is not None else None,
             num_cached_tokens=request.num_cached_tokens or 0,
-            cached_tokens_by_tier={**NO_CACHED_TOKENS, **request.cached_tokens_by_tier})
+            cached_tokens_by_tier={**NO_CACHED_TOKENS, **request.cached_tokens_by_tier},
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens)
 
     # ---------------------------------------------------------------- the KV cache
     def reset_prefix_cache(self) -> bool:

@@ -24,3 +24,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     index: int = 0  # which of the request's n samples this is
+    # Speculative decoding: draft tokens scored for this request so far, and how many of
+    # them the target model kept (0 and 0 without speculation).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

@@ -20,7 +20,7 @@ from hybridkv.kv.hashing import make_block_hasher
 from hybridkv.kv.managers.base import NEVER
 from hybridkv.kv.plan import KVCacheConfig
 from hybridkv.kv.request import KVRequest
-from hybridkv.kv.spec import DEFAULT_CHECKPOINT_TAIL, FullAttentionSpec
+from hybridkv.kv.spec import DEFAULT_CHECKPOINT_TAIL, FullAttentionSpec, MambaSpec
 
 
 class KVCacheBlocks:
@@ -93,6 +93,12 @@ class KVCacheManager:
                                         branch_points=checkpoint_branch_points,
                                         tail=checkpoint_tail, remember_blocks=no_full)
         self.stats = PrefixCacheStats(hit_tokens_per_group=[0] * len(self.managers))
+        state_specs = [g.spec for g in config.groups if isinstance(g.spec, MambaSpec)]
+        self._speculative_states = any(s.num_drafting_blocks for s in state_specs)
+        # Requests whose drafts one step may score (None: no limit; state groups bound it).
+        self.max_drafting_requests = min(
+            (s.max_speculative_requests for s in state_specs if s.num_drafting_blocks),
+            default=None)
         self._no_blocks = KVCacheBlocks(tuple([] for _ in self.managers))
         # Per request: token counts below which allocate_slots has nothing to do.
         self._quiet: dict[str, tuple[int, int, int]] = {}
@@ -141,7 +147,11 @@ class KVCacheManager:
         Returns only the newly allocated blocks per group."""
         num_computed = request.num_computed_tokens
         total_computed = num_computed + num_new_computed_tokens
-        if new_computed_blocks is None and num_new_tokens > 0:
+        # A step scoring drafts on a model with state groups takes a block for the state at
+        # the known tokens (kv/managers/mamba.py): never a quiet one.
+        drafting = self._speculative_states and \
+            total_computed + num_new_tokens > request.num_tokens
+        if new_computed_blocks is None and num_new_tokens > 0 and not drafting:
             # Most decode steps stay inside the last block: nothing to drop, allocate or cache.
             quiet = self._quiet.get(request.request_id)
             if (quiet is not None and num_computed <= quiet[2]
@@ -197,6 +207,15 @@ class KVCacheManager:
                 new = KVCacheBlocks(new.blocks, checkpoints)
         self._quiet[request.request_id] = self._quiet_limits(request, num_computed)
         return new
+
+    @property
+    def replays_rejected_drafts(self) -> bool:
+        """Whether a step that rejected drafts leaves the request computed only up to its
+        known tokens (before the drafts): state groups cannot rewind a recurrent state, so
+        the model runner restores the state saved there (the step's checkpoint at the known
+        tokens) and the accepted drafts are computed again. Attention groups overwrite a
+        rejected token's slot and need nothing."""
+        return any(g.spec.is_state for g in self.config.groups)
 
     @property
     def saves_branch_points(self) -> bool:

@@ -14,9 +14,10 @@ the sum of its layers' pages.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 _DTYPE_BYTES = {
@@ -350,11 +351,22 @@ DEFAULT_CHECKPOINT_TAIL = 4
 class MambaSpec(KVCacheSpec):
     """A fixed-size recurrent state per request (conv state + SSM state, or a linear-attention
     state). One block holds one state; `block_size` is the attention block size that state
-    checkpoints align to. Speculative decoding keeps `num_speculative_blocks` extra states."""
+    checkpoints align to.
+
+    `num_speculative_blocks` extra states are held for the request's whole life (vLLM's
+    layout for drafts: one per draft token; hybridkv's speculative decoding uses none).
+
+    Speculative decoding: a step that scores a request's drafts holds `num_drafting_blocks`
+    (one) more state, the state at its known tokens, copied back over the live state if a
+    draft is rejected and freed with the step; at most `max_speculative_requests` requests
+    draft in one step, so the states of N requests take N + min(N, max_speculative_requests)
+    blocks at most (`with_speculative_states`)."""
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     num_speculative_blocks: int = 0
+    num_drafting_blocks: int = 0
+    max_speculative_requests: int = 0
     kind = "mamba"
     is_state = True
 
@@ -371,10 +383,13 @@ class MambaSpec(KVCacheSpec):
                    for shape, dtype in zip(self.shapes, self.dtypes, strict=True))
 
     def peak_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
-        return 1 + self.num_speculative_blocks
+        return 1 + self.num_speculative_blocks + self.num_drafting_blocks
 
     def steady_blocks(self, num_tokens: int) -> int:
         return 1 + self.num_speculative_blocks
+
+    def transient_blocks(self, max_num_batched_tokens: int) -> int:
+        return self.num_drafting_blocks * self.max_speculative_requests
 
     def checkpoint_blocks(self, max_model_len: int, max_num_batched_tokens: int,
                           checkpoint_interval: int, checkpoint_tail: int) -> int:
@@ -435,3 +450,22 @@ def merge_specs(layer_names: Sequence[str], specs: Sequence[KVCacheSpec]) -> KVC
 def _describe(spec: KVCacheSpec) -> str:
     return ", ".join(f"{k}={v}" for k, v in zip(
         ("kind", "block_size", "param"), spec.group_key(), strict=False))
+
+
+# With speculative decoding, the share of the running requests whose drafts one step may
+# score on a model with state layers: each holds one more state during that step, so the
+# states take at most 1.3x what they take without drafts (vLLM keeps 1 + K per request).
+SPECULATIVE_STATE_SHARE = 0.3
+
+
+def with_speculative_states(specs: Mapping[str, KVCacheSpec], max_num_seqs: int
+                            ) -> dict[str, KVCacheSpec]:
+    """The layer specs of a model run with speculative decoding: a state layer's drafting
+    step holds one more state, and at most SPECULATIVE_STATE_SHARE of `max_num_seqs`
+    requests (one at least) draft in one step; the planner counts those states. Attention
+    layers need nothing: a rejected draft's slot is written again by the token that takes
+    its place."""
+    drafting = max(1, math.floor(SPECULATIVE_STATE_SHARE * max_num_seqs))
+    return {name: dataclasses.replace(spec, num_drafting_blocks=1,
+                                      max_speculative_requests=drafting)
+            if isinstance(spec, MambaSpec) else spec for name, spec in specs.items()}

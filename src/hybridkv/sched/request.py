@@ -53,6 +53,26 @@ class Request(KVRequest):
         # Structured output: its grammar (set by the engine); the request is not admitted
         # until the grammar has compiled.
         self.grammar: RequestGrammar | None = None
+        # Speculative decoding: draft tokens scheduled this step (never in `token_ids`:
+        # they are not the request's until verified), and totals over its life.
+        self.spec_token_ids: list[int] = []
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_drafts = 0  # steps that scored drafts
+        # Steps to skip drafting, and the current length of that pause (scheduler.py:
+        # DRAFT_BACKOFF_MAX).
+        self.draft_pause = 0
+        self.draft_backoff = 0
+        # Tokens appended by the last step (1, or more with accepted drafts).
+        self.num_new_tokens = 0
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first `num_tokens` tokens (a step's tokens past a stop are dropped);
+        block hashes of dropped tokens go with them."""
+        if num_tokens < self.num_prompt_tokens:
+            raise ValueError(f"cannot truncate request {self.request_id} into its prompt")
+        del self.token_ids[num_tokens:]
+        del self.block_hashes[num_tokens // self.hash_block_size:]
 
     @property
     def waiting_for_grammar(self) -> bool:

@@ -22,10 +22,16 @@ from hybridkv.kv.manager import KVCacheManager
 from hybridkv.kv.shared_prompts import SharedPrompts
 from hybridkv.sched.request import Request, RequestStatus
 from hybridkv.sched.sampling import SamplingParams
+from hybridkv.sched.spec import Proposer, SpeculativeConfig, make_proposer
 
 if TYPE_CHECKING:
     from hybridkv.sched.structured.manager import StepGrammars
 
+
+# A request whose drafts were all rejected drafts again only after this many steps, doubled
+# at each further miss up to the cap (a hit resets it): scoring drafts that miss costs
+# compute, and text that stopped repeating its context tends to stay so for a while.
+DRAFT_BACKOFF_MAX = 16
 
 # The most state checkpoints one request saves for other requests' prompts that leave its
 # own (each is a state block while it is written): prompts arriving together usually part
@@ -42,6 +48,8 @@ class SchedulerConfig:
     # "fcfs": arrival order. "priority": lower `priority` first (ties by arrival), and the
     # lowest-priority running request is the one preempted.
     policy: str = "fcfs"
+    # Speculative decoding (None: off): decoding requests get drafts as extra tokens.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -84,6 +92,9 @@ class SchedulerOutput:
     # State checkpoints to write in this step, per request: (group, token position, block).
     state_checkpoints: dict[str, tuple[tuple[int, int, int], ...]] = field(
         default_factory=dict)
+    # Per request with drafts this step: the draft tokens, scheduled after its known tokens
+    # (counted in num_scheduled_tokens, never in the request's token ids).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # The KV connector's loads and stores of this step (None: no connector).
     kv_connector_meta: ConnectorMeta | None = None
     # The grammars of the structured-output requests that sample this step, which give
@@ -127,6 +138,10 @@ class Scheduler:
         # requests whose prompts have it), as last computed.
         self._matches: dict[str, tuple[int, int, list[str]]] = {}
         self._asked: dict[str, set[int]] = {}  # per running request: checkpoints asked for
+        spec = config.speculative
+        self.proposer: Proposer | None = make_proposer(spec) if spec is not None else None
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self._num_drafting = 0  # requests with drafts in the step being scheduled
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -164,6 +179,7 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = set()
         budget = self.config.max_num_batched_tokens
+        self._num_drafting = 0
         self.kv.new_step_starts()
         connector = self.connector
         if connector is not None:
@@ -180,7 +196,11 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             req = self.running[index]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while (new := self.kv.allocate_slots(req, num_new)) is None:
+            drafts = self._drafts(req, num_new, budget) if self.proposer is not None else []
+            while (new := self.kv.allocate_slots(req, num_new + len(drafts))) is None:
+                if drafts:
+                    drafts = []  # drafts never cost a preemption
+                    continue
                 if connector is not None and connector.release_done_loads():
                     continue  # loaded prefixes of waiting requests held memory
                 position, victim = self._victim()
@@ -198,6 +218,10 @@ class Scheduler:
             if new.checkpoints:
                 out.state_checkpoints[req.request_id] = new.checkpoints
             budget -= num_new
+            if drafts:
+                req.spec_token_ids = drafts
+                out.scheduled_spec_decode_tokens[req.request_id] = drafts
+                budget -= len(drafts)
             if (self._prefilling is not None and req.request_id in self._prefilling
                     and req.num_computed_tokens + num_new >= req.num_prompt_tokens):
                 self._prefilling.remove(req.request_id)  # its prompt is computed this step
@@ -205,7 +229,7 @@ class Scheduler:
             out.cached_requests.append(CachedRequestData(
                 req.request_id, req.token_ids[sent:], new_blocks, req.num_computed_tokens))
             self._num_sent_tokens[req.request_id] = req.num_tokens
-            out.num_scheduled_tokens[req.request_id] = num_new
+            out.num_scheduled_tokens[req.request_id] = num_new + len(drafts)
             index += 1
 
         # Then waiting requests, unless this step had to preempt (memory is short).
@@ -270,6 +294,35 @@ class Scheduler:
         if connector is not None:
             out.kv_connector_meta = connector.build_meta()
         return out
+
+    # ------------------------------------------------------------ drafts
+    def _drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
+        """Draft tokens for a decoding request whose known tokens all fit this step, within
+        the budget, max_model_len and max_tokens (a draft past either could never be
+        kept). Requests with penalties, logprobs or a grammar draft nothing (their
+        tokens' distributions depend on the tokens before them in ways the verification
+        does not replay)."""
+        assert self.proposer is not None
+        params = req.sampling_params
+        if (req.num_computed_tokens < req.num_prompt_tokens
+                or req.num_computed_tokens + num_new != req.num_tokens
+                or params.penalized or params.logprobs is not None
+                or req.grammar is not None):
+            return []
+        if req.draft_pause > 0:
+            req.draft_pause -= 1
+            return []
+        limit = self.kv.max_drafting_requests  # state groups keep a state per drafter
+        if limit is not None and self._num_drafting >= limit:
+            return []
+        k = min(self.num_speculative_tokens, budget - num_new,
+                self.config.max_model_len - req.num_tokens - 1,
+                params.max_tokens - req.num_output_tokens - 1)
+        if k < 1:
+            return []
+        drafts = self.proposer.propose(req.token_ids, k)[:k]
+        self._num_drafting += bool(drafts)
+        return drafts
 
     # ------------------------------------------------------------ shared prefills
     # A request is admitted only once the running ones have all their prompt tokens
@@ -337,6 +390,8 @@ class Scheduler:
         in this step (now unscheduled)."""
         req.num_tokens_at_preemption = req.num_computed_tokens
         num_scheduled = out.num_scheduled_tokens.pop(req.request_id, 0)
+        out.scheduled_spec_decode_tokens.pop(req.request_id, None)
+        req.spec_token_ids = []
         # Blocks cached for this step's tokens were never written: they leave the cache.
         self.kv.free(req, num_valid_tokens=req.num_computed_tokens if num_scheduled else None)
         out.state_checkpoints.pop(req.request_id, None)
@@ -358,19 +413,40 @@ class Scheduler:
         out.finished_request_ids.add(req.request_id)
         return num_scheduled
 
-    def update_from_output(self, out: SchedulerOutput,
-                           sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
+                           accepted: dict[str, list[int]] | None = None) -> list[Request]:
         """Advance computed tokens, append sampled tokens (one per request whose prompt is
-        complete), stop what is done. Returns the requests that got a new token."""
+        complete, after the drafts the rejection sampler `accepted`), stop what is done.
+        Returns the requests that got new tokens (`num_new_tokens` of them).
+
+        A rejected draft's KV is simply overwritten later (attention groups). State groups
+        cannot rewind: the runner restores the state at the request's known tokens and the
+        accepted drafts are computed again next step (replayed), unless all were accepted."""
         updated = []
         for rid, num in out.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is None:
                 continue  # finished during the step (its sampling failed)
+            drafts = out.scheduled_spec_decode_tokens.get(rid)
+            kept: list[int] = []
+            if drafts:
+                kept = (accepted or {}).get(rid, [])
+                assert kept == drafts[:len(kept)], "accepted tokens must be a draft prefix"
+                rejected = len(drafts) - len(kept)
+                replay = rejected > 0 and self.kv.replays_rejected_drafts
+                num -= len(drafts) if replay else rejected
+                req.num_drafts += 1
+                req.num_draft_tokens += len(drafts)
+                req.num_accepted_tokens += len(kept)
+                req.spec_token_ids = []
+                req.draft_backoff = 0 if kept else \
+                    min(max(1, 2 * req.draft_backoff), DRAFT_BACKOFF_MAX)
+                req.draft_pause = req.draft_backoff
             req.num_computed_tokens += num
             if req.num_computed_tokens < req.num_tokens:
                 continue  # a prompt chunk that does not finish the prompt samples nothing
-            req.append_token_ids([sampled[rid]])
+            req.append_token_ids([*kept, sampled[rid]])
+            req.num_new_tokens = len(kept) + 1
             updated.append(req)
         return updated
 

@@ -226,6 +226,18 @@ class ServerMetrics:
             P + "structured_output_mask_seconds",
             "Time to build one step's token masks for its structured-output rows.", labels,
             buckets=GRAMMAR_BUCKETS, registry=r)
+        # Speculative decoding, under vLLM's names: steps that scored drafts, drafts scored,
+        # drafts accepted, and accepted drafts by their position in the step's drafts.
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Steps of a request that "
+                                   "scored draft tokens.", labels, registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens",
+                                         "Draft tokens scored.", labels, registry=r)
+        self.spec_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens",
+                                            "Draft tokens accepted.", labels, registry=r)
+        self.spec_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by their "
+            "position among the step's drafts.", [*labels, "position"], registry=r)
+        self._spec_seen: dict[str, tuple[int, int]] = {}  # per sample: (drafts, accepted)
         r.register(EngineCollector(snapshot, model_name, group_names, cache_info, kv_events))
         if replica_status is not None:
             r.register(ReplicaCollector(replica_status, model_name))
@@ -246,16 +258,36 @@ class ServerMetrics:
                 self.itl.labels(m).observe(now - last)
             self._last_token[rid] = now
             self.generation_tokens.labels(m).inc(len(out.new_token_ids))
+        if out.num_draft_tokens:
+            self._observe_drafts(rid, out)
         if out.finished:
             self.finish(rid, out.finish_reason or "stop", stream)
+
+    def _observe_drafts(self, rid: str, out: RequestOutput) -> None:
+        """An output's totals grew by one step's drafts (a step brings one output per
+        request): its accepted drafts are the first ones, position 0 on."""
+        drafts, accepted = self._spec_seen.get(rid, (0, 0))
+        new_drafts = out.num_draft_tokens - drafts
+        new_accepted = out.num_accepted_tokens - accepted
+        self._spec_seen[rid] = (out.num_draft_tokens, out.num_accepted_tokens)
+        if new_drafts <= 0:
+            return
+        m = self.model_name
+        self.spec_drafts.labels(m).inc()
+        self.spec_draft_tokens.labels(m).inc(new_drafts)
+        self.spec_accepted_tokens.labels(m).inc(new_accepted)
+        for position in range(new_accepted):
+            self.spec_accepted_per_pos.labels(m, str(position)).inc()
 
     def finish(self, rid: str, reason: str, stream: RequestStream) -> None:
         """A sample ended (`rid` "{request}/{index}"), or a whole request because its client
         went away ("abort", `rid` the request's)."""
         self._last_token.pop(rid, None)
+        self._spec_seen.pop(rid, None)
         if rid == stream.request_id:
             for i in range(stream.n):
                 self._last_token.pop(f"{rid}/{i}", None)
+                self._spec_seen.pop(f"{rid}/{i}", None)
         self.request_success.labels(self.model_name, reason).inc()
         self.e2e.labels(self.model_name).observe(time.monotonic() - stream.arrival)
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from hybridkv.connector.base import ConnectorWorker
+from hybridkv.connector.canonical import group_blocks
 from hybridkv.kv.plan import KVCacheConfig
 from hybridkv.kv.spec import KEY_GROUP, cdiv
 from hybridkv.sched.sampling import SamplingParams
@@ -25,6 +26,7 @@ from hybridkv.worker.block_table import BlockTable
 from hybridkv.worker.config import RunnerConfig
 from hybridkv.worker.forward_context import ForwardContext, RopeTables
 from hybridkv.worker.kv_cache import allocate_key_staging, allocate_kv_caches
+from hybridkv.worker.rejection_sampler import Verified, verify_greedy, verify_sampled
 from hybridkv.worker.sampler import Sampler, masked_rows
 from hybridkv.worker.state import StateMetadata
 
@@ -40,6 +42,8 @@ class RunnerOutput:
     # Requests that failed this step (their sampling raised): they get no token and are
     # finished with an error; everything else in the batch is unaffected.
     errors: dict[str, str] = field(default_factory=dict)
+    # Per request that scored drafts: the drafts kept, which come before its sampled token.
+    accepted: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -53,7 +57,10 @@ class StepInputs:
     query_start_loc: list[int]  # per request, its first token in the flat batch (+ the end)
     seq_lens: list[int]  # per request, its tokens once this step is computed
     sample_ids: list[str]  # requests whose last known token is in this step: they sample
-    sample_indices: list[int]  # and where that token is in the flat batch
+    # and where their sampled tokens are in the flat batch: the last known token, then
+    # each draft (a request with k drafts samples k + 1 rows, in order)
+    sample_indices: list[int]
+    num_sample_rows: list[int]  # per sample_ids entry: 1 + its drafts
 
 
 class ModelRunner:
@@ -71,6 +78,9 @@ class ModelRunner:
             for g in kv_config.groups]
         self.blocks_per_page = [g.blocks_per_large_page for g in kv_config.groups]
         self.is_state_group = [g.spec.is_state for g in kv_config.groups]
+        # State groups' blocks, whole (a state block is one byte range of all its layers).
+        self.state_blocks = {g.group_id: group_blocks(self.arena, g)
+                             for g in kv_config.groups if g.spec.is_state}
         # Quantized pages (None: pages in the model dtype), one dtype per group.
         self.cache_dtypes = [getattr(g.spec, "cache_dtype", None) for g in kv_config.groups]
         # q4 K/V pages: per group and layer, each row's unfinished key group in full
@@ -100,6 +110,8 @@ class ModelRunner:
         self.params: dict[str, SamplingParams] = {}
         self.num_prompt: dict[str, int] = {}
         self._new_this_step: set[str] = set()
+        self.drafts: dict[str, list[int]] = {}  # this step's draft tokens per request
+        self._checkpoints: dict[str, tuple[tuple[int, int, int], ...]] = {}
 
     # ---------------------------------------------------------------- the diff
     def _remove(self, rid: str) -> None:
@@ -121,6 +133,8 @@ class ModelRunner:
 
     def _apply(self, out: SchedulerOutput) -> None:
         self._new_this_step = {new.request_id for new in out.new_requests}
+        self.drafts = out.scheduled_spec_decode_tokens
+        self._checkpoints = out.state_checkpoints
         for rid in out.finished_request_ids:
             if rid in self.row_of:
                 self._remove(rid)
@@ -164,6 +178,7 @@ class ModelRunner:
             source = table.block_from_end(row, 2) or 0
             starts_from_hit = rid in self._new_this_step and self.num_computed[rid] > 0
             init_from.append(place(source) if starts_from_hit and source else None)
+            # With drafts, one of them is at its known tokens (kv/managers/mamba.py).
             checkpoints.append([
                 (position - self.num_computed[rid], *place(block))
                 for group, position, block in out.state_checkpoints.get(rid, ())
@@ -176,15 +191,16 @@ class ModelRunner:
 
     @staticmethod
     def _sampled_tokens_metadata(metadata: list[AttentionMetadata | StateMetadata],
-                                 scheduled: list[str], sampled: set[str],
+                                 scheduled: list[str], sampled: dict[str, int],
                                  sample_t: torch.Tensor) -> list[AttentionMetadata | None]:
         """Attention metadata of the batch cut down to the sampled tokens: each request keeps
-        its last token (the one at position seq_len - 1) if it samples this step and nothing
-        otherwise; sequence lengths and block tables stay, so those tokens still see their
-        whole context. State groups get None: no state layer may run on this batch."""
+        its last `sampled[rid]` tokens (the last at position seq_len - 1; more than one with
+        drafts) if it samples this step and nothing otherwise; sequence lengths and block
+        tables stay, so those tokens still see their whole context. State groups get None:
+        no state layer may run on this batch."""
         loc = [0]
         for rid in scheduled:
-            loc.append(loc[-1] + (rid in sampled))
+            loc.append(loc[-1] + sampled.get(rid, 0))
         return [AttentionMetadata(
             query_start_loc=loc, seq_lens=meta.seq_lens, block_table=meta.block_table,
             slot_mapping=meta.slot_mapping[sample_t], block_size=meta.block_size,
@@ -196,18 +212,23 @@ class ModelRunner:
     # ---------------------------------------------------------------- one step
     def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         scheduled = sorted(out.num_scheduled_tokens, key=self.row_of.__getitem__)
-        inputs = StepInputs(scheduled, [], [], [], [0], [], [], [])
+        inputs = StepInputs(scheduled, [], [], [], [0], [], [], [], [])
         for rid in scheduled:
             start, num = self.num_computed[rid], out.num_scheduled_tokens[rid]
-            tokens = self.tokens[rid]
+            drafts = self.drafts.get(rid, [])
+            tokens = self.tokens[rid] + drafts if drafts else self.tokens[rid]
             inputs.input_ids += tokens[start:start + num]
             inputs.positions += range(start, start + num)
             inputs.token_rows += [self.row_of[rid]] * num
             inputs.query_start_loc.append(len(inputs.input_ids))
             inputs.seq_lens.append(start + num)
             if start + num == len(tokens):  # its last known token: sample the next one
+                # E.g. 2 drafts: rows of the last known token, draft 0, draft 1.
+                rows = 1 + len(drafts)
                 inputs.sample_ids.append(rid)
-                inputs.sample_indices.append(len(inputs.input_ids) - 1)
+                inputs.num_sample_rows.append(rows)
+                end = len(inputs.input_ids)
+                inputs.sample_indices += range(end - rows, end)
         return inputs
 
     def _metadata(self, inputs: StepInputs, out: SchedulerOutput
@@ -285,12 +306,13 @@ class ModelRunner:
     GRAMMAR_CANDIDATES = 8
 
     def _greedy_step(self, hidden: torch.Tensor, sample_ids: list[str],
-                     grammars: StepGrammars | None) -> dict[str, int] | None:
+                     grammars: StepGrammars | None) -> list[int] | None:
         """Every row greedy: tokens from the blocked head's top candidates, the [rows,
         vocab] logits never written; None where the model cannot (the caller then takes
         the full logits). A constrained row whose candidates the grammar all refuses gets
         its mask, and the logits of the tokens the mask allows (or its whole row's, when
-        the mask allows many)."""
+        the mask allows many). `sample_ids` names each row's request (one with drafts has
+        several rows, never a grammar); returns a token per row."""
         find = getattr(self.model, "head_candidates", None)
         if find is None:
             return None
@@ -298,24 +320,26 @@ class ModelRunner:
         if found is None or bool(found.nan.any()):
             return None
         ids = found.ids.tolist()
-        tokens: dict[str, int] = {}
+        tokens: list[int | None] = [None] * len(sample_ids)
         rest: list[int] = []  # rows that need their mask
         for row, rid in enumerate(sample_ids):
             if grammars is None or rid not in grammars:
-                tokens[rid] = ids[row][0]
+                tokens[row] = ids[row][0]
                 continue
             for j, token in enumerate(ids[row]):
                 if token >= 0 and grammars.allows(rid, token):
                     if found.complete(row, j):
-                        tokens[rid] = token
+                        tokens[row] = token
                     break
-            if rid not in tokens:
+            if tokens[row] is None:
                 rest.append(row)
         if rest:
             assert grammars is not None
-            tokens.update(self._masked_greedy(hidden, [sample_ids[r] for r in rest], rest,
-                                              grammars))
-        return tokens
+            masked = self._masked_greedy(hidden, [sample_ids[r] for r in rest], rest,
+                                         grammars)
+            for row in rest:
+                tokens[row] = masked[sample_ids[row]]
+        return [t for t in tokens if t is not None]
 
     # A row allowing at most this many tokens gets their logits from their head rows alone.
     GATHER_MAX_TOKENS = 4096
@@ -360,8 +384,10 @@ class ModelRunner:
         if cut:
             sampled_ctx = ForwardContext(
                 self.backend, self.kv_caches,
-                self._sampled_tokens_metadata(metadata, inputs.scheduled,
-                                              set(inputs.sample_ids), sample_t),
+                self._sampled_tokens_metadata(
+                    metadata, inputs.scheduled,
+                    dict(zip(inputs.sample_ids, inputs.num_sample_rows, strict=True)),
+                    sample_t),
                 self.layer_group, rope_tables=self.rope_tables,
                 max_position=ctx.max_position)
             if reduced:
@@ -375,18 +401,93 @@ class ModelRunner:
             return RunnerOutput({}, {})
         # Cut down to the sampled tokens, the model returns only their rows, in order.
         sampled_hidden = hidden if reduced or ctx.rows_cut else hidden[sample_t]
+        row_ids = [rid for rid, n in zip(inputs.sample_ids, inputs.num_sample_rows,
+                                         strict=True) for _ in range(n)]
         if self._all_plain_greedy(inputs.sample_ids):
             # Every row takes the argmax of the model's own logits (masked, where a grammar
             # holds it) and nothing reads them: the model may reduce its head a block at a
             # time (a [rows, 262k] float32 tensor is 1 MiB a row, written and read again by
             # the argmax otherwise).
-            tokens = self._greedy_step(sampled_hidden, inputs.sample_ids, out.grammars)
+            tokens = self._greedy_step(sampled_hidden, row_ids, out.grammars)
             if tokens is not None:
-                return RunnerOutput(tokens, {})
+                return self._verify(inputs, tokens, RunnerOutput({}, {}))
         logits = self.model.compute_logits(sampled_hidden)  # type: ignore[operator]
+        if not self.drafts:
+            if self.logits_hook is not None:
+                self.logits_hook(inputs.sample_ids, logits)
+            sampled = self.sampler.sample(logits, inputs.sample_ids,
+                                          [self.params[r] for r in inputs.sample_ids],
+                                          self._history, out.grammars)
+            return RunnerOutput(sampled.tokens, sampled.logprobs, sampled.errors)
+        # Requests without drafts sample as usual; those with drafts (no penalties, logprobs
+        # or grammar: the scheduler drafts for no other) are verified on their rows.
+        plain = [row for row, rid in enumerate(row_ids) if rid not in self.drafts]
+        plain_ids = [row_ids[row] for row in plain]
+        plain_logits = logits[torch.tensor(plain, dtype=torch.int64, device=logits.device)]
         if self.logits_hook is not None:
-            self.logits_hook(inputs.sample_ids, logits)
-        sampled = self.sampler.sample(logits, inputs.sample_ids,
-                                      [self.params[r] for r in inputs.sample_ids],
-                                      self._history, out.grammars)
-        return RunnerOutput(sampled.tokens, sampled.logprobs, sampled.errors)
+            self.logits_hook(plain_ids, plain_logits)
+        sampled = self.sampler.sample(plain_logits, plain_ids,
+                                      [self.params[r] for r in plain_ids], self._history,
+                                      out.grammars)
+        result = RunnerOutput(sampled.tokens, sampled.logprobs, sampled.errors)
+        return self._verify(inputs, logits, result)
+
+    def _verify(self, inputs: StepInputs, rows: list[int] | torch.Tensor,
+                result: RunnerOutput) -> RunnerOutput:
+        """Each sampled row's token (a list), or its logits [rows, V] -> the requests'
+        tokens: a request without drafts takes its row's token (unless `result` has it
+        already), one with drafts keeps the drafts its rows accept and the token after
+        them. A state group whose request rejected a draft gets back the state saved at the
+        request's known tokens."""
+        row = 0
+        rejected = []
+        for rid, num_rows in zip(inputs.sample_ids, inputs.num_sample_rows, strict=True):
+            drafts = self.drafts.get(rid)
+            if drafts:
+                try:
+                    verified = self._verify_drafts(rid, drafts, rows[row:row + num_rows])
+                except Exception as e:  # reported for this request alone, as sampling is
+                    result.errors[rid] = f"verifying drafts failed: {type(e).__name__}: {e}"
+                    row += num_rows
+                    continue
+                result.sampled[rid] = verified.token
+                result.accepted[rid] = verified.accepted
+                if len(verified.accepted) < len(drafts):
+                    rejected.append(rid)
+            elif rid not in result.sampled and rid not in result.errors:
+                assert isinstance(rows, list)
+                result.sampled[rid] = rows[row]
+            row += num_rows
+        if rejected and self.state_blocks:
+            self._restore_states(rejected)
+        return result
+
+    def _verify_drafts(self, rid: str, drafts: list[int],
+                       rows: list[int] | torch.Tensor) -> Verified:
+        """One request's drafts against its k + 1 rows: tokens (greedy on the model's own
+        logits), or logits (with its bias; greedy by argmax, sampled by speculative
+        sampling)."""
+        if isinstance(rows, list):
+            return verify_greedy(drafts, rows)
+        params = self.params[rid]
+        target = self.sampler.target_rows(rows, rid, params)
+        if params.greedy:
+            return verify_greedy(drafts, torch.argmax(target, dim=-1).tolist())
+        return verify_sampled(drafts, target,
+                              self.sampler.generator(rid, params, target.device))
+
+    def _restore_states(self, request_ids: list[str]) -> None:
+        """Copy each request's state at its known tokens (the checkpoint this step saved
+        there) over its live state: the drafts it rejected are undone, and the ones it
+        accepted are computed again next step (the scheduler replays them)."""
+        for group_id, blocks in self.state_blocks.items():
+            table, per_page = self.block_tables[group_id], self.blocks_per_page[group_id]
+            for rid in request_ids:
+                known = len(self.tokens[rid])
+                saved = next((block for group, position, block in self._checkpoints[rid]
+                              if group == group_id and position == known), None)
+                live = table.block_from_end(self.row_of[rid], 1)
+                assert saved is not None and live is not None, \
+                    f"request {rid} drafted without a checkpoint at its known tokens"
+                blocks[live // per_page, live % per_page].copy_(
+                    blocks[saved // per_page, saved % per_page])

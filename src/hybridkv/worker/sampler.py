@@ -128,6 +128,38 @@ class Sampler:
     def _sample_row(self, logits: torch.Tensor, rid: str, p: SamplingParams) -> int:
         if p.greedy:
             return int(torch.argmax(logits))
+        probs = self.probs(logits, p)
+        return int(torch.multinomial(probs, 1,
+                                     generator=self.generator(rid, p, logits.device)))
+
+    def target_rows(self, logits: torch.Tensor, rid: str, p: SamplingParams
+                    ) -> torch.Tensor:
+        """logits [n, V] of one request's consecutive positions -> what its tokens are
+        drawn from at each: the logits with its bias (greedy: argmax them), else the
+        probabilities after temperature, top-k, min-p and top-p. Penalties depend on the
+        tokens before each position and are not applied here (requests with penalties
+        draft nothing)."""
+        if p.penalized:
+            raise ValueError("target_rows takes no penalized request")
+        rows = [self._adjust(row, rid, p, None) for row in logits.float()]
+        if p.greedy:
+            return torch.stack(rows)
+        return torch.stack([self.probs(row, p) for row in rows])
+
+    def generator(self, rid: str, p: SamplingParams, device: torch.device
+                  ) -> torch.Generator | None:
+        """A seeded request's own generator (None: the global one)."""
+        if p.seed is None:
+            return None
+        generator = self.generators.get(rid)
+        if generator is None:
+            generator = torch.Generator(device=device).manual_seed(p.seed)
+            self.generators[rid] = generator
+        return generator
+
+    @staticmethod
+    def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        """One row's sampling distribution: temperature, top-k, min-p, top-p."""
         logits = logits / p.temperature
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
@@ -145,13 +177,7 @@ class Sampler:
             drop[0] = False  # a top_p below float32's smallest (1e-45) would drop it too
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-        generator = None
-        if p.seed is not None:
-            generator = self.generators.get(rid)
-            if generator is None:
-                generator = torch.Generator(device=logits.device).manual_seed(p.seed)
-                self.generators[rid] = generator
-        return int(torch.multinomial(probs, 1, generator=generator))
+        return probs
 
 
 

@@ -20,6 +20,13 @@ A model with no full-attention group (pure Mamba; RecurrentGemma's sliding windo
 hits are bounded by the state's) has no such match: there the state groups remember the
 hashes of the blocks recent requests computed (hashes only, `SEEN_CAPACITY` at most, least
 recently seen forgotten first) and measure the match against those.
+
+Speculative decoding: a step that scores drafts (it allocates beyond the request's known
+tokens) takes one more block, a private checkpoint at the known tokens, never cached: the
+model runner saves the state there and copies it back over the live state if a draft is
+rejected. Like a checkpoint it is held until the next step. Where a cached checkpoint falls
+at that very position, it serves instead. Checkpoints are thus always of known (accepted)
+tokens.
 """
 
 from __future__ import annotations
@@ -60,6 +67,9 @@ class MambaManager(SingleTypeManager):
         self._planned: dict[str, list[int]] = {}  # positions this allocation saves
         self._step_end: dict[str, int] = {}
         self._pending: dict[str, list[Block]] = {}  # checkpoint blocks being written
+        assert isinstance(self.spec, MambaSpec)
+        self.speculative = self.spec.num_drafting_blocks > 0
+        self._drafting: set[str] = set()  # this allocation takes a private checkpoint
         self._handed_out: dict[str, list[tuple[int, Block]]] = {}
         # The latest `checkpoint_tail` of each decoding request's output, oldest first.
         self._output_checkpoints: dict[str, deque[Block]] = {}
@@ -180,18 +190,28 @@ class MambaManager(SingleTypeManager):
         rid = request.request_id
         start = request.num_computed_tokens + num_new_computed_blocks * self.block_size
         end = min(num_tokens, request.num_tokens)
-        self._planned[rid] = self.checkpoint_positions(request, start, end)
+        planned = self._planned[rid] = self.checkpoint_positions(request, start, end)
         self._step_end[rid] = end
         live = 0 if rid in self.has_live_state else self.num_live_blocks
-        return live + len(self._planned[rid])
+        # Drafts: the state at the known tokens is kept for the step (unless a checkpoint
+        # there keeps it anyway).
+        private = (self.speculative and num_tokens > request.num_tokens
+                   and request.num_tokens not in planned)
+        if private:
+            self._drafting.add(rid)
+        else:
+            self._drafting.discard(rid)
+        return live + len(planned) + private
 
     def allocate(self, request: KVRequest, new: list[Block]) -> list[Block]:
         rid = request.request_id
         positions = self._planned.pop(rid, [])
+        private = new[-1:] if rid in self._drafting else []
+        self._drafting.discard(rid)
         if not new:
             return []
-        num_live = len(new) - len(positions)
-        live, checkpoints = new[:num_live], new[num_live:]
+        num_live = len(new) - len(positions) - len(private)
+        live, checkpoints = new[:num_live], new[num_live:num_live + len(positions)]
         hashes, bs, stride = request.block_hashes, self.block_size, self.stride
         for position, block in zip(positions, checkpoints, strict=True):
             # A checkpoint spares recomputing its whole prefix. Announced (KV events) as the
@@ -208,6 +228,9 @@ class MambaManager(SingleTypeManager):
             if request.num_computed_tokens >= request.num_prompt_tokens and \
                     positions[-1] == self._step_end.get(rid, 0) // bs * bs:
                 self._add_output_checkpoint(rid, checkpoints[-1])
+        if private:
+            self._pending.setdefault(rid, []).extend(private)
+            self._handed_out.setdefault(rid, []).append((request.num_tokens, private[0]))
         if live:
             self.has_live_state.add(rid)
             self.req_blocks.setdefault(rid, []).extend(live)
@@ -244,6 +267,7 @@ class MambaManager(SingleTypeManager):
         self._seen_blocks.pop(rid, None)
         self._handed_out.pop(rid, None)
         self._planned.pop(rid, None)
+        self._drafting.discard(rid)
         self._step_end.pop(rid, None)
         self._output_checkpoints.pop(rid, None)  # they stay cached: the next turn's hit
         pending = self._pending.pop(rid, None)

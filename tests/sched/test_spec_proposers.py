@@ -1,0 +1,64 @@
+"""Speculative decoding's scheduler half: the config's one-line errors, the n-gram proposer,
+and the greedy verification rule (no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv.sched.spec import SpeculativeConfig, make_proposer
+from hybridkv.sched.spec.ngram import NgramProposer
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"method": "medusa2", "num_speculative_tokens": 2}, "'medusa2' is unknown; accepted: ngram"),
+    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2},
+     "unknown speculative_config field(s) model"),
+    ({"method": "mtp", "num_speculative_tokens": 2}, "multi-token-prediction heads are not"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an "
+                                                       "integer in [1, 64], got 0"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "got True (bool)"),
+    ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+     "prompt_lookup_min (3) must be <= prompt_lookup_max (2)"),
+    ({"method": "ngram", "lookahead": 2}, "unknown speculative_config field(s) lookahead; "
+                                          "accepted: method, num_speculative_tokens"),
+    ({"num_speculative_tokens": 2}, "needs a method; accepted: ngram"),
+    ("ngram", "speculative_config must be a dict"),
+])
+def test_bad_configs_fail_in_one_line(values, message):
+    with pytest.raises(ValueError) as e:
+        SpeculativeConfig.from_dict(values)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_draft_model_method_is_refused_with_its_reason():
+    with pytest.raises(ValueError, match="draft models are not supported yet"):
+        SpeculativeConfig(method="draft_model")
+
+
+def test_ngram_takes_the_longest_suffix_at_its_latest_occurrence():
+    p = NgramProposer(1, 3)
+    # "1 2" occurred at 0 and at 4; the latest (4) is followed by 9.
+    assert p.propose([1, 2, 3, 4, 1, 2, 9, 7, 1, 2], 2) == [9, 7]
+    # The 3-gram "5 1 2" beats the 2-gram "1 2" (whose latest occurrence is followed by 8).
+    assert p.propose([5, 1, 2, 6, 1, 2, 8, 5, 1, 2], 1) == [6]
+    assert p.propose([1, 2, 3], 3) == []  # nothing repeats
+    assert p.propose([4], 2) == []
+
+
+def test_ngram_continues_a_loop_past_the_end_of_the_tokens():
+    p = NgramProposer(1, 4)
+    assert p.propose([7, 8, 7, 8], 5) == [7, 8, 7, 8, 7]
+    assert p.propose([3, 3, 3], 4) == [3, 3, 3, 3]
+
+
+def test_ngram_respects_its_minimum():
+    assert NgramProposer(2, 3).propose([1, 9, 1], 2) == []  # only a 1-gram repeats
+    assert NgramProposer(1, 3).propose([1, 9, 1], 2) == [9, 1]
+
+
+def test_registry_builds_the_configured_proposer():
+    proposer = make_proposer(SpeculativeConfig(method="ngram", prompt_lookup_min=2,
+                                               prompt_lookup_max=5))
+    assert isinstance(proposer, NgramProposer)
+    assert (proposer.min_n, proposer.max_n) == (2, 5)

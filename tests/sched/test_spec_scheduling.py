@@ -1,0 +1,117 @@
+"""The scheduler with drafts, against a real KVCacheManager and a fake model (no torch):
+drafts as extra scheduled tokens, computed tokens after acceptance (replayed on state
+groups), the back-off after misses, and the cap on drafting requests with state groups."""
+
+from __future__ import annotations
+
+from hybridkv.kv.manager import KVCacheManager
+from hybridkv.kv.spec import with_speculative_states
+from hybridkv.sched.request import Request, RequestStatus
+from hybridkv.sched.sampling import SamplingParams
+from hybridkv.sched.scheduler import DRAFT_BACKOFF_MAX, Scheduler, SchedulerConfig
+from hybridkv.sched.spec import SpeculativeConfig
+from tests.kv.toy import full, mamba, toy_config
+
+SPEC = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+LOOP = [1, 2, 3, 4] * 3  # prompt lookup drafts [1, 2, 3] after it
+
+
+def make(*specs, max_seqs=8):
+    # As the engine builds it: state layers hold a state more in drafting steps.
+    specs = tuple(with_speculative_states({str(i): spec for i, spec in enumerate(specs)},
+                                          max_num_seqs=max_seqs).values())
+    kv = KVCacheManager(toy_config(*specs, num_pages=64), max_model_len=64)
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=max_seqs,
+                                     max_model_len=64, speculative=SPEC), kv)
+
+
+def request(rid, prompt=LOOP, max_tokens=20):
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), hash_block_size=4)
+
+
+def test_drafts_are_scheduled_tokens_and_acceptance_sets_computed_tokens():
+    s = make(full())
+    s.add_request(request("a"))
+    out = s.schedule()
+    assert out.scheduled_spec_decode_tokens == {}  # the prompt step drafts nothing
+    s.update_from_output(out, {"a": 1})
+    out = s.schedule()
+    # Known tokens [.. 3 4 1]: the suffix "3 4 1" is followed by "2 3 4".
+    assert out.scheduled_spec_decode_tokens == {"a": [2, 3, 4]}
+    assert out.num_scheduled_tokens == {"a": 4}
+    req = s.requests["a"]
+    assert req.num_tokens == 13  # drafts are not the request's tokens
+    [done] = s.update_from_output(out, {"a": 9}, {"a": [2, 3]})
+    assert done.output_token_ids == [1, 2, 3, 9] and done.num_new_tokens == 3
+    # One draft rejected: its slot is written again by the token 9 in the next step.
+    assert req.num_computed_tokens == 12 + 1 + 2
+    assert (req.num_draft_tokens, req.num_accepted_tokens, req.num_drafts) == (3, 2, 1)
+    s.kv.check_integrity()
+
+
+def test_state_groups_replay_accepted_drafts_after_a_rejection():
+    s = make(full(), mamba())
+    s.add_request(request("a"))
+    s.update_from_output(s.schedule(), {"a": 1})
+    out = s.schedule()
+    assert out.scheduled_spec_decode_tokens == {"a": [2, 3, 4]}
+    # The state at the known tokens (13) is saved in a private block for the step.
+    assert [(g, p) for g, p, _ in out.state_checkpoints["a"]] == [(1, 13)]
+    s.update_from_output(out, {"a": 9}, {"a": [2]})
+    req = s.requests["a"]
+    # The state stands at the known tokens: the accepted draft is computed again.
+    assert req.num_computed_tokens == 13 and req.num_tokens == 15
+    out = s.schedule()
+    assert out.num_scheduled_tokens["a"] == 2 + len(out.scheduled_spec_decode_tokens.get("a", []))
+    s.update_from_output(out, {"a": 5}, {"a": out.scheduled_spec_decode_tokens.get("a", [])})
+    s.kv.check_integrity()
+    s.finish([req], RequestStatus.FINISHED_STOPPED)
+    s.kv.check_integrity()
+
+
+def test_all_drafts_accepted_on_state_groups_needs_no_replay():
+    s = make(full(), mamba())
+    s.add_request(request("a"))
+    s.update_from_output(s.schedule(), {"a": 1})
+    out = s.schedule()
+    s.update_from_output(out, {"a": 1}, {"a": [2, 3, 4]})
+    assert s.requests["a"].num_computed_tokens == 16
+
+
+def test_misses_pause_drafting_longer_each_time_and_a_hit_resets():
+    s = make(full())
+    s.add_request(request("a", max_tokens=60))
+    s.update_from_output(s.schedule(), {"a": 1})
+    req = s.requests["a"]
+    pauses = []
+    for _ in range(40):
+        out = s.schedule()
+        drafts = out.scheduled_spec_decode_tokens.get("a")
+        pauses.append(bool(drafts))
+        s.update_from_output(out, {"a": 1}, {"a": []} if drafts else None)
+    # Drafted, then 1, 2, 4, 8, 16, 16 steps without: the pauses double up to the cap.
+    gaps, run = [], 0
+    for drafted in pauses:
+        if drafted:
+            gaps.append(run)
+            run = 0
+        else:
+            run += 1
+    assert gaps[:6] == [0, 1, 2, 4, 8, DRAFT_BACKOFF_MAX]
+    req.draft_pause = 0
+    out = s.schedule()
+    drafts = out.scheduled_spec_decode_tokens["a"]
+    s.update_from_output(out, {"a": 1}, {"a": drafts[:1]})
+    assert req.draft_backoff == req.draft_pause == 0
+
+
+def test_with_state_groups_at_most_a_share_of_requests_draft_per_step():
+    s = make(full(), mamba())
+    assert s.kv.max_drafting_requests == 2  # 30% of 8
+    for rid in "abcde":
+        s.add_request(request(rid))
+    s.update_from_output(s.schedule(), dict.fromkeys("abcde", 1))
+    out = s.schedule()
+    assert len(out.scheduled_spec_decode_tokens) == 2
+    assert len(out.num_scheduled_tokens) == 5
+    s.kv.check_integrity()
