@@ -1,5 +1,5 @@
 """`hybridkv bench gguf` on a tiny GGUF file, without llama.cpp: every hybridkv figure,
-the long prompt's in a process of its own."""
+the long prompt's in a process of its own, and two processes' memory."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ def test_bench_gguf_reports_a_long_prompt_beside_the_batch_1_figures(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "hybridkv.cli", "bench", "gguf", str(path), "--rounds", "1",
          "--no-batched", "--long-prompt", "640", "--llama-bin", str(tmp_path / "none"),
-         "--threads", str(threads), "--json"], capture_output=True, text=True, timeout=600,
-        check=True)
+         "--threads", str(threads), "--two-processes", "--json"], capture_output=True,
+        text=True, timeout=600, check=True)
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["threads"] == threads
     assert summary["pin"] == ",".join(str(c) for c in cores[:threads])
@@ -36,6 +36,10 @@ def test_bench_gguf_reports_a_long_prompt_beside_the_batch_1_figures(tmp_path):
     assert {"pp512", "pp640", "tg128", "rss_mib", "load_s"} <= figures.keys()
     assert all(figures[k] > 0 for k in ("pp512", "pp640", "tg128"))
     assert "llama.cpp" not in summary  # not built here: no peer figures, no ratios
+    two = summary["two_processes"]  # both alive at once: each holds resident pages
+    assert len(two["rss_mib"]) == len(two["pss_mib"]) == 2
+    assert all(0 < p < r for p, r in zip(two["pss_mib"], two["rss_mib"], strict=True))
+    assert two["pss_sum_over_rss"] < 2
 
 
 def test_a_long_prompt_of_512_tokens_is_refused_in_one_line(tmp_path, capsys):

@@ -14,7 +14,9 @@ engines alternating round by round; ratios are medians of the rounds' pairs:
 - resident memory: the peak RSS of the batch-1 process (the kernel's ru_maxrss, read for both
   engines the same way through wait4);
 - load: seconds from starting the hybridkv process (interpreter and imports included) to its
-  first generated token.
+  first generated token;
+- with `--two-processes`, two hybridkv processes on the file at once: their RSS and PSS and
+  the sum of the PSS over one RSS (bench/shared_memory.py).
 """
 
 from __future__ import annotations
@@ -174,7 +176,8 @@ def pin_for(threads: int, pin: str | None) -> str:
 def bench_gguf(model: str, *, rounds: int = 3, pin: str | None = None, threads: int = 1,
                llama_bin: Path | None = None, batched: tuple[int, int, int] = (32, 64, 128),
                skip_batched: bool = False, activations: str = "float32",
-               long_prompt: int | None = None, as_json: bool = False) -> str:
+               long_prompt: int | None = None, as_json: bool = False,
+               two_processes: bool = False) -> str:
     from hybridkv.models.sources import resolve_model
 
     source = resolve_model(model)
@@ -228,6 +231,10 @@ def bench_gguf(model: str, *, rounds: int = 3, pin: str | None = None, threads: 
     hyb = {k: statistics.median(r["hybridkv"][k] for r in rows) for k in keys + ["load_s"]
            if all(k in r["hybridkv"] for r in rows)}
     summary["hybridkv"] = hyb
+    if two_processes:
+        from hybridkv.bench.shared_memory import two_processes as shared
+
+        summary["two_processes"] = shared(path, threads, pin, env)
     if have_llama:
         ratios = {k: [r["hybridkv"][k] / r["llama.cpp"][k] for r in rows
                       if k in r["hybridkv"] and k in r.get("llama.cpp", {})] for k in keys}
@@ -253,6 +260,11 @@ def bench_gguf(model: str, *, rounds: int = 3, pin: str | None = None, threads: 
                      f"{', '.join(f'{x:.2f}' for x in summary['pairs'][k])})")
         lines.append(line)
     lines.append(f"  {'load to first token (s)':<44} hybridkv {hyb['load_s']:9.2f}")
+    if two_processes:
+        two = summary["two_processes"]
+        lines.append(f"  {'two processes: PSS sum / one RSS':<44} hybridkv "
+                     f"{two['pss_sum_over_rss']:9.2f} (RSS {two['rss_mib']} MiB, PSS "
+                     f"{two['pss_mib']} MiB)")
     if not have_llama:
         lines.append(f"  (llama.cpp not found in {bin_dir}: run "
                      f"shared/bench/peer-llamacpp/setup.sh, or pass --llama-bin)")
@@ -292,6 +304,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-prompt", type=positive_int, default=None, metavar="TOKENS",
                         help="also one prompt of this many tokens at batch 1, in a process "
                              "of its own (llama-bench -p TOKENS beside it; default: none)")
+    parser.add_argument("--two-processes", action="store_true",
+                        help="also two hybridkv processes on the file at once: the sum of "
+                             "their PSS over one process's RSS (Linux)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -300,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
                      llama_bin=args.llama_bin,
                      batched=tuple(args.batched), skip_batched=args.no_batched,
                      activations=args.quant_activations, long_prompt=args.long_prompt,
-                     as_json=args.json))
+                     as_json=args.json, two_processes=args.two_processes))
     return 0
 
 
