@@ -53,8 +53,10 @@ def child_single(model: str, repeats: int, spawned: float, activations: str, thr
                  ) -> dict[str, Any]:
     from hybridkv import LLM, SamplingParams
 
-    llm = LLM(model, max_model_len=1024, enable_prefix_caching=False, max_num_seqs=4,
-              kv_cache_memory="256MiB", threads=threads, quant_activations=activations)
+    # The KV cache one request of max_model_len needs (as llama-bench sizes its context to
+    # its prompt and decode): a fixed budget would be too small for a wide model's KV.
+    llm = LLM(model, max_model_len=1024, enable_prefix_caching=False, max_num_seqs=1,
+              threads=threads, quant_activations=activations)
     greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate([_prompt(16)], greedy, use_tqdm=False)
     load_s = time.time() - spawned

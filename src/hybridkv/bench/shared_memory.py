@@ -19,8 +19,7 @@ from typing import Any
 _CHILD = textwrap.dedent("""
     import sys
     from hybridkv import LLM, SamplingParams
-    llm = LLM(sys.argv[1], kv_cache_memory="256MiB", max_model_len=1024,
-              threads=int(sys.argv[2]))
+    llm = LLM(sys.argv[1], max_model_len=1024, max_num_seqs=1, threads=int(sys.argv[2]))
     llm.generate([[5, 6, 7, 8, 9, 10, 11, 12]],
                  SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     print("ready", flush=True)
