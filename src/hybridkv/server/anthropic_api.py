@@ -32,7 +32,6 @@ from typing import Annotated, Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, model_validator
-from pydantic_core import PydanticCustomError
 
 from hybridkv.engine.outputs import RequestOutput
 from hybridkv.sched.structured import StructuredOutput
@@ -92,7 +91,7 @@ class ToolResultBlock(p.Request):
     @classmethod
     def _text_only(cls, data: Any) -> Any:
         if isinstance(data, dict) and isinstance(data.get("content"), list):
-            _refuse_blocks(data["content"], ("text",))
+            p.refuse_unknown_types(data["content"], ("text",), "blocks")
         return data
 
     @property
@@ -119,16 +118,6 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
                   | RedactedThinkingBlock, Field(discriminator="type")]
 
 
-def _refuse_blocks(blocks: list[Any], accepted: tuple[str, ...]) -> None:
-    """Another kind of block (image, document, ...) is named as such, in one line."""
-    for block in blocks:
-        kind = block.get("type") if isinstance(block, dict) else None
-        if isinstance(kind, str) and kind not in accepted:
-            raise PydanticCustomError(
-                "part_type", "content blocks of type {kind} are not supported; accepted: "
-                "{accepted}", {"kind": repr(kind)[:60], "accepted": ", ".join(accepted)})
-
-
 class MessageParam(p.Request):
     role: Literal["user", "assistant"]
     content: str | Items[Block]
@@ -137,7 +126,7 @@ class MessageParam(p.Request):
     @classmethod
     def _known_blocks(cls, data: Any) -> Any:
         if isinstance(data, dict) and isinstance(data.get("content"), list):
-            _refuse_blocks(data["content"], BLOCK_TYPES)
+            p.refuse_unknown_types(data["content"], BLOCK_TYPES, "blocks")
         return data
 
 

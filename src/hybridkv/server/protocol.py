@@ -471,3 +471,15 @@ class ErrorInfo(Response):
 
 class ErrorResponse(Response):
     error: ErrorInfo
+
+
+def refuse_unknown_types(items: list[Any], accepted: tuple[str, ...], noun: str) -> None:
+    """An item of a `type` outside `accepted` (an image, a document, ...) is named as such,
+    in one line: "content <noun> of type 'image' are not supported; accepted: text"."""
+    for item in items:
+        kind = item.get("type") if isinstance(item, dict) else None
+        if isinstance(kind, str) and kind not in accepted:
+            raise PydanticCustomError(
+                "part_type", "content {noun} of type {kind} are not supported; accepted: "
+                "{accepted}", {"noun": noun, "kind": repr(kind)[:60],
+                               "accepted": ", ".join(accepted)})

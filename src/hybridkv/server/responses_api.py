@@ -74,15 +74,6 @@ class TextContent(p.Request):
     logprobs: Items[Any] | None = None
 
 
-def _refuse_parts(parts: list[Any]) -> None:
-    for part in parts:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if isinstance(kind, str) and kind not in PART_TYPES:
-            raise PydanticCustomError(
-                "part_type", "content parts of type {kind} are not supported; accepted: "
-                "{accepted}", {"kind": repr(kind)[:60], "accepted": ", ".join(PART_TYPES)})
-
-
 class MessageItem(p.Request):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
@@ -95,7 +86,7 @@ class MessageItem(p.Request):
     @classmethod
     def _text_only(cls, data: Any) -> Any:
         if isinstance(data, dict) and isinstance(data.get("content"), list):
-            _refuse_parts(data["content"])
+            p.refuse_unknown_types(data["content"], PART_TYPES, "parts")
         return data
 
     @property
