@@ -371,3 +371,12 @@ def _converted(arch: str, config: dict[str, Any], tensors: dict[str, np.ndarray]
         sources = [per_expert[e] for e in sorted(per_expert)]
         out[name] = np.stack([tensors[s] for s in sources]), sources
     return [(name, value, sources) for name, (value, sources) in sorted(out.items())]
+
+
+def copy_field(writer: gguf.GGUFWriter, name: str, field: Any) -> None:
+    """One metadata field of a `gguf.GGUFReader` into `writer`, value type as it was."""
+    kind = field.types[0]
+    if kind == gguf.GGUFValueType.ARRAY:
+        writer.add_key_value(name, list(field.contents()), kind, field.types[1])
+    else:
+        writer.add_key_value(name, field.contents(), kind)

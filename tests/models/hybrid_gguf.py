@@ -54,11 +54,7 @@ def write(out_dir: Path) -> Path:
             for name, field in reader.fields.items():
                 if not name.startswith("tokenizer."):
                     continue
-                kind = field.types[0]
-                if kind == gguf.GGUFValueType.ARRAY:
-                    self.add_key_value(name, list(field.contents()), kind, field.types[1])
-                else:
-                    self.add_key_value(name, field.contents(), kind)
+                gguf_writer.copy_field(self, name, field)
             for key, value in EXTRA.items():
                 self.add_float32(key, value)
             super().write_header_to_file(*args, **kwargs)

@@ -25,6 +25,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
+from tests.models import gguf_writer
+
 SOURCE = Path(os.environ.get("HYBRIDKV_LLAMACPP_SRC",
                              Path.home() / ".cache/hybridkv-peers/llama.cpp/src"))
 CONVERTER = SOURCE / "convert_hf_to_gguf.py"
@@ -101,11 +103,7 @@ def requantize(source: Path, out: Path, qtype: T) -> Path:
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
-        kind = field.types[0]
-        if kind == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(name, list(field.contents()), kind, field.types[1])
-        else:
-            writer.add_key_value(name, field.contents(), kind)
+        gguf_writer.copy_field(writer, name, field)
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     for tensor in reader.tensors:
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists them innermost first
