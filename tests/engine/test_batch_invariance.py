@@ -4,8 +4,8 @@ every layer's pages do not depend on the other tokens of its step or chunk nor o
 its prefix came from. One prompt's page rows are read back right
 after each write: alone, in chunks of 7, in a batch with three other requests, and after a
 prefix hit on another prompt's blocks; every row must be byte-equal to the alone run's,
-for float32 and int8 pages (docs/engine.md, "Batch invariance", states the guarantee and its
-limits: q4 pages are not covered)."""
+for float32, int8 and q4 pages (docs/engine.md, "Batch invariance", states the guarantee and
+its limits)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ class PageRows:
         return [self.rows[o.request_id] for o in outputs], outputs
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "q4"])
 def test_page_bytes_alone_chunked_batched_and_after_a_hit(model, kv_cache_dtype):
     plain = {"enable_prefix_caching": False}
     [alone], [ref] = PageRows(_engine(model, kv_cache_dtype, **plain)).run([PROMPT])

@@ -17,7 +17,12 @@ from hybridkv.worker.attention import (  # noqa: E402
     AttentionParams,
     TorchReferenceBackend,
 )
-from hybridkv.worker.kv_quant import dequantize_rows, quantize_rows  # noqa: E402
+from hybridkv.worker.kv_quant import (  # noqa: E402
+    dequantize_rows,
+    quantize_rows,
+    quantize_values_q4,
+    rotate_values,
+)
 
 HEAD_SIZES = (7, 32, 33, 64, 65, 80, 256)
 
@@ -169,6 +174,27 @@ def test_round_trip_error_is_bounded(dtype, bound):
     assert float((back - x).norm() / x.norm()) < bound
     zeros = torch.zeros(2, 128)
     assert torch.equal(dequantize_rows(quantize_rows(zeros, dtype), dtype, 128), zeros)
+
+
+def test_q4_value_rotation_does_not_depend_on_the_rows_beside_them():
+    """q4 V rows are rotated before rounding: a row's rotated values (and so its bytes) must
+    be the same bits computed alone, among 4,096 rows or at another thread count (a matmul's
+    summation order follows its shape; a last-bit difference can become another nibble:
+    batch invariance)."""
+    x = torch.from_numpy(np.random.default_rng(3).standard_normal((4096, 3, 64),
+                                                                  dtype=np.float32))
+    alone = torch.cat([rotate_values(x[i:i + 1]) for i in range(64)])
+    alone_bytes = torch.cat([quantize_values_q4(x[i:i + 1]) for i in range(64)])
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for n in (2, 7, 64, 512, 4096):
+                m = min(n, 64)
+                assert torch.equal(rotate_values(x[:n])[:m], alone[:m]), (n, threads)
+                assert torch.equal(quantize_values_q4(x[:n])[:m], alone_bytes[:m])
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_rotation_helps_q4_with_outliers():

@@ -209,7 +209,7 @@ class AttentionMetadata:
     shared_views: frozenset[int] = frozenset()
     # Per (window, chunk): the batches to attend in one call each, and the requests whose
     # chunk is longer than the window/chunk (attended alone, in query blocks).
-    _plans: dict[tuple[int | None, int | None, int],
+    _plans: dict[tuple[int | None, int | None],
                  tuple[list[PaddedBatch], list[int]]] = field(default_factory=dict)
     # (rows, first visible kernel block per row or None) -> batch
     _batches: dict[tuple[tuple[int, ...], tuple[int, ...] | None], PaddedBatch] = field(
@@ -260,17 +260,16 @@ class AttentionMetadata:
                 dtype=torch.int64)
         return rows
 
-    def plan(self, window: int | None, chunk: int | None, skip_short: int = 0
+    def plan(self, window: int | None, chunk: int | None
              ) -> tuple[list[PaddedBatch], list[int]]:
         """(batches, requests attended alone). Single-token requests form one batch; prompt
         chunks are batched by length (a batch's chunks are within 2x of its longest, so
         padding costs at most about as much as the real work); with a window or chunk, a
-        chunk longer than it goes alone, in query blocks (O(n * window), not O(n^2)).
-        Requests of at most `skip_short` queries are left out (another kernel takes them)."""
-        key = (window, chunk, skip_short)
+        chunk longer than it goes alone, in query blocks (O(n * window), not O(n^2))."""
+        key = (window, chunk)
         if key not in self._plans:
             local = min((x for x in (window, chunk) if x is not None), default=None)
-            lens = [0 if n <= skip_short else n for n in self.query_lens]
+            lens = self.query_lens
             decode = [r for r, n in enumerate(lens) if n == 1]
             alone = [r for r, n in enumerate(lens) if n > 1 and local is not None
                      and n > local]
@@ -412,31 +411,26 @@ class TorchReferenceBackend:
             self._write(k, v, kv_cache, meta)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-               params: AttentionParams, out: torch.Tensor | None = None,
-               skip_short: int = 0) -> torch.Tensor:
-        """Every request's queries over its context; with `skip_short`, requests of at most
-        that many queries are left out (`out` then holds their rows already)."""
+               params: AttentionParams) -> torch.Tensor:
+        """Every request's queries over its context."""
         if params.derive_kv is None and quantizes_queries(meta.cache_dtype, q.shape[-1]):
             q = quantize_queries(q, params.scale)  # as the CPU kernel reads int8 pages
         if meta.key_groups and params.derive_kv is None:
-            if out is None:
-                out = torch.empty_like(q)
+            out = torch.empty_like(q)
             for r, n in enumerate(meta.query_lens):
-                if n > skip_short:
-                    start = meta.query_start_loc[r]
-                    out[start:start + n] = attend_key_groups(q[start:start + n], kv_cache,
-                                                             meta, r, params)
+                start = meta.query_start_loc[r]
+                out[start:start + n] = attend_key_groups(q[start:start + n], kv_cache,
+                                                         meta, r, params)
             return out
-        batches, alone = meta.plan(params.sliding_window, params.chunk_size, skip_short)
-        if out is None and len(batches) == 1 and not alone and batches[0].all_valid and \
+        batches, alone = meta.plan(params.sliding_window, params.chunk_size)
+        if len(batches) == 1 and not alone and batches[0].all_valid and \
                 batches[0].tokens.numel() == q.shape[0]:
             # One batch holding every token (a decode step; equal prompt chunks): rows
             # are already in flat order, nothing to scatter back.
             batch = batches[0]
             return self._attend_batch(q.view(*batch.tokens.shape, *q.shape[1:]), kv_cache,
                                       meta, batch, params).flatten(0, 1)
-        if out is None:
-            out = torch.empty_like(q)
+        out = torch.empty_like(q)
         for batch in batches:
             res = self._attend_batch(q[batch.tokens], kv_cache, meta, batch, params)
             if batch.all_valid:

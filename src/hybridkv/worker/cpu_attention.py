@@ -3,19 +3,18 @@
 At decode the torch backend's cost is mostly the copy of every context out of its blocks
 (`index_select`) before SDPA reads that copy again. Here a C kernel
 (worker/native/paged_attention.c) walks each request's blocks directly, one pass over its
-keys and values per query. It takes every query of float32 and int8 pages, prompt chunks
-included: a query's arithmetic there depends only on its position and its keys, never on
-the other queries of its chunk or step, so a token's attention output (and so the K/V of
-the layers after) is the same bytes alone, in a chunk of 7, after a cached prefix or in a
-batch (batch invariance, docs/engine.md). The torch backend's batched paths (C tiles or
-SDPA over a gathered context) sum in orders that depend on the chunk. q4 K/V pages keep the
-split: runs of at most `MAX_QUERY` queries in place, longer chunks through the torch
-backend (the kernel decodes a key group's rows per query: 3.3x slower on a 512-token
-prompt), so q4 pages are not batch invariant. K/V writes are one C call too
-(worker/cpu_ops.py), the torch backend's where the layout or dtype is not the kernels'.
+keys and values per query. It takes every query of float32, int8 and q4 pages, prompt
+chunks included: a query's arithmetic there depends only on its position and its keys,
+never on the other queries of its chunk or step, so a token's attention output (and so the
+K/V of the layers after) is the same bytes alone, in a chunk of 7, after a cached prefix or
+in a batch (batch invariance, docs/engine.md). The torch backend's batched paths (C tiles or
+SDPA over a gathered context) sum in orders that depend on the chunk. K/V writes are one C
+call too (worker/cpu_ops.py), the torch backend's where the layout or dtype is not the
+kernels'.
 
 The kernel takes float32 K/V pages and int8 / q4 pages (decoded a tile at a time in the
-kernel); other dtypes and K-only pages (Gemma 4) take the torch path for the whole layer.
+kernel; a prompt chunk's q4 rows once per request and layer, which every query of the
+chunk reads); other dtypes and K-only pages (Gemma 4) take the torch path for the whole layer.
 `choose_backend("auto")` picks this backend on CPU devices when
 the kernel compiles here, the torch backend elsewhere (CUDA runs SDPA).
 """
@@ -40,9 +39,6 @@ from hybridkv.worker.kv_quant import write_int8_kv
 
 logger = logging.getLogger(__name__)
 
-# q4 pages: up to this many queries per request in place (its cost grows with queries x
-# context, SDPA's tiles amortise the gather and the decoding).
-MAX_QUERY = 16
 # What the kernel's rows hold: float32 values, or quantized rows of a `cache_dtype`.
 CODECS: dict[str | None, int] = {None: 0, "int8": 1, "q4": 2}
 
@@ -79,15 +75,12 @@ class CPUPagedBackend(TorchReferenceBackend):
         self.write(k, v, kv_cache, meta, params)
         if not _in_place_ok(q, kv_cache, meta, params):
             return self.attend(q, kv_cache, meta, params)
-        longest = max_query(meta)
-        rows = meta.short_rows(longest)
+        rows = meta.short_rows(max_query(meta))  # every request
         if rows.numel() == 0:
             return self.attend(q, kv_cache, meta, params)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self._attend_in_place(q, out, kv_cache, meta, params, rows)
-        if rows.numel() == len(meta.seq_lens):
-            return out
-        return self.attend(q, kv_cache, meta, params, out=out, skip_short=longest)
+        return out
 
     def write(self, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
               meta: AttentionMetadata, params: AttentionParams) -> None:
@@ -145,9 +138,9 @@ class CPUPagedBackend(TorchReferenceBackend):
 
 
 def max_query(meta: AttentionMetadata) -> int:
-    """The longest query run the in-place kernel takes for these pages: every run (float32
-    and int8 pages: batch invariant), or MAX_QUERY (q4 pages)."""
-    return MAX_QUERY if meta.key_groups else max(meta.query_lens, default=0)
+    """The longest query run the in-place kernel takes: every run, for every page dtype it
+    reads (batch invariant)."""
+    return max(meta.query_lens, default=0)
 
 
 def _int8_write_ok(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

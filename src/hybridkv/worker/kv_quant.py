@@ -32,19 +32,23 @@ from hybridkv.kv.spec import (
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 _Q4_LEVELS = 15.0
 _FP16_MAX = 65504.0
-_hadamards: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_HADAMARD_NORM = 1 / math.sqrt(QUANT_GROUP)
 
 
-def hadamard(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The orthonormal 32 x 32 Sylvester Hadamard matrix (symmetric: its own inverse)."""
-    key = (device, dtype)
-    h = _hadamards.get(key)
-    if h is None:
-        m = torch.ones(1, 1, dtype=torch.float64)
-        while m.shape[0] < QUANT_GROUP:
-            m = torch.cat([torch.cat([m, m], 1), torch.cat([m, -m], 1)], 0)
-        h = _hadamards[key] = (m / math.sqrt(QUANT_GROUP)).to(device=device, dtype=dtype)
-    return h
+def hadamard_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 32] times the orthonormal 32 x 32 Sylvester Hadamard matrix (symmetric: its
+    own inverse), by the fast transform's butterflies. Each value's adds run in one fixed
+    order whatever the number of rows, where a matmul's summation order depends on its shape
+    and thread count (q4 V bytes would then depend on the batch), and in the order the paged
+    kernel's rotate_groups uses (worker/native/paged_attention.c)."""
+    shape = x.shape
+    length = 1
+    while length < QUANT_GROUP:
+        pairs = x.reshape(*shape[:-1], QUANT_GROUP // (2 * length), 2, length)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        x = torch.stack([a + b, a - b], dim=-2)
+        length *= 2
+    return x.reshape(shape) * _HADAMARD_NORM
 
 
 def quantize_rows(x: torch.Tensor, cache_dtype: str) -> torch.Tensor:
@@ -213,8 +217,7 @@ def _rotate_groups(groups: torch.Tensor, full: int) -> torch.Tensor:
     inverse: this writes and reads back alike); a tail group stays as it is."""
     if not full:
         return groups
-    return torch.cat([groups[..., :full, :] @ hadamard(groups.device), groups[..., full:, :]],
-                     dim=-2)
+    return torch.cat([hadamard_rows(groups[..., :full, :]), groups[..., full:, :]], dim=-2)
 
 
 def _pack_q4(q: torch.Tensor, head_size: int) -> torch.Tensor:
@@ -322,8 +325,8 @@ def rotate_values(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     if not full:
         return xf
-    rotated: torch.Tensor = (xf[..., :full * QUANT_GROUP].unflatten(-1, (full, QUANT_GROUP))
-                             @ hadamard(x.device)).flatten(-2)
+    rotated = hadamard_rows(xf[..., :full * QUANT_GROUP].unflatten(-1, (full, QUANT_GROUP))
+                            ).flatten(-2)
     if full * QUANT_GROUP == head_size:
         return rotated
     return torch.cat([rotated, xf[..., full * QUANT_GROUP:]], dim=-1)

@@ -437,6 +437,42 @@ static inline float softmax_tile(float *scores, int64_t n, float softcap, float 
     return correction;
 }
 
+/* q4 pages, a prompt chunk: its request's paged rows decoded once into float rows [t, Hk, D]
+   that every query of the chunk reads, keys [base, k_end) (the complete key groups before
+   the last query's own) and values [base, seq_len). Decoding a key group per query and tile
+   cost each query a whole context's decode (a 512-token prompt's attention 3.3x the torch
+   path's); these are the same floats read in the same tiles, so a query's bytes are those
+   of the per-query decode: batch invariant either way. */
+typedef struct {
+    float *k, *v; /* NULL: this request decodes per query and tile */
+    int64_t base, k_end;
+} q4_rows;
+
+/* At most this many bytes of decoded rows per call; requests past it decode per query. */
+#define Q4_ROWS_BYTES ((int64_t)256 << 20)
+
+/* Key group `g` (of KEY_GROUP tokens from `s->base`) of request `r` decoded into `s`. */
+static void decode_q4_group(const kv_view *kv, const q4_layout *l, const int64_t *table,
+                            const q4_rows *s, int64_t g, int64_t seq_len, int64_t num_kv_heads,
+                            int64_t head_dim) {
+    const int64_t t0 = s->base + g * KEY_GROUP;
+    const int64_t t1 = t0 + KEY_GROUP < seq_len ? t0 + KEY_GROUP : seq_len;
+    const int64_t hs = num_kv_heads * head_dim;
+    float scale[head_dim], least[head_dim];
+    for (int64_t kh = 0; kh < num_kv_heads; kh++) {
+        const char *krow = token_row(kv, table, t0) + kh * kv->head_stride;
+        const int keys = t0 < s->k_end; /* a complete group: k_end is group aligned */
+        if (keys)
+            load_key_group(l, krow, kv->token_stride, kv->kv_stride, head_dim, scale, least);
+        for (int64_t t = t0; t < t1; t++) {
+            const char *row = krow + (t - t0) * kv->token_stride;
+            const int64_t at = (t - s->base) * hs + kh * head_dim;
+            decode_row(CODEC_Q4, row + kv->kv_stride, head_dim, s->v + at);
+            if (keys) decode_key_row(row, head_dim, scale, least, s->k + at);
+        }
+    }
+}
+
 /* Returns 0, or a negative code for arguments it cannot take (checked by the caller too).
    Cache strides are in bytes; `codec` says what the rows hold (CODEC_*). */
 int hkv_paged_attention(
@@ -486,6 +522,54 @@ int hkv_paged_attention(
         item_start[i + 1] = item_start[i] + (nq + ITEM_QUERIES - 1) / ITEM_QUERIES;
     }
     const int64_t num_items = item_start[num_rows];
+
+    q4_rows *dec = NULL;
+    int64_t *unit_start = NULL; /* key groups to decode, prefix sums over requests */
+    if (codec == CODEC_Q4) {
+        dec = calloc(num_rows, sizeof *dec);
+        unit_start = malloc(sizeof(int64_t) * (num_rows + 1));
+        if (dec == NULL || unit_start == NULL) {
+            free(dec), free(unit_start);
+            if (item_start != items_stack) free(item_start);
+            return -2;
+        }
+        int64_t budget = Q4_ROWS_BYTES;
+        unit_start[0] = 0;
+        for (int64_t i = 0; i < num_rows; i++) {
+            const int64_t r = rows[i], seq_len = seq_lens[r];
+            const int64_t num_q = query_start_loc[r + 1] - query_start_loc[r];
+            unit_start[i + 1] = unit_start[i];
+            if (num_q <= ITEM_QUERIES) continue;
+            const int64_t p0 = seq_len - num_q; /* the first query's keys start at lo */
+            int64_t lo = 0;
+            if (window > 0 && p0 - window + 1 > lo) lo = p0 - window + 1;
+            if (chunk > 0 && p0 / chunk * chunk > lo) lo = p0 / chunk * chunk;
+            const int64_t base = lo - lo % KEY_GROUP;
+            const int64_t k_end = (seq_len - 1) - (seq_len - 1) % KEY_GROUP;
+            const int64_t k_rows = k_end > base ? k_end - base : 0, v_rows = seq_len - base;
+            const int64_t bytes = (int64_t)sizeof(float) * (k_rows + v_rows) * num_kv_heads * head_dim;
+            if (bytes > budget) continue;
+            float *buf = malloc(bytes);
+            if (buf == NULL) continue; /* decoded per query instead: the same bytes */
+            budget -= bytes;
+            dec[i] = (q4_rows){buf + v_rows * num_kv_heads * head_dim, buf, base, k_end};
+            unit_start[i + 1] += (v_rows + KEY_GROUP - 1) / KEY_GROUP;
+        }
+        const int64_t num_units = unit_start[num_rows];
+#pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads) \
+    if (num_threads > 1 && num_units > 1)
+        for (int64_t u = 0; u < num_units; u++) {
+            int64_t i = 0, hi = num_rows;
+            while (hi - i > 1) {
+                const int64_t mid = (i + hi) / 2;
+                if (unit_start[mid] <= u) i = mid; else hi = mid;
+            }
+            /* the last request with unit_start[i] <= u: one with rows to decode */
+            const int64_t r = rows[i];
+            decode_q4_group(&kv, &q4, block_table + r * table_stride, &dec[i], u - unit_start[i],
+                            seq_lens[r], num_kv_heads, head_dim);
+        }
+    }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) \
     if (num_threads > 1 && num_items > 1)
     for (int64_t item = 0; item < num_items; item++) {
@@ -600,7 +684,15 @@ int hkv_paged_attention(
                     /* The tile's rows as floats: in place, or decoded into the buffers. */
                     const float *k0, *v0;
                     int64_t stride;
-                    if (codec == CODEC_Q4) {
+                    if (codec == CODEC_Q4 && dec[i].v != NULL) {
+                        /* Tiles stop at the query's own group: all decoded or all fresh. */
+                        const int64_t first = t0 - n, hs = num_kv_heads * head_dim;
+                        const q4_rows *s = &dec[i];
+                        k0 = first < own ? s->k + (first - s->base) * hs + kh * head_dim
+                                         : fresh + fresh_base + (first * num_kv_heads + kh) * head_dim;
+                        v0 = s->v + (first - s->base) * hs + kh * head_dim;
+                        stride = hs;
+                    } else if (codec == CODEC_Q4) {
                         /* Tiles stop at the query's own group: all paged or all fresh. */
                         const int64_t first = t0 - n; /* t0 was advanced past the tile */
                         for (int64_t t = 0; t < n; t++) {
@@ -652,5 +744,8 @@ int hkv_paged_attention(
         }
     }
     if (item_start != items_stack) free(item_start);
+    if (dec != NULL)
+        for (int64_t i = 0; i < num_rows; i++) free(dec[i].v); /* one buffer: v first */
+    free(dec), free(unit_start);
     return 0;
 }
