@@ -460,3 +460,29 @@ def test_parts_kept_apart_give_the_stacked_matrix_bytes(qtype: int) -> None:
         for mode in (1, 2):
             assert torch.equal(ql.gated_matmul(x, gate, mode, up),
                                ql.gated_matmul(x, both, mode)), (m, mode)
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", [2, 12, 14], ids=["Q4_0", "Q4_K", "Q6_K"])
+def test_rows_in_the_files_order_give_the_reordered_matrix_bytes(qtype: int) -> None:
+    """A matrix whose file stores its rows in another order (llama.cpp's q/k permutation)
+    is kept as it lies, with `row_order`: alone and as a part of q/k/v, at every row count
+    its product is the bytes of the product over the rows copied into order, and it
+    dequantizes in order."""
+    from hybridkv.worker.quantized import QuantizedLinear, QuantizedParts
+
+    cols, n = 256, 64
+    data = as_tensor(weights(qtype, n, cols, seed=7))
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    kept = ql.QuantizedWeight(data, qtype, n, cols, row_order=order)
+    copied = ql.QuantizedWeight(data[order].contiguous(), qtype, n, cols)
+    v = ql.QuantizedWeight(as_tensor(weights(qtype, 24, cols, seed=8)), qtype, 24, cols)
+    parts = QuantizedParts([QuantizedLinear(kept), QuantizedLinear(v)])
+    stacked = concat([copied, v])
+    assert torch.equal(kept.dequantize(), copied.dequantize())
+    for m in (1, 3, 8, 9, 40):
+        x = torch.randn(m, cols)
+        assert torch.equal(kept.matmul(x), copied.matmul(x)), m
+        assert torch.equal(parts(x), stacked.matmul(x)), m
+    with pytest.raises(ValueError, match="row_order"):
+        ql.QuantizedWeight(data, qtype, n, cols, row_order=order[:3])

@@ -48,7 +48,7 @@ _ACTIVATIONS = {"silu": 1, "gelu_pytorch_tanh": 2, "gelu_new": 2}
 
 
 class Matrix(ctypes.Structure):
-    _fields_ = [("w", _PTR), ("ldw", _I64), ("type", _I64), ("rows", _I64)]
+    _fields_ = [("w", _PTR), ("ldw", _I64), ("type", _I64), ("rows", _I64), ("order", _PTR)]
 
 
 class Layer(ctypes.Structure):
@@ -83,7 +83,9 @@ def _address(fn: Any) -> int:
     return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
 
 
-def _matrices(linear: Any, what: str, cols: int) -> list[Matrix]:
+def _matrices(linear: Any, what: str, cols: int, ordered: bool = False) -> list[Matrix]:
+    """The C structs of a projection's quantized parts; `ordered`: parts may carry a row
+    order (the C side orders q/k/v outputs only)."""
     parts = getattr(linear, "quantized", None) if isinstance(linear, Linear) else None
     if parts is None or parts.bias is not None or not 0 < len(parts.weights) <= MAX_PARTS:
         raise Unfit(f"{what} is not a GGUF-quantized projection without bias")
@@ -94,7 +96,12 @@ def _matrices(linear: Any, what: str, cols: int) -> list[Matrix]:
         if not quant_linear.takes_gemm(w.qtype, w.cols):
             raise Unfit(f"{what} is {w.type_name} x {w.cols}, which the one-order kernel "
                         f"does not take")
-        out.append(Matrix(w.data.data_ptr(), w.data.stride(0), w.qtype, w.rows))
+        order = w.row_order
+        if order is not None and (not ordered or order.dtype != torch.int64
+                                  or not order.is_contiguous()):
+            raise Unfit(f"{what} has its rows in another order than the file's")
+        out.append(Matrix(w.data.data_ptr(), w.data.stride(0), w.qtype, w.rows,
+                          None if order is None else order.data_ptr()))
     return out
 
 
@@ -168,7 +175,7 @@ class NativeDecode:
                 or attn.kv_deriver is not None):
             raise Unfit(f"{where}'s attention has a variant the C sequence lacks")
         hidden = s.hidden_size
-        qkv = _matrices(attn.qkv, f"{where}'s q/k/v", hidden)
+        qkv = _matrices(attn.qkv, f"{where}'s q/k/v", hidden, ordered=True)
         o = _matrices(attn.o_proj, f"{where}'s o_proj", s.num_heads * s.head_dim)
         mlp = getattr(layer, n.ffns[0])
         if type(mlp) is not GatedMLP or not isinstance(mlp.gated, GatedLinear) or \

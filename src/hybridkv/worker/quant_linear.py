@@ -313,6 +313,8 @@ def gated_matmul(x: torch.Tensor, weight: QuantizedWeight, mode: int,
     (8-bit activations' rows, a type or width the kernel does not take): the caller then
     applies the activation."""
     m = x.shape[0]
+    if weight.row_order is not None or (up is not None and up.row_order is not None):
+        return None  # gate/up rows are never reordered; the caller's plain product orders
     if up is not None and (up.qtype != weight.qtype or up.cols != weight.cols
                            or up.rows != weight.rows
                            or up.data.stride(0) != weight.data.stride(0)):
@@ -362,17 +364,25 @@ def transposed_chunks(x: torch.Tensor, data: torch.Tensor, qtype: int, cols: int
 
 @dataclass
 class QuantizedWeight:
-    """A GGUF weight kept quantized: data uint8 [rows, row_bytes] of `qtype` blocks."""
+    """A GGUF weight kept quantized: data uint8 [rows, row_bytes] of `qtype` blocks.
+    `row_order`: where the file stores the rows in another order than the model's (llama.cpp's
+    q/k permutation), the data row of each output row: the product's columns are put in
+    that order (the same bytes as a product over reordered rows), so the blocks stay where
+    the file holds them instead of being copied."""
 
     data: torch.Tensor
     qtype: int
     rows: int
     cols: int
+    row_order: torch.Tensor | None = None  # int64 [rows]
 
     def __post_init__(self) -> None:
         self.data = _check(self.data, self.qtype, self.cols)
         if self.data.shape[0] != self.rows:
             raise ValueError(f"data holds {self.data.shape[0]} rows, not {self.rows}")
+        if self.row_order is not None and self.row_order.shape != (self.rows,):
+            raise ValueError(f"row_order has shape {tuple(self.row_order.shape)}, not "
+                             f"({self.rows},)")
 
     @classmethod
     def from_numpy(cls, raw: np.ndarray, qtype: int, rows: int, cols: int
@@ -393,7 +403,8 @@ class QuantizedWeight:
         return SUPPORTED[self.qtype]
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize(self.data, self.qtype, self.cols)
+        w = dequantize(self.data, self.qtype, self.cols)
+        return w if self.row_order is None else w[self.row_order]
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., cols] -> [..., rows]."""
@@ -404,9 +415,13 @@ class QuantizedWeight:
             raise ValueError(f"the quantized matmul takes float32 CPU inputs, not {x.dtype} "
                              f"on {x.device.type}")
         y = _product(rows2d, self.data, self.qtype, self.cols, out)
+        if self.row_order is not None:
+            y.copy_(y[:, self.row_order])  # a gather of outputs, not a copy of the matrix
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.rows)
 
     def rows_of(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding lookup: ids [...] -> float32 [..., cols]."""
+        if self.row_order is not None:
+            ids = self.row_order[ids]
         return dequantize_rows(self.data, self.qtype, self.cols, ids).view(*ids.shape,
                                                                              self.cols)

@@ -11,9 +11,12 @@ and other small tensors are dequantized to float32. A matrix of a type the kerne
 refused in one line naming it, unless `dequantize=True` asks for float32 weights (the
 choice on CUDA, where the model then runs as any float32 checkpoint does).
 
-The converter's two rewrites are undone: llama-architecture q/k rows are permuted back (its
-RoPE pairs neighbours, Hugging Face's pairs halves; quantization blocks run along rows, so
-whole rows move), and Gemma's norm weights lose the 1 the converter added.
+The converter's two rewrites are undone: llama-architecture q/k rows are in another order
+(its RoPE pairs neighbours, Hugging Face's pairs halves; quantization blocks run along rows,
+so whole rows move): a quantized q/k matrix stays as the file holds it and its product's
+columns are put back in order (`QuantizedWeight.row_order`: a copy of the matrix would be
+memory of this process's own, ~108 MiB on SmolLM2-1.7B), float ones are permuted at load;
+and Gemma's norm weights lose the 1 the converter added.
 
 Per-architecture fixups (`_FIXUPS`): parameter renames onto the names llama.cpp's table knows
 (Mamba's `backbone.`, Mamba-2's dt_bias), fused tensors split along their first dimension
@@ -420,13 +423,17 @@ def load_gguf_weights(model: CausalLM, header: GGUFHeader, config: dict[str, Any
                 raw = files.raw(info)
             if (order := fixups.rows(info.name, config)) is not None:
                 raw = raw.reshape(len(order), -1)[order].reshape(raw.shape)
+            row_order = None
             if arch.permuted_qk and info.name.endswith(("attn_q.weight", "attn_k.weight",
                                                         "attn_q.bias", "attn_k.bias")):
-                raw = _unpermute_rows(raw, heads if "attn_q" in info.name else kv_heads)
+                row_order = _unpermute_rows(np.arange(raw.shape[0]),
+                                            heads if "attn_q" in info.name else kv_heads)
+                if len(pnames) > 1:
+                    raw, row_order = raw[row_order], None
             for pname, part, shape in _slices(header, info, raw, pnames, params,
                                               transform is not None):
                 _place(header, model, params, pname, part, info, shape, arch, transform,
-                       fixups.columns(info.name, config), dequantize=dequantize)
+                       fixups.columns(info.name, config), row_order, dequantize=dequantize)
                 loaded.add(pname)
     finally:
         files.close()
@@ -454,22 +461,29 @@ class PermutedInput(nn.Module):
 
 def _place(header: GGUFHeader, model: nn.Module, params: dict[str, nn.Parameter], pname: str,
            raw: np.ndarray, info: TensorInfo, shape: tuple[int, ...], arch: Any,
-           transform: Transform | None, columns: np.ndarray | None, *,
-           dequantize: bool) -> None:
+           transform: Transform | None, columns: np.ndarray | None,
+           row_order: np.ndarray | None = None, *, dequantize: bool) -> None:
     """One parameter from its bytes: a linear or embedding weight as a quantized module
     (unless `dequantize`), anything else as float32. `columns`: the file's column for each
-    of the parameter's columns."""
+    of the parameter's columns; `row_order`: the file's row for each of its rows (a
+    quantized linear keeps the file's rows and orders its output; anything else is
+    permuted here)."""
     owner, attr = _module(model, pname)
     matrix = attr == "weight" and isinstance(owner, (nn.Linear, nn.Embedding))
     where = f"{header.path}: tensor {info.name!r}" + (
         f" (for {pname!r})" if shape != info.shape else "")
-    if matrix and not dequantize and transform is None:
+    quantized = matrix and not dequantize and transform is None
+    if row_order is not None and not (quantized and isinstance(owner, nn.Linear)):
+        raw, row_order = raw[row_order], None
+    if quantized:
         if info.qtype not in quant_linear.SUPPORTED:
             raise ValueError(
                 f"{where} is {info.type_name}, which the quantized kernels do not "
                 f"compute on (supported: {', '.join(quant_linear.SUPPORTED.values())}); pass "
                 f"dequantize=True (--dequantize) to load it as float32")
         weight = _quantized(raw, info)
+        if row_order is not None:
+            weight.row_order = torch.from_numpy(row_order.astype(np.int64))
         parent, child = _module(model, pname.rpartition(".")[0])
         if isinstance(owner, nn.Embedding):
             setattr(parent, child, QuantizedEmbedding(weight))

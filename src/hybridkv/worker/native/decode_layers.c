@@ -41,10 +41,13 @@ typedef struct {
     void *rms_norm, *rope, *write_kv, *attention, *matmul;
 } hkv_kernels;
 
-/* One quantized matrix: rows of `cols` values, `ldw` bytes apart. */
+/* One quantized matrix: rows of `cols` values, `ldw` bytes apart. `order` (NULL: none):
+   the matrix row of each output (rows the file stores in another order, llama.cpp's q/k
+   permutation: worker/quant_linear.py QuantizedWeight.row_order); q/k/v parts only. */
 typedef struct {
     const uint8_t *w;
     int64_t ldw, type, rows;
+    const int64_t *order;
 } hkv_qmatrix;
 
 #define MAX_PARTS 3
@@ -97,6 +100,14 @@ static int product(const hkv_kernels *k, const float *x, int64_t m, int64_t ldx,
     for (int64_t p = 0; p < n; p++) {
         const int rc = product1(k, x, m, ldx, &parts[p], NULL, cols, y, ldy, 0);
         if (rc != 0) return rc;
+        if (parts[p].order != NULL) {
+            const int64_t rows = parts[p].rows;
+            float row[rows];
+            for (int64_t i = 0; i < m; i++) {
+                memcpy(row, y + i * ldy, sizeof(float) * rows);
+                for (int64_t j = 0; j < rows; j++) y[i * ldy + j] = row[parts[p].order[j]];
+            }
+        }
         y += parts[p].rows;
     }
     return 0;
