@@ -326,6 +326,70 @@ static inline __attribute__((always_inline)) void deq32(const int type, const ui
 #define deq32 deq32_lanes
 #endif
 
+/* A 256-value block's sub-block scales, as deq32 computes them one sub-block at a time
+   (the same float products, so the same values): Q4_K / Q5_K d[s] = d sc_s and m[s] =
+   -(dmin mn_s); Q6_K d[i] = d scale_i for its 16 groups of 16. The few-row kernel reads a
+   block's header once per weight row instead of once per sub-block (unpacking the 6-bit
+   scales and converting the halves was most of a K-quant decode's instructions). */
+static inline __attribute__((always_inline)) void block_scales(const int type, const uint8_t *row,
+                                                               int64_t blk, float d[16], float m[8]) {
+    if (type == T_Q6_K) {
+        const uint8_t *p = row + blk * 210;
+        const int8_t *scales = (const int8_t *)(p + 192);
+        const float dd = half_to_float(rd16(p + 208));
+        for (int i = 0; i < 16; i++) d[i] = dd * (float)scales[i];
+        return;
+    }
+    const uint8_t *p = row + blk * (type == T_Q5_K ? 176 : 144);
+    const float dd = half_to_float(rd16(p)), dm = half_to_float(rd16(p + 2));
+    for (int s = 0; s < 8; s++) {
+        float sc, mn;
+        scale_min_k4(p + 4, s, &sc, &mn);
+        d[s] = dd * sc;
+        m[s] = -(dm * mn);
+    }
+}
+
+/* deq32 for a 256-value type with its block's scales from block_scales. */
+static inline __attribute__((always_inline)) void deq32_k(const int type, const uint8_t *row,
+                                                          int64_t blk, const int sub,
+                                                          const float *d, const float *m,
+                                                          vf w[4]) {
+#if defined(QG_AVX2)
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    if (type == T_Q6_K) {
+        const int h = sub >> 2, s = sub & 3;
+        const uint8_t *p = row + blk * 210;
+        __m256i lo = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32 * (s & 1)));
+        if (s >> 1) lo = _mm256_srli_epi16(lo, 4);
+        lo = _mm256_and_si256(lo, low4);
+        __m256i hi = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+        hi = _mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * s));
+        hi = _mm256_slli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(3)), 4);
+        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+        const vf d0 = vf_set1(d[8 * h + 2 * s]), d1 = vf_set1(d[8 * h + 2 * s + 1]);
+        widen32(q, d0, d1, d0, 0, w);
+        return;
+    }
+    const int five = type == T_Q5_K;
+    const uint8_t *p = row + blk * (five ? 176 : 144);
+    __m256i q = _mm256_loadu_si256((const __m256i *)(p + (five ? 48 : 16) + 32 * (sub >> 1)));
+    if (sub & 1) q = _mm256_srli_epi16(q, 4);
+    q = _mm256_and_si256(q, low4);
+    if (five) {
+        const __m256i bit = _mm256_set1_epi8((char)(1 << sub));
+        const __m256i hv = _mm256_loadu_si256((const __m256i *)(p + 16));
+        q = _mm256_or_si256(q, _mm256_and_si256(
+            _mm256_cmpeq_epi8(_mm256_and_si256(hv, bit), bit), _mm256_set1_epi8(0x10)));
+    }
+    const vf dv = vf_set1(d[sub]);
+    widen32(q, dv, dv, vf_set1(m[sub]), 1, w);
+#else
+    (void)d, (void)m;
+    deq32_lanes(type, row, blk, sub, w);
+#endif
+}
+
 static int gemm_type(int type) {
     switch (type) {
     case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: case T_Q4_K:
@@ -349,11 +413,20 @@ static inline __attribute__((always_inline)) void tile_codes(
     /* Sub-blocks outer, weight rows inner: the C rows' FMA chains interleave (one row's
        eight sub-blocks in a row kept each step waiting on the last: 1.2-1.7x slower). */
     for (int64_t b = 0; b < blocks; b++) {
+        float kd[4][16], km[4][8]; /* 256-value types: each row's sub-block scales */
+        if (super_block(type))
+            for (int j = 0; j < C; j++) block_scales(type, wr[j], b, kd[j], km[j]);
+        /* Unrolled: a sub-block's shifts become immediates (a shift by a register count
+           was a K-quant decode's hottest instruction). */
+#pragma GCC unroll 8
         for (int u = 0; u < per; u++) {
             const float *xk = x + 32 * (b * per + u);
             for (int j = 0; j < C; j++) {
                 vf w[4];
-                deq32(type, wr[j], b, u, w);
+                if (super_block(type))
+                    deq32_k(type, wr[j], b, u, kd[j], km[j], w);
+                else
+                    deq32(type, wr[j], b, u, w);
                 for (int t = 0; t < 4; t++)
                     for (int i = 0; i < R; i++)
                         acc[i][j] = vf_fma(w[t], vf_load(xk + i * ldx + 8 * t), acc[i][j]);
