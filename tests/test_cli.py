@@ -184,7 +184,7 @@ def test_every_option_has_help_showing_its_default():
                            ("bench", "throughput"), ("bench", "capacity"),
                            ("bench", "prefix"), ("bench", "fast-prefill"),
                            ("bench", "offload"), ("bench", "serve"), ("bench", "gguf"),
-                           ("bench", "vllm"), ("bench", "kv-quant")}
+                           ("bench", "vllm"), ("bench", "kv-quant"), ("bench", "spec")}
     for path, parser in leaves.items():
         text = " ".join(parser.format_help().split())
         required_choice = {a for g in parser._mutually_exclusive_groups if g.required

@@ -195,7 +195,8 @@ def speculative_config(text: str) -> dict[str, Any]:
 
 SPECULATIVE_HELP = ('speculative decoding, as vLLM spells it: \'{"method": "ngram", '
                     '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-                    '"prompt_lookup_min": 1}\' (default: off)')
+                    '"prompt_lookup_min": 1}\' or \'{"method": "draft_model", "model": '
+                    'PATH, "num_speculative_tokens": 4}\' (default: off)')
 
 
 def read_text(path: Path) -> str:
@@ -866,12 +867,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         peer_vllm,
         prefix,
         serve,
+        spec,
     )
 
     suites = parser.add_subparsers(dest="suite", required=True, metavar="SUITE")
     for suite in (kv_trace.COMMAND, engine.THROUGHPUT, engine.CAPACITY, prefix.COMMAND,
                   fast_prefill.COMMAND, offload.COMMAND, serve.COMMAND, gguf.COMMAND,
-                  peer_vllm.COMMAND, kv_quant.COMMAND):
+                  peer_vllm.COMMAND, kv_quant.COMMAND, spec.COMMAND):
         add_command(suites, suite)
 
 

@@ -147,8 +147,9 @@ class EngineConfig:
     replica_index: int = 0
 
     # Speculative decoding, with vLLM's names: {"method": "ngram", "num_speculative_tokens":
-    # K, "prompt_lookup_max": N, "prompt_lookup_min": M} (a dict, read into a
-    # SpeculativeConfig); None: off.
+    # K, "prompt_lookup_max": N, "prompt_lookup_min": M} or {"method": "draft_model",
+    # "model": PATH, "num_speculative_tokens": K} (a dict, read into a SpeculativeConfig);
+    # None: off.
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:

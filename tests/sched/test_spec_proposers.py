@@ -11,8 +11,12 @@ from hybridkv.sched.spec.ngram import NgramProposer
 
 @pytest.mark.parametrize("values, message", [
     ({"method": "medusa2", "num_speculative_tokens": 2}, "'medusa2' is unknown; accepted: ngram"),
-    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2},
-     "unknown speculative_config field(s) model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2},
+     "method 'draft_model' needs a model: the draft model's path or name"),
+    ({"method": "draft_model", "model": " "}, "method 'draft_model' needs a model"),
+    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 0},
+     "num_speculative_tokens must be an integer in [1, 64], got 0"),
+    ({"method": "ngram", "model": "x"}, "model applies to method 'draft_model', not 'ngram'"),
     ({"method": "mtp", "num_speculative_tokens": 2}, "multi-token-prediction heads are not"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an "
                                                        "integer in [1, 64], got 0"),
@@ -31,9 +35,10 @@ def test_bad_configs_fail_in_one_line(values, message):
     assert "\n" not in str(e.value)
 
 
-def test_draft_model_method_is_refused_with_its_reason():
-    with pytest.raises(ValueError, match="draft models are not supported yet"):
-        SpeculativeConfig(method="draft_model")
+def test_draft_model_drafts_in_the_worker_and_has_no_scheduler_proposer():
+    config = SpeculativeConfig.from_dict({"method": "draft_model", "model": "x"})
+    assert config.drafts_in_worker and make_proposer(config) is None
+    assert not SpeculativeConfig(method="ngram").drafts_in_worker
 
 
 def test_ngram_takes_the_longest_suffix_at_its_latest_occurrence():

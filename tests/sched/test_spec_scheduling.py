@@ -8,7 +8,13 @@ from hybridkv.kv.manager import KVCacheManager
 from hybridkv.kv.spec import with_speculative_states
 from hybridkv.sched.request import Request, RequestStatus
 from hybridkv.sched.sampling import SamplingParams
-from hybridkv.sched.scheduler import DRAFT_BACKOFF_MAX, Scheduler, SchedulerConfig
+from hybridkv.sched.scheduler import (
+    DRAFT_BACKOFF_MAX,
+    DRAFT_TOKENS_PER_STEP,
+    Scheduler,
+    SchedulerConfig,
+    drafts_per_request,
+)
 from hybridkv.sched.spec import SpeculativeConfig
 from tests.kv.toy import full, mamba, toy_config
 
@@ -114,4 +120,51 @@ def test_with_state_groups_at_most_a_share_of_requests_draft_per_step():
     out = s.schedule()
     assert len(out.scheduled_spec_decode_tokens) == 2
     assert len(out.num_scheduled_tokens) == 5
+    s.kv.check_integrity()
+
+
+def test_at_large_batches_each_request_drafts_less():
+    # DRAFT_TOKENS_PER_STEP = 32 shared out: K while K x running fits, then fewer, never 0.
+    assert [drafts_per_request(4, n) for n in (1, 8, 9, 16, 17, 32, 64, 500)] == \
+        [4, 4, 3, 2, 1, 1, 1, 1]
+    assert drafts_per_request(0, 1) == 0
+    assert DRAFT_TOKENS_PER_STEP == 32
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    kv = KVCacheManager(toy_config(full(), num_pages=256), max_model_len=64)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=32,
+                                  max_model_len=64, speculative=spec), kv)
+    for i in range(12):
+        s.add_request(request(f"r{i}"))
+    s.update_from_output(s.schedule(), {f"r{i}": 1 for i in range(12)})
+    out = s.schedule()
+    # 12 running: 32 // 12 = 2 drafts each (prompt lookup would give 4).
+    assert {len(d) for d in out.scheduled_spec_decode_tokens.values()} == {2}
+    assert len(out.scheduled_spec_decode_tokens) == 12
+    s.update_from_output(out, {f"r{i}": 1 for i in range(12)},
+                         {rid: d for rid, d in out.scheduled_spec_decode_tokens.items()})
+    for rid in ("r0", "r1", "r2", "r3", "r4", "r5", "r6", "r7"):
+        s.finish([s.requests[rid]], RequestStatus.FINISHED_STOPPED)
+    out = s.schedule()
+    # 4 left running: each gets its full K again.
+    assert {len(d) for d in out.scheduled_spec_decode_tokens.values()} == {4}
+    s.kv.check_integrity()
+
+
+def test_a_worker_method_reserves_draft_slots_and_takes_the_worker_drafts():
+    spec = SpeculativeConfig(method="draft_model", model="small", num_speculative_tokens=3)
+    kv = KVCacheManager(toy_config(full(), mamba(), num_pages=64), max_model_len=64)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8,
+                                  max_model_len=64, speculative=spec), kv)
+    s.add_request(request("a", prompt=[5, 6, 7]))  # nothing to look up: slots regardless
+    out = s.schedule()
+    assert out.num_draft_slots == {}  # the prompt step drafts nothing
+    s.update_from_output(out, {"a": 1})
+    out = s.schedule()
+    assert out.num_draft_slots == {"a": 3} and out.scheduled_spec_decode_tokens == {}
+    assert out.num_scheduled_tokens == {"a": 4}
+    [req] = s.update_from_output(out, {"a": 9}, {"a": [2, 3]}, {"a": [2, 3, 4]})
+    assert req.output_token_ids == [1, 2, 3, 9]
+    assert (req.num_draft_tokens, req.num_accepted_tokens) == (3, 2)
+    # A state group cannot rewind: the accepted drafts are computed again next step.
+    assert req.num_computed_tokens == 4
     s.kv.check_integrity()

@@ -14,6 +14,7 @@ from hybridkv.config import EngineConfig
 from hybridkv.connector.canonical import canonical_kv_caches
 from hybridkv.connector.scheduler import OffloadConnectorScheduler
 from hybridkv.connector.worker import OffloadConnectorWorker
+from hybridkv.engine.draft import DraftParts, load_draft
 from hybridkv.engine.offload import (
     block_hash_seed,
     build_tier_chain,
@@ -40,6 +41,7 @@ from hybridkv.sched.scheduler import Scheduler, SchedulerOutput
 from hybridkv.worker.cpu_attention import choose_backend
 from hybridkv.worker.cpu_malloc import keep_buffers_in_heap, release_free_memory
 from hybridkv.worker.cpu_ops import use_cpu_ops
+from hybridkv.worker.draft_model import DraftModel
 from hybridkv.worker.kv_cache import torch_dtype
 from hybridkv.worker.model_runner import ModelRunner, RunnerOutput
 from hybridkv.worker.quantized import QuantizedParts
@@ -207,6 +209,31 @@ def _fitting_len(layout: Any, budget: int, wanted: int, config: EngineConfig) ->
     return low
 
 
+def _use_cpu_kernels(model: Any, config: EngineConfig, device: str) -> None:
+    if choose_backend(config.attention_backend, device) == "cpu":
+        use_cpu_ops(model)  # the C norms and RoPE that go with the C attention
+        if any(isinstance(m, QuantizedParts) for m in model.modules()):
+            unfit = attach_native_decode(model)
+            if unfit is not None:
+                logger.info("decode steps run layer by layer: %s", unfit)
+
+
+def _draft(config: EngineConfig, device: str, dtype_name: str, vocab_size: int,
+           tokenizer: Any | None) -> DraftParts | None:
+    """The draft model of speculative_config method draft_model (None: no such method)."""
+    spec = config.speculative
+    if spec is None or not spec.drafts_in_worker:
+        return None
+    # In the target's dtype: its K/V are written into pages of that dtype.
+    same_dtype = replace(config, dtype=dtype_name)
+    draft = load_draft(spec, lambda name: _load(name, same_dtype, device),
+                       block_size=config.block_size, kv_dtype=dtype_name,
+                       kv_cache_dtype=config.kv_cache_dtype, vocab_size=vocab_size,
+                       tokenizer=tokenizer)
+    _use_cpu_kernels(draft.model, config, device)
+    return draft
+
+
 def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
     device = resolve_device(config.device)
     if config.kv_cache_memory is not None:
@@ -220,12 +247,7 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
         # before the load: the heap would keep the tokenizer build's peak as well.
         keep_buffers_in_heap()
     text_cfg = hf_config.get("text_config") or hf_config
-    if choose_backend(config.attention_backend, device) == "cpu":
-        use_cpu_ops(loaded.model)  # the C norms and RoPE that go with the C attention
-        if any(isinstance(m, QuantizedParts) for m in loaded.model.modules()):
-            unfit = attach_native_decode(loaded.model)
-            if unfit is not None:
-                logger.info("decode steps run layer by layer: %s", unfit)
+    _use_cpu_kernels(loaded.model, config, device)
     source = resolve_model(model_dir)
     if source.is_gguf:
         memory = weight_memory(loaded.model, source.path)
@@ -240,6 +262,10 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
                          f"not trained on")
     layout = kv_layout_from_config(hf_config, block_size=config.block_size,
                                    kv_dtype=dtype_name)
+    draft = _draft(config, device, dtype_name, int(text_cfg["vocab_size"]), loaded.tokenizer)
+    if draft is not None:  # its layers are planned with the target's (engine/draft.py)
+        layout = replace(layout, layer_specs={**layout.layer_specs, **draft.layer_specs},
+                         kv_sharing={**layout.kv_sharing, **draft.kv_sharing})
     layout = replace(layout, layer_specs=apply_cache_dtype(
         layout.layer_specs, config.kv_cache_dtype, config.kv_cache_dtype_skip,
         config.state_dtype))
@@ -264,6 +290,9 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
         raise ValueError(f"without chunked prefill, max_num_batched_tokens "
                          f"({config.max_num_batched_tokens}) must be >= max_model_len "
                          f"({max_model_len})")
+    if draft is not None:
+        draft.check_max_model_len(max_model_len)
+        logger.info("%s", draft.describe(layout.layer_specs))
     plan = plan_kv_cache(layout.layer_specs, kv_cache_memory,
                          max_model_len=max_model_len,
                          max_num_batched_tokens=config.max_num_batched_tokens,
@@ -294,6 +323,8 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
     scheduler = Scheduler(config.scheduler_config(max_model_len), kv_manager, connector)
     runner = ModelRunner(loaded.model, plan.config,
                          config.runner_config(max_model_len, device))
+    if draft is not None:
+        runner.draft = DraftModel(draft.model, runner.kv_caches, runner.layer_group)
     if connector is not None:
         runner.connector = OffloadConnectorWorker(
             canonical_kv_caches(plan.config, runner.arena), connector.chain,

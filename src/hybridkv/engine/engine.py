@@ -333,7 +333,8 @@ class LLMEngine:
         for rid, message in result.errors.items():
             logger.warning("request %s failed: %s", rid, message)
             outputs.append(self._fail(self.scheduler.requests[rid], message))
-        updated = self.scheduler.update_from_output(out, result.sampled, result.accepted)
+        updated = self.scheduler.update_from_output(out, result.sampled, result.accepted,
+                                                    result.drafts)
         finished: dict[RequestStatus, list[Request]] = {}
         for request in updated:
             rid = request.request_id

@@ -33,6 +33,14 @@ if TYPE_CHECKING:
 # compute, and text that stopped repeating its context tends to stay so for a while.
 DRAFT_BACKOFF_MAX = 16
 
+# At large batches the engine speculates less: a step's drafts are shared out so that each
+# running request gets at most DRAFT_TOKENS_PER_STEP // (running requests) of them, and at
+# least one. A decode step of a few requests costs about as much as one of a few more tokens
+# (it reads every weight once either way), so drafts come nearly free; with many requests
+# the step's cost grows with its tokens and each rejected draft is paid for. E.g. K = 4:
+# up to 8 running requests draft 4 each, 16 draft 2, 32 and more draft 1.
+DRAFT_TOKENS_PER_STEP = 32
+
 # The most state checkpoints one request saves for other requests' prompts that leave its
 # own (each is a state block while it is written): prompts arriving together usually part
 # at one point (the end of a shared system prompt).
@@ -95,6 +103,9 @@ class SchedulerOutput:
     # Per request with drafts this step: the draft tokens, scheduled after its known tokens
     # (counted in num_scheduled_tokens, never in the request's token ids).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Per request whose drafts the worker's draft model makes at the step's start: how many
+    # (their slots are scheduled after its known tokens, as above; the worker returns them).
+    num_draft_slots: dict[str, int] = field(default_factory=dict)
     # The KV connector's loads and stores of this step (None: no connector).
     kv_connector_meta: ConnectorMeta | None = None
     # The grammars of the structured-output requests that sample this step, which give
@@ -139,9 +150,11 @@ class Scheduler:
         self._matches: dict[str, tuple[int, int, list[str]]] = {}
         self._asked: dict[str, set[int]] = {}  # per running request: checkpoints asked for
         spec = config.speculative
+        # None with a worker method (a draft model): the scheduler reserves slots only.
         self.proposer: Proposer | None = make_proposer(spec) if spec is not None else None
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         self._num_drafting = 0  # requests with drafts in the step being scheduled
+        self._max_drafts = 0  # drafts per request in that step (DRAFT_TOKENS_PER_STEP)
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -180,6 +193,7 @@ class Scheduler:
         self._finished_ids = set()
         budget = self.config.max_num_batched_tokens
         self._num_drafting = 0
+        self._max_drafts = drafts_per_request(self.num_speculative_tokens, len(self.running))
         self.kv.new_step_starts()
         connector = self.connector
         if connector is not None:
@@ -196,10 +210,13 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             req = self.running[index]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            drafts = self._drafts(req, num_new, budget) if self.proposer is not None else []
-            while (new := self.kv.allocate_slots(req, num_new + len(drafts))) is None:
-                if drafts:
-                    drafts = []  # drafts never cost a preemption
+            num_drafts = self._num_drafts(req, num_new, budget) if self._max_drafts else 0
+            drafts = self._propose(req, num_drafts)
+            num_drafts = len(drafts) if self.proposer is not None else num_drafts
+            self._num_drafting += bool(num_drafts)
+            while (new := self.kv.allocate_slots(req, num_new + num_drafts)) is None:
+                if num_drafts:
+                    drafts, num_drafts = [], 0  # drafts never cost a preemption
                     continue
                 if connector is not None and connector.release_done_loads():
                     continue  # loaded prefixes of waiting requests held memory
@@ -221,7 +238,9 @@ class Scheduler:
             if drafts:
                 req.spec_token_ids = drafts
                 out.scheduled_spec_decode_tokens[req.request_id] = drafts
-                budget -= len(drafts)
+            elif num_drafts:
+                out.num_draft_slots[req.request_id] = num_drafts
+            budget -= num_drafts
             if (self._prefilling is not None and req.request_id in self._prefilling
                     and req.num_computed_tokens + num_new >= req.num_prompt_tokens):
                 self._prefilling.remove(req.request_id)  # its prompt is computed this step
@@ -229,7 +248,7 @@ class Scheduler:
             out.cached_requests.append(CachedRequestData(
                 req.request_id, req.token_ids[sent:], new_blocks, req.num_computed_tokens))
             self._num_sent_tokens[req.request_id] = req.num_tokens
-            out.num_scheduled_tokens[req.request_id] = num_new + len(drafts)
+            out.num_scheduled_tokens[req.request_id] = num_new + num_drafts
             index += 1
 
         # Then waiting requests, unless this step had to preempt (memory is short).
@@ -296,33 +315,34 @@ class Scheduler:
         return out
 
     # ------------------------------------------------------------ drafts
-    def _drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
-        """Draft tokens for a decoding request whose known tokens all fit this step, within
-        the budget, max_model_len and max_tokens (a draft past either could never be
-        kept). Requests with penalties, logprobs or a grammar draft nothing (their
-        tokens' distributions depend on the tokens before them in ways the verification
-        does not replay)."""
-        assert self.proposer is not None
+    def _num_drafts(self, req: Request, num_new: int, budget: int) -> int:
+        """How many drafts a decoding request whose known tokens all fit this step may have:
+        within the step's share (DRAFT_TOKENS_PER_STEP), the budget, max_model_len and
+        max_tokens (a draft past either could never be kept). Requests with penalties,
+        logprobs or a grammar draft nothing (their tokens' distributions depend on the
+        tokens before them in ways the verification does not replay)."""
         params = req.sampling_params
         if (req.num_computed_tokens < req.num_prompt_tokens
                 or req.num_computed_tokens + num_new != req.num_tokens
                 or params.penalized or params.logprobs is not None
                 or req.grammar is not None):
-            return []
+            return 0
         if req.draft_pause > 0:
             req.draft_pause -= 1
-            return []
+            return 0
         limit = self.kv.max_drafting_requests  # state groups keep a state per drafter
         if limit is not None and self._num_drafting >= limit:
+            return 0
+        return max(0, min(self._max_drafts, budget - num_new,
+                          self.config.max_model_len - req.num_tokens - 1,
+                          params.max_tokens - req.num_output_tokens - 1))
+
+    def _propose(self, req: Request, num_drafts: int) -> list[int]:
+        """The scheduler's proposer's drafts (none with a worker method: the worker makes
+        them in the slots reserved)."""
+        if num_drafts < 1 or self.proposer is None:
             return []
-        k = min(self.num_speculative_tokens, budget - num_new,
-                self.config.max_model_len - req.num_tokens - 1,
-                params.max_tokens - req.num_output_tokens - 1)
-        if k < 1:
-            return []
-        drafts = self.proposer.propose(req.token_ids, k)[:k]
-        self._num_drafting += bool(drafts)
-        return drafts
+        return self.proposer.propose(req.token_ids, num_drafts)[:num_drafts]
 
     # ------------------------------------------------------------ shared prefills
     # A request is admitted only once the running ones have all their prompt tokens
@@ -391,6 +411,7 @@ class Scheduler:
         req.num_tokens_at_preemption = req.num_computed_tokens
         num_scheduled = out.num_scheduled_tokens.pop(req.request_id, 0)
         out.scheduled_spec_decode_tokens.pop(req.request_id, None)
+        out.num_draft_slots.pop(req.request_id, None)
         req.spec_token_ids = []
         # Blocks cached for this step's tokens were never written: they leave the cache.
         self.kv.free(req, num_valid_tokens=req.num_computed_tokens if num_scheduled else None)
@@ -414,10 +435,12 @@ class Scheduler:
         return num_scheduled
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
-                           accepted: dict[str, list[int]] | None = None) -> list[Request]:
+                           accepted: dict[str, list[int]] | None = None,
+                           made: dict[str, list[int]] | None = None) -> list[Request]:
         """Advance computed tokens, append sampled tokens (one per request whose prompt is
         complete, after the drafts the rejection sampler `accepted`), stop what is done.
-        Returns the requests that got new tokens (`num_new_tokens` of them).
+        `made`: the drafts the worker made in the slots of `out.num_draft_slots`. Returns
+        the requests that got new tokens (`num_new_tokens` of them).
 
         A rejected draft's KV is simply overwritten later (attention groups). State groups
         cannot rewind: the runner restores the state at the request's known tokens and the
@@ -428,6 +451,9 @@ class Scheduler:
             if req is None:
                 continue  # finished during the step (its sampling failed)
             drafts = out.scheduled_spec_decode_tokens.get(rid)
+            if rid in out.num_draft_slots:
+                drafts = (made or {}).get(rid, [])
+                assert len(drafts) == out.num_draft_slots[rid], "a draft per reserved slot"
             kept: list[int] = []
             if drafts:
                 kept = (accepted or {}).get(rid, [])
@@ -474,3 +500,11 @@ class Scheduler:
             self._alone_target.pop(req.request_id, None)
             self._finished_ids.add(req.request_id)
             del self.requests[req.request_id]
+
+
+def drafts_per_request(num_speculative_tokens: int, num_running: int) -> int:
+    """The most drafts one request gets in a step with `num_running` running requests
+    (DRAFT_TOKENS_PER_STEP); 0 with speculation off."""
+    if num_speculative_tokens < 1:
+        return 0
+    return min(num_speculative_tokens, max(1, DRAFT_TOKENS_PER_STEP // max(1, num_running)))

@@ -24,6 +24,7 @@ from hybridkv.sched.structured.manager import GrammarBitmask, StepGrammars
 from hybridkv.worker.attention import AttentionMetadata, get_backend
 from hybridkv.worker.block_table import BlockTable
 from hybridkv.worker.config import RunnerConfig
+from hybridkv.worker.draft_model import DraftModel
 from hybridkv.worker.forward_context import ForwardContext, RopeTables
 from hybridkv.worker.kv_cache import allocate_key_staging, allocate_kv_caches
 from hybridkv.worker.rejection_sampler import Verified, verify_greedy, verify_sampled
@@ -44,6 +45,8 @@ class RunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
     # Per request that scored drafts: the drafts kept, which come before its sampled token.
     accepted: dict[str, list[int]] = field(default_factory=dict)
+    # The drafts the draft model made this step, per request with reserved draft slots.
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -112,6 +115,8 @@ class ModelRunner:
         self._new_this_step: set[str] = set()
         self.drafts: dict[str, list[int]] = {}  # this step's draft tokens per request
         self._checkpoints: dict[str, tuple[tuple[int, int, int], ...]] = {}
+        # speculative_config method draft_model: its drafts fill the reserved draft slots.
+        self.draft: DraftModel | None = None
 
     # ---------------------------------------------------------------- the diff
     def _remove(self, rid: str) -> None:
@@ -130,6 +135,8 @@ class ModelRunner:
         self.rows.pop()
         del self.tokens[rid], self.num_computed[rid], self.params[rid], self.num_prompt[rid]
         self.sampler.forget(rid)
+        if self.draft is not None:
+            self.draft.forget(rid)
 
     def _apply(self, out: SchedulerOutput) -> None:
         self._new_this_step = {new.request_id for new in out.new_requests}
@@ -190,7 +197,7 @@ class ModelRunner:
             init_from=init_from, checkpoints=checkpoints)
 
     @staticmethod
-    def _sampled_tokens_metadata(metadata: list[AttentionMetadata | StateMetadata],
+    def _sampled_tokens_metadata(metadata: list[AttentionMetadata | StateMetadata | None],
                                  scheduled: list[str], sampled: dict[str, int],
                                  sample_t: torch.Tensor) -> list[AttentionMetadata | None]:
         """Attention metadata of the batch cut down to the sampled tokens: each request keeps
@@ -231,20 +238,22 @@ class ModelRunner:
                 inputs.sample_indices += range(end - rows, end)
         return inputs
 
-    def _metadata(self, inputs: StepInputs, out: SchedulerOutput
-                  ) -> list[AttentionMetadata | StateMetadata]:
-        """Per group: attention metadata (block table rows, slot mapping) or state metadata."""
+    def _metadata(self, inputs: StepInputs, out: SchedulerOutput | None
+                  ) -> list[AttentionMetadata | StateMetadata | None]:
+        """Per group: attention metadata (block table rows, slot mapping) or state metadata
+        (None for state groups with `out` None: a batch no state layer runs on, the draft
+        model's)."""
         pos_t = torch.tensor(inputs.positions, dtype=torch.int64)
         rows_t = torch.tensor(inputs.token_rows, dtype=torch.int64)
         batch_rows = torch.tensor([self.row_of[r] for r in inputs.scheduled],
                                   dtype=torch.int64)
-        metadata: list[AttentionMetadata | StateMetadata] = []
+        metadata: list[AttentionMetadata | StateMetadata | None] = []
         stage_rows = self._stage_rows(inputs) if self.key_staging else None
         for table, blocks_per_page, is_state, cache_dtype in zip(
                 self.block_tables, self.blocks_per_page, self.is_state_group,
                 self.cache_dtypes, strict=True):
             if is_state:
-                metadata.append(self._state_metadata(
+                metadata.append(None if out is None else self._state_metadata(
                     len(metadata), table, blocks_per_page, inputs.scheduled,
                     inputs.query_start_loc, out))
                 continue
@@ -371,6 +380,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._apply(out)
+        if self.draft is not None:  # its drafts, scheduled after the known tokens
+            self.drafts = self.draft.propose(self, out)
         inputs = self._prepare_inputs(out)
         if not inputs.input_ids:
             return RunnerOutput({}, {})
@@ -460,6 +471,9 @@ class ModelRunner:
             row += num_rows
         if rejected and self.state_blocks:
             self._restore_states(rejected)
+        if self.draft is not None:
+            result.drafts = self.drafts
+            self.draft.verified(result.accepted)
         return result
 
     def _verify_drafts(self, rid: str, drafts: list[int],

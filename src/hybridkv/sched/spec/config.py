@@ -8,11 +8,14 @@ from typing import Any
 
 from hybridkv.sched.checks import check_int
 
-# Methods this engine runs; `make_proposer` has one proposer per name.
-METHODS = ("ngram",)
+# Methods this engine runs. The scheduler's proposers (`make_proposer`) guess from the token
+# history; a worker method's drafts come from a model the worker runs at the step's start,
+# and the scheduler only reserves their slots.
+SCHEDULER_METHODS = ("ngram",)
+WORKER_METHODS = ("draft_model",)
+METHODS = (*SCHEDULER_METHODS, *WORKER_METHODS)
 # Methods users of other engines may name, with why they are refused here.
 _NOT_HERE = {
-    "draft_model": "draft models are not supported yet",
     "mtp": "multi-token-prediction heads are not supported yet",
     "eagle": "EAGLE heads are not supported",
     "eagle3": "EAGLE heads are not supported",
@@ -25,12 +28,15 @@ class SpeculativeConfig:
     """How drafts are made. `ngram` (prompt lookup): the longest n-gram, between
     `prompt_lookup_min` and `prompt_lookup_max` tokens, that ends the request's tokens and
     occurred earlier in them proposes the `num_speculative_tokens` tokens that followed it
-    there (the latest such occurrence)."""
+    there (the latest such occurrence). `draft_model`: `model` (a path or a known model's
+    name), a smaller model with the target's vocabulary, proposes `num_speculative_tokens`
+    tokens greedily each step."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    model: str | None = None  # the draft model (method draft_model)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -42,9 +48,22 @@ class SpeculativeConfig:
                   low=1, high=64)
         check_int("speculative_config prompt_lookup_min", self.prompt_lookup_min, low=1)
         check_int("speculative_config prompt_lookup_max", self.prompt_lookup_max, low=1)
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model.strip():
+                raise ValueError("speculative_config method 'draft_model' needs a model: the "
+                                 "draft model's path or name, e.g. {\"method\": "
+                                 "\"draft_model\", \"model\": \"/models/small\"}")
+        elif self.model is not None:
+            raise ValueError(f"speculative_config model applies to method 'draft_model', not "
+                             f"{self.method!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min})"
                              f" must be <= prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @property
+    def drafts_in_worker(self) -> bool:
+        """Whether drafts come from a model the worker runs (the scheduler reserves slots)."""
+        return self.method in WORKER_METHODS
 
     @classmethod
     def from_dict(cls, values: object) -> SpeculativeConfig:
