@@ -2,7 +2,8 @@
 cache, one copy however many processes and replicas map the file), mapped from hybridkv's
 cache (the LM head's 8-bit pre-pass copy, worker/head_cache.py: page cache as well), or in
 memory of this process's own (what a load had to change: dequantized norms, joined or
-reordered rows of float or dequantized weights). The startup log says all three, so the cost of every copy is visible.
+reordered rows of float or dequantized weights). The startup log says all three, so the
+cost of every copy is visible.
 
 Linux only (the mappings come from /proc/self/maps); elsewhere nothing is reported.
 """
