@@ -46,7 +46,7 @@ LENGTHS = (41, 75, 100)  # none a multiple of 16 (see the module docstring)
 ARCHS = ["llama", "qwen3", "qwen3_swa", "mistral", "gemma2", "gemma3", "gpt_oss",
          "llama4_text", "nemotron_h", "bamba", "granitemoehybrid", "jamba", "falcon_h1",
          "qwen3_next", "gemma3n", "gemma4_text", "lfm2", "mamba",
-         "recurrent_gemma", "kimi_linear"]
+         "recurrent_gemma", "kimi_linear", "dots3_note", "qwen4_exp"]
 FILL_ARCHS = ["llama", "gemma3", "llama4_text", "nemotron_h", "qwen3_next", "gemma3n"]
 DISK_ARCHS = ["qwen3_swa", "jamba"]
 

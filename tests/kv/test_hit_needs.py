@@ -29,6 +29,7 @@ from hybridkv.kv.request import KVRequest
 from hybridkv.kv.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
+    IndexerKeySpec,
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
@@ -44,9 +45,14 @@ def attn(block_size: int) -> dict[str, object]:
 @st.composite
 def specs(draw: st.DrawFn) -> KVCacheSpec:
     block_size = draw(st.sampled_from([4, 8]))
-    kind = draw(st.sampled_from(["full", "sliding_window", "chunked_local", "mamba"]))
+    kind = draw(st.sampled_from(["full", "sliding_window", "chunked_local", "mamba",
+                                 "indexer_key"]))
     if kind == "full":
         return FullAttentionSpec(**attn(block_size))
+    if kind == "indexer_key":
+        # Keys per token or per 2 or 4 tokens: 4 to 32 bytes a block.
+        return IndexerKeySpec(block_size=block_size, head_size=1, dtype="fp32",
+                              compress_rate=draw(st.sampled_from([1, 2, 4])))
     if kind == "sliding_window":
         window = draw(st.sampled_from([1, 2, 5, 8, 13, 20]))
         return SlidingWindowSpec(sliding_window=window, **attn(block_size))

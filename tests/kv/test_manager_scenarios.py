@@ -12,6 +12,7 @@ from tests.kv.toy import (
     cross,
     decode,
     full,
+    indexer,
     mamba,
     request,
     sliding,
@@ -127,6 +128,27 @@ def test_hybrid_hit_lowers_when_one_group_lacks_its_window():
     # Full allows 16, sliding at 16 lacks block 3; at 12 it has blocks 1, 2 -> both 12.
     assert admit(m, b) == 12
     assert m.stats.hit_tokens_per_group == [16, 12]
+    m.check_integrity()
+
+
+def test_indexer_keys_hold_every_position_beside_a_sliding_window():
+    # Sliding window 8 beside a lightning indexer's keys (the indexer may pick any earlier
+    # position): the window drops blocks, the indexer group keeps them all, and a hit needs
+    # every indexer block before it.
+    m = toy_manager(sliding(8), indexer(), num_pages=60)
+    a = request("a", PROMPT)
+    admit(m, a)
+    for token in range(7):
+        assert decode(m, a, token)  # 25 tokens computed: the window reaches back to 18
+    assert m.get_block_ids("a") == [[0, 0, 0, 0, 5, 11, 13], [6, 7, 8, 9, 10, 12, 14]]
+    m.free(a)
+    # Evict the indexer's block 1 (positions 4..7): the window alone would allow 24.
+    assert m.pool.evict_blocks(1, [m.pool.groups[1].blocks[7]]) == 1
+    b = request("b", PROMPT + list(range(7)) + [5] * 3)
+    assert admit(m, b) == 4
+    # Block 0 of each group is a's again; the evicted indexer block's large page went on to
+    # hold one of b's window blocks.
+    assert m.get_block_ids("b") == [[1, 7, 14, 13, 15, 16, 17], [6, 18, 19, 20, 21, 22, 23]]
     m.check_integrity()
 
 

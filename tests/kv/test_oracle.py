@@ -25,6 +25,7 @@ from hybridkv.kv.request import KVRequest
 from hybridkv.kv.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
+    IndexerKeySpec,
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
@@ -47,6 +48,8 @@ specs_st = st.lists(
         st.sampled_from([4, 6, 8, 10, 12]).map(
             lambda c: ChunkedLocalAttentionSpec(attention_chunk_size=c, **ATTN)),
         st.just(MambaSpec(block_size=BS, shapes=((8,),), dtypes=("fp32",))),
+        st.sampled_from([1, 2, 4]).map(
+            lambda rate: IndexerKeySpec(block_size=BS, head_size=1, compress_rate=rate)),
     ),
     min_size=1, max_size=4,
 ).filter(lambda specs: len({s.group_key() for s in specs}) == len(specs))
@@ -54,7 +57,7 @@ specs_st = st.lists(
 
 def valid_hit(spec: KVCacheSpec, cached: list[bool], end: int) -> bool:
     """Brute force: may a request reuse its first `end` blocks in a group of this spec?"""
-    if isinstance(spec, FullAttentionSpec):
+    if isinstance(spec, (FullAttentionSpec, IndexerKeySpec)):
         return all(cached[:end])
     if isinstance(spec, SlidingWindowSpec):
         needed = cdiv(spec.sliding_window - 1, BS)

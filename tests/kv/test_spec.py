@@ -5,8 +5,10 @@ from hybridkv.kv.spec import (
     CrossAttentionSpec,
     EncoderOnlySpec,
     FullAttentionSpec,
+    IndexerKeySpec,
     MambaSpec,
     MLAAttentionSpec,
+    MLASlidingWindowSpec,
     SlidingWindowSpec,
     dtype_size,
     merge_specs,
@@ -24,6 +26,35 @@ def test_attention_page_is_k_and_v_of_every_token_in_a_block():
 def test_mla_stores_one_latent_instead_of_k_and_v():
     spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype="bf16")
     assert spec.page_size_bytes == 16 * 576 * 2
+
+
+def test_sliding_mla_pages_are_latents_with_a_window():
+    spec = MLASlidingWindowSpec(sliding_window=512, block_size=16, num_kv_heads=1,
+                                head_size=1088, dtype="bf16")
+    assert spec.page_size_bytes == 16 * 1088 * 2
+    assert spec.steady_blocks(10_000) == 32 + 1
+    with pytest.raises(ValueError, match="pages hold latents; keys_only does not apply"):
+        MLASlidingWindowSpec(sliding_window=8, keys_only=True, block_size=16,
+                             num_kv_heads=1, head_size=8)
+
+
+def test_indexer_keys_have_their_own_page_and_dtype():
+    # DeepSeek-V3.2's indexer: one 128-wide key per token; fp8 keys are 1 byte each
+    # whatever the attention pages hold.
+    spec = IndexerKeySpec(block_size=64, head_size=128, dtype="fp8")
+    assert (spec.page_size_bytes, spec.page_dtype) == (64 * 128, "fp8")
+    assert spec.peak_blocks(max_model_len=1000, max_num_batched_tokens=64) == 16
+    assert spec.steady_blocks(1000) == 16 and spec.ideal_bytes(1000) == 1000 * 128
+    # Compressed per 4 tokens: a block of 64 tokens holds 16 entries; an unfinished window
+    # is no entry yet.
+    compressed = IndexerKeySpec(block_size=64, head_size=128, dtype="bf16", compress_rate=4)
+    assert compressed.page_size_bytes == 16 * 128 * 2
+    assert compressed.ideal_bytes(1003) == 250 * 256
+    assert compressed.group_key() != spec.group_key()
+    with pytest.raises(ValueError, match="multiple of it, got 6"):
+        IndexerKeySpec(block_size=6, head_size=8, compress_rate=4)
+    with pytest.raises(ValueError, match="head_size >= 1"):
+        IndexerKeySpec(block_size=16, head_size=0)
 
 
 def test_peak_blocks_per_kind():

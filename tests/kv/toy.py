@@ -7,6 +7,7 @@ from hybridkv.kv.spec import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
+    IndexerKeySpec,
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
@@ -34,6 +35,10 @@ def mamba() -> KVCacheSpec:
 
 def cross(encoder_len: int) -> KVCacheSpec:
     return CrossAttentionSpec(max_encoder_len=encoder_len, **_ATTN)
+
+
+def indexer() -> KVCacheSpec:
+    return IndexerKeySpec(block_size=BLOCK, head_size=2, dtype="fp32")  # 32 bytes
 
 
 def toy_config(*specs: KVCacheSpec, num_pages: int, blocks_per_page: int = 1) -> KVCacheConfig:

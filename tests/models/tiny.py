@@ -489,3 +489,32 @@ PERTURB_CONSTANTS.add("zaya")
 ARCHS["doge"] = ("DogeConfig", "DogeForCausalLM", dict(num_hidden_layers=2,
                                                         sliding_window=16))
 PERTURB_CONSTANTS.add("doge")
+
+# dots3_note: MLA everywhere; layers 0-1 with a lightning indexer choosing the top 8
+# positions per query (4 heads of 16), layers 2-3 sliding (window 16) with their own MLA
+# sizes (latent 40 + 8); layer 0 dense, then top-2 of 8 experts in 2 groups (1 kept) with
+# a correction bias, plus a shared expert. Norm scales and the router bias get noise.
+ARCHS["dots3_note"] = ("Dots3NoteTextConfig", "Dots3NoteForCausalLM", dict(
+    num_hidden_layers=4, num_key_value_heads=4, sliding_window=16, q_lora_rank=24,
+    kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+    n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+    moe_intermediate_size=32, shared_experts_intermediate_size=32, index_topk=8,
+    index_head_dim=16, index_n_heads=4, swa_num_attention_heads=4, swa_num_key_value_heads=4,
+    swa_q_lora_rank=24, swa_kv_lora_rank=40, swa_head_dim=24, swa_qk_nope_head_dim=16,
+    swa_v_head_dim=16))
+PERTURB_CONSTANTS.add("dots3_note")
+
+# Qwen4-Exp: Gated DeltaNet on layers 0 and 2 (2 key heads, 4 value heads), gated attention
+# over a QSA indexer's choice on 1 and 3 (4 heads of 16; keys averaged per 4 positions, the
+# top 2 blocks plus the unfinished one), RoPE on half of each head; top-2 of 4 experts and a
+# gated shared expert everywhere; 2 hyper-connection copies of the stream. Norm scales
+# (zero-centred) get noise.
+ARCHS["qwen4_exp"] = ("Qwen4ExpTextConfig", "Qwen4ExpForCausalLM", dict(
+    num_hidden_layers=4, layer_types=["linear_attention", "indexed_attention"] * 2,
+    moe_intermediate_size=32, shared_expert_intermediate_size=48, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    num_experts=4, num_experts_per_tok=2, hc_count=2, hc_lowrank=16, indexer_n_heads=4,
+    indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                     "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]}))
+PERTURB_CONSTANTS.add("qwen4_exp")

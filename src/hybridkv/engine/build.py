@@ -266,6 +266,9 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
     if draft is not None:  # its layers are planned with the target's (engine/draft.py)
         layout = replace(layout, layer_specs={**layout.layer_specs, **draft.layer_specs},
                          kv_sharing={**layout.kv_sharing, **draft.kv_sharing})
+    refused = getattr(loaded.model, "refused_cache_dtypes", {}).get(config.kv_cache_dtype)
+    if refused is not None:
+        raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r}: {refused}")
     layout = replace(layout, layer_specs=apply_cache_dtype(
         layout.layer_specs, config.kv_cache_dtype, config.kv_cache_dtype_skip,
         config.state_dtype))

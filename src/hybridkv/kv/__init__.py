@@ -14,15 +14,18 @@ from hybridkv.kv.spec import (
     CrossAttentionSpec,
     EncoderOnlySpec,
     FullAttentionSpec,
+    IndexerKeySpec,
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
+    MLASlidingWindowSpec,
     SlidingWindowSpec,
 )
 
 __all__ = [
     "BlockHasher", "ChunkedLocalAttentionSpec", "ComputedBlocks", "CrossAttentionSpec",
-    "EncoderOnlySpec", "FullAttentionSpec", "KVCacheBlocks", "KVCacheConfig", "KVCacheGroup",
-    "KVCacheManager", "KVCachePlan", "KVCacheSpec", "KVRequest", "MLAAttentionSpec",
-    "MambaSpec", "SlidingWindowSpec", "hash_fingerprint", "make_block_hasher", "plan_kv_cache",
+    "EncoderOnlySpec", "FullAttentionSpec", "IndexerKeySpec", "KVCacheBlocks",
+    "KVCacheConfig", "KVCacheGroup", "KVCacheManager", "KVCachePlan", "KVCacheSpec",
+    "KVRequest", "MLAAttentionSpec", "MLASlidingWindowSpec", "MambaSpec", "SlidingWindowSpec",
+    "hash_fingerprint", "make_block_hasher", "plan_kv_cache",
 ]

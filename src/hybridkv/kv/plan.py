@@ -27,6 +27,7 @@ from hybridkv.kv.spec import (
     EncoderOnlySpec,
     FullAttentionSpec,
     KVCacheSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
     cdiv,
     merge_specs,
@@ -165,10 +166,11 @@ def group_dtype(group: KVCacheGroup) -> str:
 def to_full_attention(spec: KVCacheSpec) -> KVCacheSpec:
     """What `--no-hybrid` does to a layer: keep every token, mask the window in the kernel."""
     if isinstance(spec, SlidingWindowSpec):
-        return FullAttentionSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
-                                 head_size=spec.head_size, dtype=spec.dtype,
-                                 keys_only=spec.keys_only, sliding_window=spec.sliding_window,
-                                 cache_dtype=spec.cache_dtype)
+        # Latent pages stay latent pages (MLA over a window -> MLA over every token).
+        full = MLAAttentionSpec if spec.latent else FullAttentionSpec
+        return full(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
+                    head_size=spec.head_size, dtype=spec.dtype, keys_only=spec.keys_only,
+                    sliding_window=spec.sliding_window, cache_dtype=spec.cache_dtype)
     if isinstance(spec, ChunkedLocalAttentionSpec):
         return FullAttentionSpec(block_size=spec.block_size, num_kv_heads=spec.num_kv_heads,
                                  head_size=spec.head_size, dtype=spec.dtype,

@@ -169,11 +169,17 @@ class AttentionSpec(KVCacheSpec):
     # How pages store K/V: None, in `dtype`; else one of CACHE_DTYPES (rows of values and
     # their scales, see `quantized_row_bytes`). Layers still compute K/V in `dtype`.
     cache_dtype: str | None = None
+    # Pages of latents (multi-head latent attention): one vector per token, no K/V halves
+    # (MLAAttentionSpec, MLASlidingWindowSpec).
+    latent = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.cache_dtype is not None:
             quantized_row_bytes(self.cache_dtype, self.head_size)  # a known dtype
+        if self.latent and self.keys_only:
+            raise ValueError(f"{type(self).__name__} pages hold latents; keys_only does not "
+                             f"apply")
         if self.q4_kv and self.block_size % KEY_GROUP:
             raise ValueError(f"kv_cache_dtype 'q4' quantizes keys per {KEY_GROUP} tokens, "
                              f"which needs a block size that is a multiple of {KEY_GROUP}, "
@@ -190,7 +196,7 @@ class AttentionSpec(KVCacheSpec):
     @property
     def kv_halves(self) -> int:
         """Rows per token and head: K and V (2), or one (raw keys, latents)."""
-        return 1 if self.keys_only else 2
+        return 1 if self.keys_only or self.latent else 2
 
     @property
     def row_bytes(self) -> int:
@@ -244,14 +250,7 @@ class MLAAttentionSpec(FullAttentionSpec):
     """Multi-head latent attention: one latent vector per token instead of K and V.
     `head_size` is the latent width (kv_lora_rank + rope dim), `num_kv_heads` is 1."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.keys_only:
-            raise ValueError("MLAAttentionSpec pages hold latents; keys_only does not apply")
-
-    @property
-    def kv_halves(self) -> int:
-        return 1  # one latent per token
+    latent = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,6 +284,14 @@ class SlidingWindowSpec(AttentionSpec):
 
     def ideal_bytes(self, num_tokens: int) -> int:
         return min(num_tokens, self.sliding_window) * self.bytes_per_token
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLASlidingWindowSpec(SlidingWindowSpec):
+    """Multi-head latent attention over a sliding window (dots3_note's sliding layers): the
+    sliding window's manager policy over pages of latents (see MLAAttentionSpec)."""
+
+    latent = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -338,6 +345,65 @@ class CrossAttentionSpec(AttentionSpec):
 
     def ideal_bytes(self, num_tokens: int) -> int:
         return self.max_encoder_len * self.bytes_per_token
+
+
+@dataclass(frozen=True, kw_only=True)
+class IndexerKeySpec(KVCacheSpec):
+    """A lightning indexer's keys: what the indexer scores each query against to choose
+    the entries its layer's attention reads (top-k per query; DeepSeek-V3.2's DSA,
+    dots3_note). One key of `head_size` values per entry and an entry per `compress_rate`
+    tokens (1: one per token; a compressing indexer averages `compress_rate` tokens' keys
+    into one entry), in `dtype`: the indexer's own, whatever the attention pages hold.
+
+    Every query scores every earlier entry, so a request keeps all of them, as full
+    attention keeps its K/V, and a prefix hit needs the entries of every cached position.
+    A block of `block_size` tokens holds `block_size // compress_rate` whole entries, so a
+    hit, which ends on a block boundary, ends on an entry boundary."""
+
+    head_size: int
+    dtype: str = "bf16"
+    compress_rate: int = 1
+    kind = "indexer_key"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        dtype_size(self.dtype)  # a known dtype
+        if self.head_size < 1 or self.compress_rate < 1:
+            raise ValueError(f"indexer keys need head_size >= 1 and compress_rate >= 1, got "
+                             f"{self.head_size} and {self.compress_rate}")
+        if self.block_size % self.compress_rate:
+            raise ValueError(f"indexer keys compressed per {self.compress_rate} tokens need a "
+                             f"block size that is a multiple of it, got {self.block_size}")
+
+    @property
+    def entries_per_block(self) -> int:
+        return self.block_size // self.compress_rate
+
+    @property
+    def bytes_per_entry(self) -> int:
+        return self.head_size * dtype_size(self.dtype)
+
+    @property
+    def page_dtype(self) -> str:
+        return self.dtype
+
+    def group_key(self) -> tuple[object, ...]:
+        return (self.kind, self.block_size, self.compress_rate, self.dtype)
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.entries_per_block * self.bytes_per_entry
+
+    def peak_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        return cdiv(max_model_len, self.block_size)
+
+    def steady_blocks(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def ideal_bytes(self, num_tokens: int) -> int:
+        # Entries of whole `compress_rate` windows; the tokens of an unfinished window are
+        # not an entry yet.
+        return num_tokens // self.compress_rate * self.bytes_per_entry
 
 
 # State checkpoints a request keeps near its ends, in blocks: at each of the last this many

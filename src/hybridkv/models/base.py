@@ -44,6 +44,9 @@ class CausalLM(nn.Module):
     supports_kv_sharing: ClassVar[bool] = False
     # Checkpoint tensors of parts text generation does not run (vision/audio towers).
     unused_prefixes: ClassVar[tuple[str, ...]] = ()
+    # kv_cache_dtype values a family's attention cannot read, with why: refused at load in
+    # one line (engine/build.py), not at a request's first step.
+    refused_cache_dtypes: ClassVar[dict[str, str]] = {}
 
     def __init__(self, cfg: TextConfig, layers: Iterable[nn.Module], *,
                  norm_offset: float = 0.0, embed_scale: float | None = None,

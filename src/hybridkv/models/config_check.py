@@ -41,6 +41,7 @@ DERIVED_FIELDS: dict[tuple[str, str], Any] = {
     ("qwen3_5_moe_text", "intermediate_size"): None,  # every layer is MoE
     ("kolibri1", "intermediate_size"): None,  # every layer is MoE
     ("zaya", "intermediate_size"): None,  # every layer is MoE
+    ("qwen4_exp_text", "intermediate_size"): None,  # every layer is MoE
     # ModernBERT-Decoder's window is half of its encoder's `local_attention`.
     ("modernbert-decoder", "sliding_window"):
         lambda cfg: int(cfg["local_attention"]) // 2 if cfg.get("local_attention") else None,

@@ -20,9 +20,11 @@ from typing import Any
 from hybridkv.kv.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
+    IndexerKeySpec,
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
+    MLASlidingWindowSpec,
     SlidingWindowSpec,
 )
 from hybridkv.models.config_check import ATTENTION_FREE, check_config, with_derived_fields
@@ -35,6 +37,8 @@ RG_LRU = "rg_lru"  # Griffin's recurrent block (RecurrentGemma): a conv and an R
 LIGHTNING = "lightning"  # MiniMax's decayed linear attention: a [heads, d, d] state
 KDA = "kda"  # Kimi Delta Attention: a conv and a [heads, d, d] state, decay per channel
 MLA = "mla"  # multi-head latent attention: one latent vector per token in the KV cache
+MLA_SLIDING = "mla_sliding"  # the same over a sliding window (dots3_note)
+INDEXER = "indexer"  # a lightning indexer's keys, beside its layer's attention (dots3_note)
 RWKV = "rwkv"  # an RWKV-4 block: token-shift inputs and the WKV numerator/denominator/max
 MLSTM = "mlstm"  # xLSTM's matrix memory: C [heads, dk, dv] and [n | m] [heads, dk + 1]
 CCA = "cca"  # Zaya's attention inputs: the q/k convs' last inputs and the delayed values
@@ -62,7 +66,10 @@ SUPPORTED_MODEL_TYPES = (
     "olmo_hybrid", "rwkv", "xlstm",
     # issue 50: sliding + full attention decoders of transformers 5.23
     "cwm", "flint", "kolibri1", "laguna", "mellum", "modernbert-decoder", "beam",
-    "zaya", "doge")
+    "zaya", "doge",
+    # issue 50: MLA with a lightning indexer (DSA) and sliding MLA layers; Gated DeltaNet
+    # with attention over a query-sparse indexer's choice (QSA)
+    "dots3_note_text", "qwen4_exp_text")
 
 _LAYER_TYPE_WORDS = {
     "full_attention": FULL, "attention": FULL, "global": FULL, "global_attention": FULL,
@@ -138,6 +145,8 @@ def with_family_defaults(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     out: those the config checker derives too (config_check.DERIVED_FIELDS: Mamba's and
     RWKV's widths, ...), and OLMo Hybrid's layer mix and Gated DeltaNet shapes."""
     cfg = with_derived_fields(cfg)
+    if cfg.get("model_type") == "dots3_note_text":
+        return dots3_defaults(cfg)
     if cfg.get("model_type") != "olmo_hybrid":
         return cfg
     out = dict(cfg)
@@ -155,6 +164,73 @@ def with_family_defaults(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     out["linear_value_head_dim"] = out.get("linear_value_head_dim") or \
         2 * int(out["linear_key_head_dim"])
     return out
+
+
+# dots3_note's layer types: MLA with a lightning indexer choosing its top-k entries, plain
+# MLA (configs with use_dsa off), MLA over a sliding window.
+_DOTS3_KINDS = {"indexed_attention": (MLA, INDEXER), "full_attention": (MLA,),
+                "sliding_attention": (MLA_SLIDING,)}
+# What transformers gives dots3_note's sliding layers when a config has no per_layer_config
+# (released configs spell them swa_*).
+_DOTS3_SWA_DEFAULTS = {"num_attention_heads": 64, "num_key_value_heads": 64,
+                       "q_lora_rank": 1024, "kv_lora_rank": 1024, "head_dim": 256,
+                       "qk_nope_head_dim": 192, "v_head_dim": 128}
+
+
+def dots3_defaults(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """dots3_note's text config as transformers completes it: `layer_types` (indexed
+    layers 0, 1 and every 4th from 1, sliding elsewhere; `use_dsa` false: plain MLA) and
+    the sliding layers' own MLA sizes in `per_layer_config` (from swa_* or the defaults)."""
+    out = dict(cfg)
+    n = int(cfg["num_hidden_layers"])
+    use_dsa = cfg.get("use_dsa", None if "per_layer_config" in cfg else True)
+    full = "full_attention" if use_dsa is False else "indexed_attention"
+    if out.get("layer_types") is None:
+        slides = cfg.get("use_sliding_window", True)
+        out["layer_types"] = [full if not slides or i < 2 or i % 4 == 1
+                              else "sliding_attention" for i in range(n)]
+    if use_dsa is not None:
+        other = "full_attention" if full == "indexed_attention" else "indexed_attention"
+        out["layer_types"] = [full if t == other else t for t in out["layer_types"]]
+    for word in out["layer_types"]:
+        if word not in _DOTS3_KINDS:
+            raise ValueError(f"layer_types: unknown dots3_note layer type {word!r}; "
+                             f"accepted: {', '.join(_DOTS3_KINDS)}")
+    if out.get("per_layer_config") is None:
+        swa = {k: cfg.get(f"swa_{k}", v) for k, v in _DOTS3_SWA_DEFAULTS.items()}
+        swa["qk_rope_head_dim"] = cfg.get("swa_qk_rope_head_dim",
+                                          swa["head_dim"] - swa["qk_nope_head_dim"])
+        out["per_layer_config"] = {str(i): swa for i, t in enumerate(out["layer_types"])
+                                   if t == "sliding_attention"}
+    if out.get("sliding_window") is None:
+        out["sliding_window"] = cfg.get("sliding_window_size", 512)
+    return out
+
+
+def qwen4_layer_types(cfg: Mapping[str, Any]) -> list[str]:
+    """Qwen4-Exp's layers: Gated DeltaNet ("linear_attention") or attention over its QSA
+    indexer's choice ("indexed_attention"; released configs call it "full_attention"),
+    by default the latter every `full_attention_interval` (4) layers."""
+    n = int(cfg["num_hidden_layers"])
+    interval = int(cfg.get("full_attention_interval") or 4)
+    words = cfg.get("layer_types") or [
+        "linear_attention" if (i + 1) % interval else "indexed_attention" for i in range(n)]
+    out = ["indexed_attention" if w == "full_attention" else str(w) for w in words]
+    for word in out:
+        if word not in ("linear_attention", "indexed_attention"):
+            raise ValueError(f"layer_types: unknown qwen4_exp layer type {word!r}; accepted: "
+                             f"linear_attention, indexed_attention, full_attention")
+    return out
+
+
+def layer_config(cfg: Mapping[str, Any], layer: int) -> Mapping[str, Any]:
+    """The config of one layer: `per_layer_config`'s entry for it (keys saved zero-padded,
+    "05") over the model's fields."""
+    per_layer = cfg.get("per_layer_config")
+    if not isinstance(per_layer, Mapping):
+        return cfg
+    override = next((v for k, v in per_layer.items() if int(k) == layer), None) or {}
+    return {**cfg, **override}
 
 
 def _first(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:
@@ -191,6 +267,14 @@ def layer_kinds(config: Mapping[str, Any]) -> list[tuple[str, ...]]:
         return _zamba_kinds(cfg, model_type, n)
     if model_type == "zaya":
         return _zaya_kinds(cfg, n)
+    if model_type == "dots3_note_text":
+        return [_DOTS3_KINDS[w] for w in cfg["layer_types"]]
+    if model_type == "qwen4_exp_text":
+        # Its attention layers keep indexer keys where the config sets the indexer up
+        # (`indexer_n_heads`: "setting this enables QSA").
+        attention = (FULL, INDEXER) if cfg.get("indexer_n_heads") else (FULL,)
+        return [(LINEAR,) if w == "linear_attention" else attention
+                for w in qwen4_layer_types(cfg)]
     kinds = _attention_kinds(cfg, model_type, n)
     if model_type == "minimax":  # its linear attention is lightning attention
         kinds = [LIGHTNING if k == LINEAR else k for k in kinds]
@@ -395,7 +479,8 @@ def kv_layout_from_config(config: Mapping[str, Any], *, block_size: int = 16,
     specs: dict[str, KVCacheSpec] = {}
     for i, parts in enumerate(kinds):
         for kind in parts:
-            name = f"model.layers.{i}." + ("mamba" if kind in STATE_KINDS
+            name = f"model.layers.{i}." + ("mamba" if kind in STATE_KINDS else
+                                           "self_attn.indexer" if kind == INDEXER
                                            else "self_attn")
             specs[name] = _spec_for(kind, cfg, block_size, dtype, i, model_type)
     return ModelKVLayout(
@@ -527,10 +612,22 @@ def _spec_for(kind: str, cfg: Mapping[str, Any], block_size: int, dtype: str,
             return ChunkedLocalAttentionSpec(
                 attention_chunk_size=int(cfg["attention_chunk_size"]), **attn)
         return FullAttentionSpec(**attn)
-    if kind == MLA:
+    if kind in (MLA, MLA_SLIDING):
         # One latent per token: the normalised c_kv and the roped key part, no V.
+        mla = layer_config(cfg, layer)
+        width = int(mla["kv_lora_rank"]) + int(mla["qk_rope_head_dim"])
+        if kind == MLA_SLIDING:
+            return MLASlidingWindowSpec(sliding_window=int(mla["sliding_window"]),
+                                        block_size=block_size, dtype=dtype, num_kv_heads=1,
+                                        head_size=width)
         return MLAAttentionSpec(block_size=block_size, dtype=dtype, num_kv_heads=1,
-                                head_size=int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"]))
+                                head_size=width)
+    if kind == INDEXER:
+        # One key per token, in the model's dtype as the references keep it (Qwen4-Exp's
+        # raw keys, which its indexer averages per `indexer_compress_ratio` tokens at
+        # each read).
+        return IndexerKeySpec(block_size=block_size, dtype=dtype, head_size=int(
+            _first(cfg, "index_head_dim", "indexer_head_dim")))
     if kind == KDA:
         # The conv's last inputs over [q, k, v] and the state, float32 as the reference keeps.
         heads, head_dim, kernel = kda_shape(cfg)

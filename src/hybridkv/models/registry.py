@@ -69,6 +69,8 @@ MODELS: dict[str, str] = {
     "beam": "hybridkv.models.beam:BeamForCausalLM",
     "zaya": "hybridkv.models.zaya:ZayaForCausalLM",
     "doge": "hybridkv.models.doge:DogeForCausalLM",
+    "dots3_note_text": "hybridkv.models.dots3_note:Dots3NoteForCausalLM",
+    "qwen4_exp_text": "hybridkv.models.qwen4_exp:Qwen4ExpForCausalLM",
 }
 
 

@@ -195,6 +195,9 @@ class AttentionMetadata:
     kernel_block_size: int
     blocks_per_page: int  # of the group's KV views: block b is (page b // n, slot b % n)
     cache_dtype: str | None = None  # quantized pages (kv/spec.py CACHE_DTYPES), else None
+    # Per request: its prompt's length (a lightning indexer's top-k breaks ties as the
+    # reference does over rows of that length: worker/sparse_mla.py); None: not given.
+    prompt_lens: list[int] | None = None
     # q4 K/V pages with keys per channel over KEY_GROUP tokens (see the module docstring):
     # per layer (its KV view's data_ptr) the staging buffer [rows, KEY_GROUP, Hk, D] of the
     # requests' unfinished groups, each request's row in it, and the step's full-precision

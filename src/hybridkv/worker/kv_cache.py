@@ -3,7 +3,8 @@
     arena (int8)  [num_large_pages, large_page_bytes]
     group view    [num_large_pages, blocks_per_page, block_bytes]   (padding left out)
     layer view    [num_large_pages, blocks_per_page, 2, block_size, num_kv_heads, head_size]
-                  (K-only pages: no K/V dimension; MLA: [..., block_size, latent])
+                  (K-only pages: no K/V dimension; MLA: [..., block_size, latent];
+                  indexer keys: [..., entries_per_block, head_size])
     quantized     the same, uint8, with each row's bytes (values and their scales, see
                   kv/spec.py) as the last dimension instead of head_size
 
@@ -23,7 +24,7 @@ import torch
 
 from hybridkv.connector.canonical import group_blocks
 from hybridkv.kv.plan import KVCacheConfig
-from hybridkv.kv.spec import KEY_GROUP, AttentionSpec, MambaSpec, MLAAttentionSpec
+from hybridkv.kv.spec import KEY_GROUP, AttentionSpec, IndexerKeySpec, MambaSpec
 
 TORCH_DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -71,9 +72,13 @@ def allocate_kv_caches(config: KVCacheConfig, device: torch.device | str
                     pages, row = raw.view(torch_dtype(spec.dtype)), spec.head_size
                 else:  # quantized rows: bytes
                     pages, row = raw.view(torch.uint8), spec.row_bytes
-            if isinstance(spec, MLAAttentionSpec):
+            if isinstance(spec, AttentionSpec) and spec.latent:
                 # One latent per token, no K/V halves: [pages, per_page, block, head_size].
                 views[name] = pages.unflatten(2, (spec.block_size, row))
+            elif isinstance(spec, IndexerKeySpec):
+                # One key per entry: [pages, per_page, entries_per_block, head_size].
+                keys = blocks[:, :, offset:offset + page_bytes].view(torch_dtype(spec.dtype))
+                views[name] = keys.unflatten(2, (spec.entries_per_block, spec.head_size))
             elif isinstance(spec, AttentionSpec) and spec.keys_only:
                 # Raw keys only (K and V are derived from them): [pages, per_page, block,
                 # Hk, D].

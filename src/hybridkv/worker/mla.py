@@ -34,6 +34,8 @@ class MLAParams:
     kv_lora_rank: int
     qk_nope_head_dim: int
     v_head_dim: int
+    # A query attends to itself and the `sliding_window - 1` positions before it; None: all.
+    sliding_window: int | None = None
 
 
 def mla_forward(q: torch.Tensor, latent: torch.Tensor | None, kv_cache: torch.Tensor,
@@ -45,7 +47,11 @@ def mla_forward(q: torch.Tensor, latent: torch.Tensor | None, kv_cache: torch.Te
     if latent is not None:
         pages, slots, offsets = meta.write_index
         kv_cache[pages, slots, offsets] = to_page(latent, kv_cache, meta)
-    batches, _ = meta.plan(None, None)  # no window or chunk: no request goes alone
+    # Planned without the window, so no request goes alone: every context is read from
+    # position 0 and the window is a mask (blocks a sliding group dropped read as its null
+    # block, masked). O(context) per query where O(window) would do: fine while MLA windows
+    # are the small ones of dots3_note.
+    batches, _ = meta.plan(None, None)
     out = q.new_empty(q.shape[0], params.num_heads, params.v_head_dim)
     for batch in batches:
         latents = gather_latents(kv_cache, meta, batch.gather)  # [P, L, rank + rope]
@@ -53,7 +59,7 @@ def mla_forward(q: torch.Tensor, latent: torch.Tensor | None, kv_cache: torch.Te
         latents = from_page(latents, meta,
                             params.kv_lora_rank + q.shape[-1] - params.qk_nope_head_dim, q.dtype)
         keys, values = expand_latents(latents.to(q.dtype), kv_b_weight, params)
-        allowed = batch.mask(None, None, meta.kernel_block_size)  # [P, Qm, L]
+        allowed = batch.mask(params.sliding_window, None, meta.kernel_block_size)  # [P, Qm, L]
         res = nn.functional.scaled_dot_product_attention(
             q[batch.tokens].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=allowed[:, None], scale=params.scale).transpose(1, 2)  # [P, Qm, H, v]

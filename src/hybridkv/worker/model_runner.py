@@ -213,7 +213,8 @@ class ModelRunner:
             slot_mapping=meta.slot_mapping[sample_t], block_size=meta.block_size,
             kernel_block_size=meta.kernel_block_size, blocks_per_page=meta.blocks_per_page,
             cache_dtype=meta.cache_dtype, key_groups=meta.key_groups, staging=meta.staging,
-            stage_rows=meta.stage_rows, fresh=meta.fresh, shared_views=meta.shared_views)
+            stage_rows=meta.stage_rows, fresh=meta.fresh, shared_views=meta.shared_views,
+            prompt_lens=meta.prompt_lens)
             if isinstance(meta, AttentionMetadata) else None for meta in metadata]
 
     # ---------------------------------------------------------------- one step
@@ -266,7 +267,8 @@ class ModelRunner:
                 blocks_per_page=blocks_per_page, cache_dtype=cache_dtype,
                 key_groups=len(metadata) in self.key_staging,
                 staging=self.key_staging.get(len(metadata)), stage_rows=stage_rows,
-                shared_views=self.shared_views))
+                shared_views=self.shared_views,
+                prompt_lens=[self.num_prompt[r] for r in inputs.scheduled]))
         return metadata
 
     def _stage_rows(self, inputs: StepInputs) -> list[int]:

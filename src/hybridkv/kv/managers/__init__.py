@@ -6,6 +6,7 @@ from hybridkv.kv.managers.base import SingleTypeManager
 from hybridkv.kv.managers.chunked_local import ChunkedLocalManager
 from hybridkv.kv.managers.cross_attention import CrossAttentionManager
 from hybridkv.kv.managers.full import FullAttentionManager
+from hybridkv.kv.managers.indexer_key import IndexerKeyManager
 from hybridkv.kv.managers.mamba import MambaManager
 from hybridkv.kv.managers.sliding_window import SlidingWindowManager
 
@@ -15,6 +16,7 @@ MANAGER_BY_KIND: dict[str, type[SingleTypeManager]] = {
     "chunked_local": ChunkedLocalManager,
     "mamba": MambaManager,
     "cross_attention": CrossAttentionManager,
+    "indexer_key": IndexerKeyManager,
 }
 
 
