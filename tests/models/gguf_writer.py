@@ -4,12 +4,16 @@ names (the package's own name table), q/k rows permuted as llama.cpp's converter
 for the llama architecture, Gemma's norms stored as (1 + w), and matrices quantized to the
 types asked for (the `gguf` package's quantizers where it has one; K-quant blocks, which it
 cannot quantize to, are random bytes with small scales: the file still says what the weights
-are, and every reader must read them alike)."""
+are, and every reader must read them alike). The Gated DeltaNet families are rewritten as
+llama.cpp's Qwen3NextModel / Qwen3.5 converters do: A = -exp(A_log), norms as (1 + w) but
+the gated one, squeezed conv kernels, Qwen3-Next's in_proj_qkvz split into attn_qkv and
+attn_gate, and Qwen3.5's value heads reordered from grouped to tiled."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +29,9 @@ GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "q
              "starcoder2": "starcoder2", "mamba": "mamba", "mamba2": "mamba2", "lfm2": "lfm2",
              "nemotron_h": "nemotron_h", "granitemoehybrid": "granitehybrid",
              "jamba": "jamba", "falcon_h1": "falcon-h1", "exaone4": "exaone4",
-             "olmo3": "olmo2"}
+             "olmo3": "olmo2", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe",
+             "qwen3_next": "qwen3next", "lfm2_moe": "lfm2moe", "gemma3n_text": "gemma3n",
+             "gemma3n": "gemma3n", "gemma4_text": "gemma4"}
 # granite, smollm3: LlamaModel's modify_tensors
 PERMUTED_QK = {"llama", "granitehybrid", "smollm3"}
 # Sliding layers as a per-layer pattern (True = sliding), as Exaone4Model / Olmo2Model write it.
@@ -34,6 +40,14 @@ GEMMA = {"gemma2", "gemma3"}
 # Tensors llama.cpp's converter always writes as F32 (besides vectors and norms).
 F32_TENSORS = ("ffn_gate_inp", "ssm_conv1d", "shortconv.conv")
 SSM = {"mamba", "mamba2"}
+# Gated DeltaNet hybrids (Qwen3NextModel's converter and its Qwen3.5 subclasses).
+DELTANET = {"qwen35", "qwen35moe", "qwen3next"}
+# Qwen3.5's converter reorders the DeltaNet's value heads (grouped by key head -> tiled).
+TILED_V = {"qwen35", "qwen35moe"}
+# Short-convolution families (LFM2Model / LFM2MoeModel's converters).
+LFM2 = {"lfm2", "lfm2moe"}
+# Gemma 3n / Gemma 4 (Gemma3NModel / Gemma4Model's converters; norms stored as they are).
+GEMMA_NANO = {"gemma3n", "gemma4"}
 # Files given a vocabulary (transformers' reader wants one for these).
 VOCAB = {"lfm2"}
 # Mamba-2 mixers (as the mamba2 converter writes them) inside hybrids.
@@ -80,7 +94,11 @@ def write_gguf(model_dir: Path, out: Path, qtypes: dict[str, T] | None = None, *
     heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
     head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
     writer = gguf.GGUFWriter(str(out), arch)
-    writer.add_block_count(n)
+    # Qwen3.5 / Qwen3-Next's multi-token-prediction block, as `nextn` layers after the others.
+    mtp = int(config.get("mtp_num_hidden_layers") or 0) if arch in DELTANET else 0
+    writer.add_block_count(n + mtp)
+    if mtp:
+        writer.add_nextn_predict_layers(mtp)
     writer.add_context_length(int(config["max_position_embeddings"]))
     writer.add_embedding_length(int(config["hidden_size"]))
     if arch in SSM:  # no attention, no MLP: llama.cpp's converter writes zeros
@@ -88,12 +106,14 @@ def write_gguf(model_dir: Path, out: Path, qtypes: dict[str, T] | None = None, *
         writer.add_head_count(0)
     elif arch in HYBRID:
         _hybrid_metadata(writer, arch, config, n, heads, kv_heads, head_dim)
+    elif arch in GEMMA_NANO:
+        _gemma_nano_metadata(writer, arch, config, n, heads, kv_heads, head_dim)
     else:
         writer.add_feed_forward_length(_ff_length(arch, config))
         writer.add_head_count(heads)
         # LFM2: per layer, 0 marking the convolution layers.
         writer.add_head_count_kv([0 if t == "conv" else kv_heads for t in config["layer_types"]]
-                                 if arch == "lfm2" else kv_heads)
+                                 if arch in LFM2 else kv_heads)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
         writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
@@ -108,21 +128,24 @@ def write_gguf(model_dir: Path, out: Path, qtypes: dict[str, T] | None = None, *
         if config.get(key):
             writer.add_float32(f"{arch}.{key}", float(config[key]))
     table = gguf.get_tensor_name_map(
-        next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch), n)
+        next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch), n + mtp)
     rng = np.random.default_rng(seed)
     tensors = load_file(str(model_dir / "model.safetensors"))
     stored: dict[str, np.ndarray] = {}
-    for hf_name, value, sources in _converted(arch, config, tensors):
+    entries, undo = _converted(arch, config, tensors)
+    for hf_name, value, sources in entries:
         name = table.get_name(hf_name, try_suffixes=(".weight", ".bias")) or (
-            hf_name if hf_name.startswith("blk.") else None)
+            hf_name if hf_name.startswith(("blk.", "rope_freqs.")) else None)
         assert name is not None, hf_name
         # Entries the table writes with their suffix (Falcon-H1's pre_ff_layernorm.weight)
         # give the name without it, and llama.cpp's converter writes that (blk.N.ffn_norm).
         value = value.astype(np.float32)
         if arch in PERMUTED_QK and name.endswith(("attn_q.weight", "attn_k.weight")):
             value = _permute(value, heads if "attn_q" in name else kv_heads)
-        if arch in GEMMA and name.endswith("norm.weight"):
-            value = value + 1.0
+        if (arch in GEMMA and name.endswith("norm.weight")) or (
+                arch in DELTANET and name.endswith("norm.weight")
+                and not name.endswith("ssm_norm.weight")):
+            value = value + 1.0  # the DeltaNet's gated norm (ssm_norm) is kept as it is
         qtype = T.F32
         if value.ndim >= 2 and name.endswith(".weight") and not name.endswith("norm.weight") \
                 and not any(frag in name for frag in F32_TENSORS):
@@ -134,7 +157,8 @@ def write_gguf(model_dir: Path, out: Path, qtypes: dict[str, T] | None = None, *
                          qtype, rng)
         data = data.reshape(*value.shape[:-1], -1) if qtype != T.F32 else value
         writer.add_tensor(name, data, raw_dtype=qtype if qtype != T.F32 else None)
-        for source in sources if rounded is not None else ():
+        # The MTP block stays out of the rounded checkpoint (transformers does not run it).
+        for source in (s for s in sources if not s.startswith("mtp.")) if rounded else ():
             # A part of a split tensor ("name#k"): its rows as handed over.
             original = (value if "#" in source else tensors[source]).astype(np.float32)
             if qtype == T.F32:
@@ -152,6 +176,9 @@ def write_gguf(model_dir: Path, out: Path, qtypes: dict[str, T] | None = None, *
         name = key.partition("#")[0]
         stored[name] = np.concatenate([stored.get(name, stored[key][..., :0, :]),
                                        stored.pop(key)], axis=-2)
+    for name, back in undo.items() if rounded is not None else ():
+        # Rows / columns the converter moved, moved back (safetensors wants C order).
+        stored[name] = np.ascontiguousarray(back(stored[name]))
     if rounded is not None:
         rounded.mkdir(parents=True, exist_ok=True)
         (rounded / "config.json").write_text(json.dumps(
@@ -216,6 +243,85 @@ def _hybrid_metadata(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any],
         writer.add_rope_scaling_finetuned(config.get("position_embedding_type") == "rope")
 
 
+def _gemma_nano_metadata(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any], n: int,
+                         heads: int, kv_heads: int, head_dim: int) -> None:
+    """As Gemma3NModel / Gemma4Model's converters: MLP widths per layer (Gemma 4's shared-KV
+    layers twice as wide where use_double_wide_mlp), the sliding pattern, a RoPE base per
+    layer type; Gemma 3n's AltUp keys and its activation sparsity as the normal quantile a
+    gate keeps above; Gemma 4's full layers with their own head size and KV heads."""
+    from statistics import NormalDist
+
+    kinds = config["layer_types"]
+    ff = config["intermediate_size"]
+    shared = int(config.get("num_kv_shared_layers") or 0)
+    if arch == "gemma4":
+        wide = 2 if config.get("use_double_wide_mlp") else 1
+        ff = [int(ff) * (wide if i >= n - shared else 1) for i in range(n)]
+    writer.add_feed_forward_length([int(f) for f in ff] if isinstance(ff, list) else int(ff))
+    writer.add_head_count(heads)
+    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    writer.add_sliding_window(int(config["sliding_window"]))
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in kinds])
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(int(config.get("hidden_size_per_layer_input")
+                                                    or 0))
+    writer.add_rope_freq_base_swa(float(
+        config["rope_parameters"]["sliding_attention"]["rope_theta"]))
+    if arch == "gemma3n":
+        writer.add_head_count_kv(kv_heads)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_altup_active_idx(int(config["altup_active_idx"]))
+        writer.add_altup_num_inputs(int(config["altup_num_inputs"]))
+        writer.add_activation_sparsity_scale([
+            NormalDist().inv_cdf(s) if s > 0 else float("-inf")
+            for s in config["activation_sparsity_pattern"]])
+        return
+    full = config["per_layer_config"]
+    full_head = int(next(iter(full.values()))["head_dim"])
+    writer.add_head_count_kv([kv_heads if t == "sliding_attention"
+                              else int(full[str(i)]["num_key_value_heads"])
+                              for i, t in enumerate(kinds)])
+    writer.add_key_length(full_head)
+    writer.add_value_length(full_head)
+    writer.add_key_length_swa(head_dim)
+    writer.add_value_length_swa(head_dim)
+    writer.add_rope_dimension_count(full_head)  # the partial angles are in rope_freqs
+    writer.add_rope_dimension_count_swa(int(head_dim * config["rope_parameters"][
+        "sliding_attention"].get("partial_rotary_factor", 1.0)))
+
+
+# What a family's rewrite gives for one checkpoint tensor: [(name, value, sources)] and how
+# the rounded checkpoint's tensor is moved back from the file's layout (or None).
+Rewritten = tuple[list[tuple[str, np.ndarray, list[str]]],
+                  Callable[[np.ndarray], np.ndarray] | None]
+
+
+def _gemma_nano(arch: str, config: dict[str, Any], hf_name: str, value: np.ndarray,
+                source: str) -> Rewritten | None:
+    """Gemma3NModel / Gemma4Model's rewrites of one tensor, or None: Gemma 3n's per-layer
+    table padded with zero rows to the vocabulary; the names its filter gives "_scale"
+    tensors and Gemma 4's layer scalar (".weight" added); Gemma 4's router scale and
+    per-expert scale written by hand beside the router and the experts' down projection."""
+    layer = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else ""
+    if arch == "gemma3n" and hf_name.endswith("embed_tokens_per_layer.weight"):
+        rows = value.shape[0]
+        padded = np.concatenate([value, np.zeros((int(config["vocab_size"]) - rows,
+                                                  value.shape[1]), value.dtype)])
+        return [(hf_name, padded, [f"{source}#0"])], lambda stored: stored[:rows]
+    if (arch == "gemma3n" and hf_name.endswith("_scale")) or hf_name.endswith(".layer_scalar"):
+        name = hf_name + ".weight"
+    elif arch == "gemma4" and hf_name.endswith("router.scale"):
+        name = f"blk.{layer}.ffn_gate_inp.scale"
+    elif arch == "gemma4" and hf_name.endswith("router.per_expert_scale"):
+        name = f"blk.{layer}.ffn_down_exps.scale"
+    elif arch == "gemma4" and re.search(r"\.experts\.(gate_up_proj|down_proj)$", hf_name):
+        name = hf_name + ".weight"
+    else:
+        return None
+    return [(name, value, [source])], None
+
+
 def _falcon_h1_fold(config: dict[str, Any], name: str, w: np.ndarray) -> np.ndarray | None:
     """FalconH1Model.modify_tensors: the µP multipliers folded into the matrices."""
     attn_in = float(config["attention_in_multiplier"])
@@ -276,7 +382,8 @@ def _arch_metadata(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -
     experts = config.get("num_local_experts") or config.get("num_experts")
     if experts:
         writer.add_expert_count(int(experts))
-        writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+        writer.add_expert_used_count(int(_first(config, "num_experts_per_tok",
+                                                "top_k_experts")))
     if config.get("moe_intermediate_size"):
         writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
     if config.get("shared_expert_intermediate_size"):
@@ -320,29 +427,141 @@ def _arch_metadata(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -
         writer.add_ssm_time_step_rank(heads)
     if arch in VOCAB:
         _byte_vocabulary(writer, int(config["vocab_size"]))
-    if arch == "lfm2":
+    if arch in LFM2:
         writer.add_shortconv_l_cache(int(config["conv_L_cache"]))
         writer.add_layer_norm_rms_eps(float(config["norm_eps"]))
+    if arch == "lfm2moe":  # LFM2MoeModel's converter
+        writer.add_leading_dense_block_count(int(config["num_dense_layers"]))
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if arch in DELTANET:  # Qwen3NextModel's converter
+        writer.add_ssm_conv_kernel(int(config["linear_conv_kernel_dim"]))
+        writer.add_ssm_state_size(int(config["linear_key_head_dim"]))
+        writer.add_ssm_group_count(int(config["linear_num_key_heads"]))
+        writer.add_ssm_time_step_rank(int(config["linear_num_value_heads"]))
+        writer.add_ssm_inner_size(int(config["linear_value_head_dim"])
+                                  * int(config["linear_num_value_heads"]))
+        # (the installed gguf package has no add_recurrent_layers; the key is llama.cpp's)
+        writer.add_array(f"{arch}.attention.recurrent_layers",
+                         [t == "linear_attention" for t in config["layer_types"]]
+                         + [False] * int(config.get("mtp_num_hidden_layers") or 0))
+        writer.add_full_attention_interval(int(config.get("full_attention_interval", 4)))
+        rope = config.get("rope_parameters") or {}
+        writer.add_rope_dimension_count(int(int(config["head_dim"])
+                                            * rope.get("partial_rotary_factor", 0.25)))
+    if arch in TILED_V:  # Qwen3.5 always writes MRoPE sections (its default where unset)
+        sections = (config.get("rope_parameters") or {}).get("mrope_section") or [11, 11, 10]
+        writer.add_rope_dimension_sections([*sections, 0][:4])
+
+
+def _grouped_to_tiled(num_k_heads: int, num_v_heads: int, width: int) -> np.ndarray:
+    """For each file position along a value-head dimension, the Hugging Face index it holds:
+    Qwen3.5's converter reorders value heads grouped by key head into tiled order, e.g. 2 key
+    heads, 4 value heads: v0 v1 | v2 v3 -> v0 v2 v1 v3 (each head `width` long)."""
+    per_k = num_v_heads // num_k_heads
+    return np.arange(num_v_heads * width).reshape(num_k_heads, per_k, width).transpose(
+        1, 0, 2).reshape(-1)
+
+
+def _deltanet(arch: str, config: dict[str, Any], hf_name: str, value: np.ndarray,
+              source: str) -> Rewritten | None:
+    """Qwen3NextModel's (and Qwen3.5's) rewrites of one linear-attention tensor, or None:
+    conv1d squeezed, dt_bias as the dt projection's bias, Qwen3-Next's in_proj_qkvz split,
+    Qwen3.5's value heads tiled (the rounded tensor moved back where quantization blocks do
+    not commute with the reorder)."""
+    if ".linear_attn." not in hf_name:
+        return None
+    if value.ndim == 3 and value.shape[1] == 1:
+        value = value.squeeze(1)  # conv1d [C, 1, K]
+    hf_name = hf_name.replace(".dt_bias", ".dt_proj.bias")
+    nk, nv = int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"])
+    dk, dv = int(config["linear_key_head_dim"]), int(config["linear_value_head_dim"])
+    if arch == "qwen3next" and hf_name.endswith("linear_attn.in_proj_qkvz.weight"):
+        # Per key head [q | k | its v heads | their z] -> [all q | all k | all v] and [all z].
+        per_k = nv // nk * dv
+        q, k, v, z = np.split(value.reshape(nk, -1, value.shape[-1]),
+                              np.cumsum([dk, dk, per_k]), axis=1)
+        layer = hf_name.split(".")[2]
+        qkv = np.concatenate([part.reshape(-1, value.shape[-1]) for part in (q, k, v)])
+
+        def regroup(joined: np.ndarray) -> np.ndarray:
+            parts = np.split(joined, np.cumsum([nk * dk, nk * dk, nk * per_k]))
+            return np.concatenate([p.reshape(nk, -1, joined.shape[-1]) for p in parts],
+                                  axis=1).reshape(joined.shape)
+        return [(f"blk.{layer}.attn_qkv.weight", qkv, [f"{source}#0"]),
+                (f"blk.{layer}.attn_gate.weight", z.reshape(-1, value.shape[-1]),
+                 [f"{source}#1"])], regroup
+    if arch not in TILED_V or nk == nv:
+        return [(hf_name, value, [source])], None
+    if hf_name.endswith("out_proj.weight"):
+        # Columns reordered: quantized blocks hold other values, moved back after rounding.
+        order = _grouped_to_tiled(nk, nv, dv)
+        return [(hf_name, value[:, order], [f"{source}#0"])], \
+            lambda stored: stored[:, np.argsort(order)]
+    if hf_name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        qk = 2 * nk * dk
+        order = np.concatenate([np.arange(qk), qk + _grouped_to_tiled(nk, nv, dv)])
+    elif hf_name.endswith("in_proj_z.weight"):
+        order = _grouped_to_tiled(nk, nv, dv)
+    elif hf_name.endswith(("in_proj_a.weight", "in_proj_b.weight", ".A_log", ".dt_proj.bias")):
+        order = _grouped_to_tiled(nk, nv, 1)
+    else:
+        return [(hf_name, value, [source])], None
+    # Whole rows move: each is quantized on its own, so the rounded source needs no undo.
+    return [(hf_name, value[order], [source])], None
+
+
+def _mtp_name(name: str, num_layers: int) -> str:
+    """A checkpoint's `mtp.*` tensor under the name _QwenMtpMixin gives it: its decoder
+    layers after the model's own, its fc and norms as that layer's nextn tensors."""
+    parts = name.split(".", 3)
+    if parts[1] == "layers":
+        return f"model.layers.{num_layers + int(parts[2])}.{parts[3]}"
+    nextn = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm",
+             "pre_fc_norm_hidden": "hnorm", "norm": "shared_head_norm"}[parts[1]]
+    return f"blk.{num_layers}.nextn.{nextn}.{parts[2]}"
 
 
 def _converted(arch: str, config: dict[str, Any], tensors: dict[str, np.ndarray]
-               ) -> list[tuple[str, np.ndarray, list[str]]]:
+               ) -> tuple[list[tuple[str, np.ndarray, list[str]]],
+                          dict[str, Callable[[np.ndarray], np.ndarray]]]:
     """The checkpoint's tensors as llama.cpp's converter hands them to its name table:
     experts stacked into one 3-D tensor per matrix, Mamba's A_log as A = -exp(A_log),
     convolution weights squeezed, Mamba-2's A/D per head as [heads, 1] and its gated norm
-    per group, dt_bias as the dt projection's bias."""
+    per group, dt_bias as the dt projection's bias; the DeltaNet's rewrites (_deltanet).
+    Also, per source parameter, how its rounded value is moved back from the file's layout."""
     out: dict[str, tuple[np.ndarray, list[str]]] = {}
+    undo: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
     experts: dict[str, dict[int, str]] = {}
     for source, value in tensors.items():
         hf_name = source
+        if source.startswith("mtp."):
+            hf_name = _mtp_name(source, int(config["num_hidden_layers"]))
+        if hf_name.endswith(".A_log"):
+            value = -np.exp(value.astype(np.float32))
+        rewrite = _gemma_nano if arch in GEMMA_NANO else _deltanet if arch in DELTANET \
+            else None
+        if rewrite is not None and (rewritten := rewrite(arch, config, hf_name, value,
+                                                         source)) is not None:
+            parts, back = rewritten
+            for name, part, sources in parts:
+                out[name] = part, sources
+            if back is not None:
+                undo[source] = back
+            continue
+        if (m := re.match(r"model\.(altup_projections|altup_unembed_projections)\.(\d+)\."
+                          r"weight$", hf_name)) is not None:
+            # Gemma 3n's AltUp matrices stacked as one tensor [copies, hidden, hidden].
+            experts.setdefault(f"model.{m[1]}.weight", {})[int(m[2])] = source
+            continue
         if (m := re.match(r"(.*\.experts)\.(\d+)\.(.*)$", hf_name)) is not None:
             experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = source
             continue
-        if hf_name.endswith("shared_expert_gate.weight"):
-            value = value.reshape(-1)  # [1, hidden] as a vector, as published Qwen-MoE files
-        if hf_name.endswith(".A_log"):
-            value = -np.exp(value.astype(np.float32))
-        if arch in ("mamba", "lfm2", "jamba", *MAMBA2) and value.ndim == 3 \
+        if hf_name.endswith("shared_expert_gate.weight") and arch not in DELTANET:
+            # [1, hidden] as a vector, as published Qwen-MoE files (Qwen3NextModel keeps it)
+            value = value.reshape(-1)
+        if arch == "lfm2moe" and hf_name.endswith(".expert_bias"):
+            hf_name += ".bias"  # LFM2MoeModel's name for the routing bias
+        if arch in ("mamba", *LFM2, "jamba", *MAMBA2) and value.ndim == 3 \
                 and value.shape[1] == 1:
             # conv [C, 1, K]
             value = value.squeeze(1)
@@ -367,10 +586,20 @@ def _converted(arch: str, config: dict[str, Any], tensors: dict[str, np.ndarray]
             out[f"blk.{m[1]}.ffn_up_{kind}.weight"] = up, [f"{source}#1"]
             continue
         out[hf_name] = value, [source]
+    if arch == "gemma4":
+        # Full layers' "proportional" RoPE as Gemma4Model writes it: a factor per angle, 1 for
+        # the rotated ones, 1e30 (an angle of ~0) for the others.
+        full = config["rope_parameters"]["full_attention"]
+        half = int(next(iter(config["per_layer_config"].values()))["head_dim"]) // 2
+        rotated = int(half * float(full["partial_rotary_factor"]))
+        out["rope_freqs.weight"] = np.array([1.0] * rotated + [1e30] * (half - rotated),
+                                            dtype=np.float32), []
     for name, per_expert in experts.items():
         sources = [per_expert[e] for e in sorted(per_expert)]
+        if arch == "lfm2moe":  # LFM2MoeModel names the stacked experts without "model."
+            name = name.removeprefix("model.")
         out[name] = np.stack([tensors[s] for s in sources]), sources
-    return [(name, value, sources) for name, (value, sources) in sorted(out.items())]
+    return [(name, value, sources) for name, (value, sources) in sorted(out.items())], undo
 
 
 def copy_field(writer: gguf.GGUFWriter, name: str, field: Any) -> None:

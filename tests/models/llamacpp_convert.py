@@ -45,8 +45,9 @@ def gpt2_vocabulary(*args, **kwargs):
     cls.set_vocab = base.TextModel._set_vocab_gpt2
     return cls
 
-c.get_model_class = gpt2_vocabulary
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+if not {family_vocab!r}:
+    c.get_model_class = gpt2_vocabulary
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
 sys.argv = ["convert_hf_to_gguf.py", *{argv!r}]
 c.main()
 """
@@ -74,10 +75,13 @@ def write_byte_tokenizer(model_dir: Path) -> None:
         {"tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
-def convert(model_dir: Path, out: Path, outtype: str, *extra: str) -> Path:
+def convert(model_dir: Path, out: Path, outtype: str, *extra: str,
+            family_vocab: bool = False) -> Path:
     """`model_dir` (with a tokenizer, see write_byte_tokenizer) as a GGUF file of `outtype`
-    (f32, q8_0, ... as the converter takes them)."""
-    code = _WRAPPER.format(gguf_py=str(SOURCE / "gguf-py"), source=str(SOURCE), argv=[
+    (f32, q8_0, ... as the converter takes them). `family_vocab`: the family's own vocabulary
+    routine writes the tokenizer (for a tokenizer in that family's format)."""
+    code = _WRAPPER.format(gguf_py=str(SOURCE / "gguf-py"), source=str(SOURCE),
+                           family_vocab=family_vocab, argv=[
         str(model_dir), "--outfile", str(out), "--outtype", outtype, *extra])
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, "NO_LOCAL_GGUF": "1"}, check=False)
@@ -145,3 +149,41 @@ def add_mtp_layer(model_dir: Path, *, source_layer: int, seed: int = 0) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
     config["mtp_num_hidden_layers"] = 1
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+
+# Text for the Gemma-style tokenizer's merges and for the tests that encode with it.
+GEMMA_TEXT = ("the cat sat on the mat\n\nthe dog  sat   on a log\n"
+              "a cat and a dog, then the end. Été: 42 + 7 = 49!\n\n\n  tab\there")
+
+
+def write_gemma_tokenizer(model_dir: Path) -> int:
+    """A tiny tokenizer.json shaped as Gemma's (transformers' GemmaTokenizer): <pad> <eos>
+    <bos> <unk> <mask>, the 256 byte-fallback tokens <0x00>..<0xFF>, then BPE pieces learnt
+    from GEMMA_TEXT with spaces as U+2581; spaces replaced by a normalizer, the merges run
+    over the whole text. Returns the vocabulary size (the model's must equal it)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
+    learner = Tokenizer(models.BPE(unk_token="<unk>"))
+    learner.normalizer = normalizers.Replace(" ", "\u2581")
+    learner.train_from_iterator([GEMMA_TEXT] * 4, trainers.BpeTrainer(
+        vocab_size=120, special_tokens=specials, show_progress=False))
+    learnt = json.loads(learner.to_str())["model"]
+    pieces = [p for p, _ in sorted(learnt["vocab"].items(), key=lambda kv: kv[1])
+              if p not in specials]
+    vocab = {t: i for i, t in enumerate(
+        [*specials, *(f"<0x{b:02X}>" for b in range(256)), *pieces])}
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+              for m in learnt["merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>",
+                                     byte_fallback=True, fuse_unk=True))
+    tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "),
+                                           decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer.add_special_tokens(specials)
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>",
+         "pad_token": "<pad>", "unk_token": "<unk>", "mask_token": "<mask>"}))
+    return len(vocab)

@@ -32,6 +32,14 @@ CASES: dict[str, tuple[str, dict[str, object]]] = {
     "smollm3": ("smollm3", dict(no_rope_layers=[1, 1, 1, 0], use_sliding_window=False)),
     "exaone4": ("exaone4", {}),
     "olmo3": ("olmo3", {}),
+    # AltUp, Laurel, per-layer inputs (a per-layer vocabulary of 200 the converter pads with
+    # zero rows to 256: transformers reads ids past it as id 0, whose row the padding index
+    # keeps at zero), sparse MLP gates, the last 4 layers reading shared KV.
+    "gemma3n": ("gemma3n", {}),
+    # Full layers with their own head size and KV heads, values = keys (no attn_v), and
+    # proportional RoPE (rope_freqs); shared-KV layers with double-width MLPs; experts beside
+    # every MLP (ffn_gate_up_exps / ffn_down_exps kept in their blocks).
+    "gemma4": ("gemma4_text", {}),
 }
 # Checkpoints given a multi-token-prediction block (as released), shaped as this layer.
 MTP = {"qwen3_5": 3, "qwen3_5_moe": 3, "qwen3_next": 3}
@@ -95,3 +103,31 @@ def test_quantized_file_matches_its_dequantized_weights(converted, qtype):
                                    torch.stack(ref.logits.pop(b.request_id)),
                                    atol=2e-3, rtol=1e-3)
 
+
+
+def test_gemma4_tokenizer_matches_its_tokenizer_json(tmp_path):
+    """Gemma 4's own vocabulary routine (tokenizer.ggml.model = "gemma4": SentencePiece-style
+    pieces with BPE merges) read back gives the ids of the tokenizer.json it was written from,
+    BOS first as the file says."""
+    from tokenizers import Tokenizer
+
+    from hybridkv.models.formats.gguf_tokenizer import (
+        read_tokenizer_metadata,
+        tokenizer_from_gguf,
+    )
+
+    model_dir = tmp_path / "hf"
+    model_dir.mkdir()
+    vocab = llamacpp_convert.write_gemma_tokenizer(model_dir)
+    build_tiny_model("gemma4_text", model_dir, vocab_size=vocab, vocab_size_per_layer_input=vocab)
+    path = llamacpp_convert.convert(model_dir, tmp_path / "model.gguf", "f32", family_vocab=True)
+    meta = read_tokenizer_metadata(str(path))
+    assert meta["tokenizer.ggml.model"] == "gemma4"
+    ours = tokenizer_from_gguf(meta, source=str(path))
+    reference = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    texts = [llamacpp_convert.GEMMA_TEXT, "the  cat", "  leading", "new\n\nlines\n",
+             "unseen: q\u00e9z \u4e16\u754c", "<bos>the<eos> end"]
+    for text in texts:
+        expected = reference.encode(text).ids
+        assert ours.tokenizer.encode(text).ids == [ours.bos_token_id, *expected], text
+        assert ours.tokenizer.decode(expected) == reference.decode(expected)

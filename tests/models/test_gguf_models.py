@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from hybridkv import LLM, SamplingParams
 from tests.hooks import record_logits
 from tests.models.gguf_writer import write_gguf
+from tests.models.llamacpp_convert import add_mtp_layer
 from tests.models.test_against_transformers import NUM_NEW, PROMPT_LENS, hf_reference
 from tests.models.tiny import build_tiny_model
 
@@ -92,6 +93,33 @@ CASES = {
     "smollm3": ("smollm3", dict(hidden_size=64, intermediate_size=128, head_dim=16,
                                 no_rope_layers=[1, 1, 1, 0], use_sliding_window=False),
                 HYBRID_TYPES),
+    # Gated DeltaNet hybrids as llama.cpp's converter rewrites them (A = -exp(A_log), norms
+    # as 1 + w but the gated one, squeezed conv kernels); Qwen3.5's value heads tiled (its
+    # out projection's columns too: ssm_out in blocks), Qwen3-Next's in_proj_qkvz split in
+    # two and reordered. Against the rounded checkpoint (no transformers GGUF reader).
+    "qwen3_5": ("qwen3_5_text", dict(hidden_size=64, intermediate_size=128, head_dim=16),
+                {"attn_qkv": T.Q8_0, "attn_gate": T.Q4_1, "ssm_alpha": T.Q5_1, **HYBRID_TYPES}),
+    "qwen3_5_moe": ("qwen3_5_moe_text", dict(hidden_size=64, intermediate_size=128,
+                                             head_dim=16), HYBRID_TYPES),
+    "qwen3_next": ("qwen3_next", dict(hidden_size=64, intermediate_size=128, head_dim=16),
+                   {"attn_qkv": T.Q5_1, "attn_gate": T.Q4_0, "ssm_ba": T.Q5_0,
+                    **HYBRID_TYPES}),
+    # LFM2-MoE: a dense first layer, then sigmoid-routed experts with a selection bias;
+    # tied embeddings and a routed scale of 1, as released (the file has no key for it).
+    "lfm2_moe": ("lfm2_moe", dict(hidden_size=64, intermediate_size=128, head_dim=16,
+                                  tie_word_embeddings=True, routed_scaling_factor=1.0),
+                 {"ffn_gate_exps": T.Q4_0, "ffn_down_exps": T.Q5_1, **HYBRID_TYPES}),
+    # Gemma 3n as Gemma3NModel's converter writes it: AltUp projections stacked in one tensor
+    # each, the per-layer table (200 rows) padded with zeros to the vocabulary, activation
+    # sparsity as a normal quantile; Gemma 4's full layers (head size 32, one KV head, K = V)
+    # with proportional RoPE in rope_freqs, double-width shared-KV MLPs, stacked experts kept
+    # in their blocks, the router's scales as `.scale` tensors.
+    "gemma3n": ("gemma3n", dict(hidden_size=64, intermediate_size=128, head_dim=16),
+                {"altup_proj": T.Q4_0, "altup_unembd_proj": T.Q5_1, "laurel_l": T.Q4_1,
+                 "per_layer_token_embd": T.Q5_0, **HYBRID_TYPES}),
+    "gemma4": ("gemma4_text", dict(hidden_size=64, intermediate_size=128, head_dim=16),
+               {"ffn_gate_up_exps": T.Q4_1, "ffn_down_exps": T.Q5_0,
+                "per_layer_token_embd": T.Q8_0, **HYBRID_TYPES}),
 }
 # Config fields transformers' GGUF reader leaves at its defaults (it reads no
 # expert_feed_forward_length, nor expert_shared_feed_forward_length): given to it
@@ -106,8 +134,11 @@ HF_KWARGS = {
                                                      "partial_rotary_factor": 0.5}),
 }
 ROUNDED = {"mamba2", "nemotron_h", "granitemoehybrid", "jamba", "falcon_h1", "exaone4", "olmo3",
-           "smollm3"}
+           "smollm3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2_moe", "gemma3n", "gemma4"}
 ARCH_OF = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_hidden_layers=2))}
+# Checkpoints given a multi-token-prediction block (as released), shaped as this layer: the
+# writer puts it after the model's layers as llama.cpp's converter does (`nextn`).
+MTP = {"qwen3_5": 3, "qwen3_5_moe": 3, "qwen3_next": 3}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -121,6 +152,8 @@ def gguf_case(request, tmp_path_factory):
         tiny.ARCHS[arch] = ARCH_OF[arch]
     root = tmp_path_factory.mktemp(f"gguf_{name}")
     model_dir = build_tiny_model(arch, root / "hf", **{**WIDE, **overrides})
+    if name in MTP:
+        add_mtp_layer(model_dir, source_layer=MTP[name])
     rounded = root / "rounded" if name in ROUNDED else None
     path = write_gguf(model_dir, root / "model.gguf", qtypes, rounded=rounded)
     gen = torch.Generator().manual_seed(99)
@@ -173,9 +206,21 @@ def _check(llm, outs, tokens, logits, atol):
 
 
 def test_quantized_gguf_matches_transformers(gguf_case):
+    """And an MTP block (`nextn` layers after the model's own) is not run but listed, its
+    tensors left in the file, for a multi-token-prediction head."""
     name, path, _, prompts, tokens, logits = gguf_case
     llm, outs = _run(path, prompts)
     _check(llm, outs, tokens, logits, atol=2e-3)
+    model = llm.engine.runner.model
+    mtp = {info.name for info in model.mtp_tensors}
+    if name not in MTP:
+        assert not mtp
+        return
+    last = len(model.model.layers)
+    assert {f"blk.{last}.nextn.eh_proj.weight", f"blk.{last}.nextn.enorm.weight",
+            f"blk.{last}.nextn.hnorm.weight", f"blk.{last}.nextn.shared_head_norm.weight",
+            f"blk.{last}.attn_q.weight"} <= mtp
+    assert {n.split(".")[1] for n in mtp} == {str(last)}
 
 
 def test_quantized_gguf_matches_the_dequantized_checkpoint(gguf_case):

@@ -485,7 +485,7 @@ def test_unsupported_model_type() -> None:
         assert (
             message
             == f"weights/m.gguf: tokenizer.ggml.model {kind!r} is not supported; "
-            "supported: gpt2, llama"
+            "supported: gpt2, llama, gemma4"
         )
     _one_line_error(_gpt2_meta(**{"tokenizer.ggml.model": None}), "tokenizer.ggml.model", "missing")
 

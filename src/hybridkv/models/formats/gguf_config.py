@@ -21,17 +21,21 @@ already folded into the weights by the converter), lfm2moe (LFM2's layers, sigmo
 experts after the leading dense ones), qwen3next / qwen35 / qwen35moe (Gated DeltaNet where
 `attention.recurrent_layers` says; the `nextn` MTP layers after the model's own are not
 counted), and the attention models smollm3 (NoPE every 4th layer, as llama.cpp fixes it),
-exaone4 and olmo2 (OLMo 2 and 3; the sliding pattern as layer types). Any other architecture
-is refused in one line naming it.
+exaone4 and olmo2 (OLMo 2 and 3; the sliding pattern as layer types), and gemma3n / gemma4
+(the sliding pattern, shared-KV layers, per-layer inputs; Gemma 3n's AltUp and activation
+sparsity; Gemma 4's full layers with their own head size, KV heads and proportional RoPE,
+read off rope_freqs, values equal to keys where they have no attn_v, double-width MLPs and
+experts). Any other architecture is refused in one line naming it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridkv.models.formats.gguf_file import GGUFHeader
+from hybridkv.models.formats.gguf_file import GGUFHeader, read_f32_values
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,12 @@ class Arch:
     # in num_hidden_layers.
     nextn: Callable[[Callable[[str], Any], dict[str, Any]], int] = \
         field(default=lambda get, cfg: 0)
+    # Per-layer `head_count_kv` / `feed_forward_length` lists may differ across layers
+    # (Gemma 4's full layers): the common fields take layer 0's, `extra` reads the lists.
+    mixed_layers: bool = False
+    # Config fields read off tensor shapes or a small tensor's values (the header, the file).
+    from_file: Callable[[GGUFHeader, dict[str, Any]], dict[str, Any]] = \
+        field(default=lambda header, cfg: {})
 
 
 def _gemma2(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
@@ -307,6 +317,123 @@ def _lfm2_moe(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
             "routed_scaling_factor": get("expert_weights_scale") or 1.0}
 
 
+def _gemma_nano(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """What Gemma 3n and Gemma 4 share in the file: the sliding pattern as layer types, a
+    RoPE base per layer type, the last `attention.shared_kv_layers` layers reading earlier
+    layers' KV, per-layer inputs of `embedding_length_per_layer_input` (0: none)."""
+    n = cfg["num_hidden_layers"]
+    pattern = get("attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) < n:
+        raise ValueError(f"attention.sliding_window_pattern must list the {n} layers, got "
+                         f"{pattern!r}")
+    full = dict(cfg["rope_parameters"])
+    local = {"rope_type": "default",
+             "rope_theta": float(get("rope.freq_base_swa") or 10000.0)}
+    return {"layer_types": ["sliding_attention" if p else "full_attention"
+                            for p in pattern[:n]],
+            "rope_parameters": {"sliding_attention": local, "full_attention": full},
+            "num_kv_shared_layers": int(get("attention.shared_kv_layers") or 0),
+            "hidden_size_per_layer_input": int(get("embedding_length_per_layer_input") or 0),
+            "final_logit_softcapping": get("final_logit_softcapping"),
+            "hidden_activation": "gelu_pytorch_tanh"}
+
+
+def _normal_cdf(x: float) -> float:
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+def _gemma3n(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3n: AltUp over `altup.num_inputs` copies; the MLP widths per layer; the
+    converter stores each layer's activation sparsity s as the normal quantile it keeps
+    above (icdf(s); -inf for a dense layer), turned back into s here."""
+    n = cfg["num_hidden_layers"]
+    scales = get("activation_sparsity_scale")
+    sparsity = [0.0] * n
+    if isinstance(scales, list):
+        sparsity = [_normal_cdf(float(x)) if x != float("-inf") else 0.0 for x in scales[:n]]
+    return {**_gemma_nano(get, cfg),
+            "intermediate_size": _per_layer(get, "feed_forward_length", n),
+            "altup_num_inputs": int(get("altup.num_inputs") or 4),
+            "altup_active_idx": int(get("altup.active_idx") or 0),
+            "activation_sparsity_pattern": sparsity}
+
+
+def _gemma3n_file(header: GGUFHeader, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Laurel's rank and the per-layer vocabulary (the converter pads it with zero rows to
+    the main one, so tokens past it read zeros, as in llama.cpp) from the tensors' shapes."""
+    laurel = header.tensors.get("blk.0.laurel_l.weight")
+    per_layer = header.tensors.get("per_layer_token_embd.weight")
+    if laurel is None or per_layer is None:
+        raise ValueError(f"{header.path}: gemma3n file lacks blk.0.laurel_l.weight or "
+                         f"per_layer_token_embd.weight")
+    return {"laurel_rank": laurel.shape[0], "vocab_size_per_layer_input": per_layer.shape[0],
+            "altup_correct_scale": "blk.0.altup_correct_scale.weight" in header.tensors}
+
+
+def _gemma4(get: Callable[[str], Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4: sliding layers of `key_length_swa`, full layers of `key_length` with their
+    own KV heads (the per-layer `head_count_kv`), as `per_layer_config`; the layers that
+    read shared KV with MLPs twice as wide where `feed_forward_length` says; experts beside
+    the MLP where `expert_count` is set; RoPE on `rope.dimension_count_swa` of each sliding
+    head (the full layers' partial angles come from rope_freqs, _gemma4_file)."""
+    out = _gemma_nano(get, cfg)
+    n = cfg["num_hidden_layers"]
+    kinds = out["layer_types"]
+    head_full = int(get("attention.key_length") or cfg["head_dim"])
+    head_swa = int(get("attention.key_length_swa") or head_full)
+    kv = _per_layer(get, "attention.head_count_kv", n)
+    swa_kv = next((k for k, t in zip(kv, kinds, strict=True) if t == "sliding_attention"),
+                  kv[0])
+    out.update(head_dim=head_swa, global_head_dim=head_full, num_key_value_heads=swa_kv,
+               per_layer_config={str(i): {"head_dim": head_full, "num_key_value_heads": k}
+                                 for i, (k, t) in enumerate(zip(kv, kinds, strict=True))
+                                 if t == "full_attention"})
+    ff = _per_layer(get, "feed_forward_length", n)
+    first_shared = n - out["num_kv_shared_layers"]
+    wide = [2 * ff[0] if i >= first_shared else ff[0] for i in range(n)]
+    if ff != [ff[0]] * n and ff != wide:
+        raise ValueError(f"gemma4: feed_forward_length {ff} is neither one width nor twice "
+                         f"it on the {n - first_shared} layers that read shared KV")
+    out.update(intermediate_size=ff[0], use_double_wide_mlp=ff != [ff[0]] * n)
+    experts = get("expert_count")
+    out.update(enable_moe_block=bool(experts))
+    if experts:
+        out.update(num_experts=experts, top_k_experts=get("expert_used_count"),
+                   moe_intermediate_size=get("expert_feed_forward_length"))
+    rotary_swa = get("rope.dimension_count_swa")
+    if rotary_swa and int(rotary_swa) != head_swa:
+        out["rope_parameters"]["sliding_attention"]["partial_rotary_factor"] = \
+            int(rotary_swa) / head_swa
+    return out
+
+
+def _gemma4_file(header: GGUFHeader, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The full layers' "proportional" RoPE: the converter writes rope_freqs, one factor per
+    angle of a full head, 1 for the rotated ones and 1e30 for the rest (so their angles stay
+    ~0); the rotated share is the partial_rotary_factor. Values equal to keys where a full
+    layer that owns its KV has no attn_v. The per-layer vocabulary from its table."""
+    n = cfg["num_hidden_layers"]
+    full = dict(cfg["rope_parameters"]["full_attention"], rope_type="proportional")
+    if "rope_freqs.weight" in header.tensors:
+        factors = read_f32_values(header, "rope_freqs.weight")
+        full["partial_rotary_factor"] = sum(1 for f in factors if f == 1.0) / len(factors)
+    first_shared = n - cfg["num_kv_shared_layers"]
+    owners = [i for i, t in enumerate(cfg["layer_types"][:first_shared])
+              if t == "full_attention"]
+    k_eq_v = bool(owners) and all(f"blk.{i}.attn_v.weight" not in header.tensors
+                                  for i in owners)
+    out: dict[str, Any] = {
+        "rope_parameters": {**cfg["rope_parameters"], "full_attention": full},
+        "attention_k_eq_v": k_eq_v}
+    if k_eq_v:
+        kv = [c["num_key_value_heads"] for c in cfg["per_layer_config"].values()]
+        out["num_global_key_value_heads"] = kv[0]
+    per_layer = header.tensors.get("per_layer_token_embd.weight")
+    if per_layer is not None:
+        out["vocab_size_per_layer_input"] = per_layer.shape[0]
+    return out
+
+
 def _nextn(get: Callable[[str], Any], cfg: dict[str, Any]) -> int:
     """Multi-token-prediction layers the converter appended after the others (`nextn`)."""
     return int(get("nextn_predict_layers") or 0)
@@ -385,6 +512,11 @@ ARCHS: dict[str, Arch] = {
                    nextn=_nextn),
     "qwen35moe": Arch("qwen3_5_moe_text", _qwen3_5, norm_shift=1.0,
                       norm_kept=("ssm_norm.weight",), nextn=_nextn),
+    # Gemma 3n / 4: norms stored as they are (their RMSNorm has no 1 + w).
+    "gemma3n": Arch("gemma3n_text", _gemma3n, tie_default=True, mixed_layers=True,
+                    from_file=_gemma3n_file),
+    "gemma4": Arch("gemma4_text", _gemma4, tie_default=True, mixed_layers=True,
+                   from_file=_gemma4_file),
 }
 
 
@@ -430,11 +562,14 @@ def config_from_gguf(header: GGUFHeader) -> dict[str, Any]:
     hidden = _int(header, f"{arch_name}.embedding_length", need("embedding_length"))
     heads = _int(header, f"{arch_name}.attention.head_count", need("attention.head_count"))
     kv_value = get("attention.head_count_kv") or heads
+    ff_value = get("feed_forward_length") or 0
+    if arch.mixed_layers:
+        kv_value, ff_value = (v[0] if isinstance(v, list) and v else v
+                              for v in (kv_value, ff_value))
     if arch.per_layer_kv and isinstance(kv_value, list):
         # Hybrids: 0 marks a recurrent layer; the attention layers share one count.
         kv_value = [v for v in kv_value if v] or [heads]
     kv_heads = _int(header, f"{arch_name}.attention.head_count_kv", kv_value)
-    ff_value = get("feed_forward_length") or 0
     if arch.per_layer_kv and isinstance(ff_value, list):
         # Hybrids: 0 marks a layer without an MLP; the others share one width.
         ff_value = [v for v in ff_value if v] or [0]
@@ -490,6 +625,12 @@ def config_from_gguf(header: GGUFHeader) -> dict[str, Any]:
     if arch.attention_free:
         for key in ("num_attention_heads", "num_key_value_heads", "head_dim"):
             del cfg[key]
-    cfg.update({k: v for k, v in arch.extra(get, cfg).items() if v is not None})
-    cfg.update(arch.tensors(header.tensors.keys(), cfg))
+    try:
+        cfg.update({k: v for k, v in arch.extra(get, cfg).items() if v is not None})
+        cfg.update(arch.tensors(header.tensors.keys(), cfg))
+        cfg.update(arch.from_file(header, cfg))
+    except ValueError as e:  # an architecture's own check: named with the file
+        if str(header.path) in str(e):
+            raise
+        raise ValueError(f"{header.path}: {e}") from None
     return cfg

@@ -210,6 +210,22 @@ def _parse_unguarded(buf: memoryview, path: Path) -> GGUFHeader:
     return GGUFHeader(path, version, metadata, tensors, data_offset)
 
 
+def read_f32_values(header: GGUFHeader, name: str) -> list[float]:
+    """The values of a small F32 tensor (Gemma 4's rope_freqs: which angles rotate), read
+    without numpy; the config needs them before any weight is mapped."""
+    info = header.tensors.get(name)
+    if info is None:
+        raise ValueError(f"{header.path}: tensor {name!r} is missing")
+    if info.qtype != 0:
+        raise ValueError(f"{header.path}: tensor {name!r} is {info.type_name}, expected F32")
+    with open(header.path, "rb") as f:
+        f.seek(info.offset)
+        data = f.read(info.nbytes)
+    if len(data) != info.nbytes:
+        raise ValueError(f"{header.path}: tensor {name!r} is cut short")
+    return list(struct.unpack(f"<{info.nbytes // 4}f", data))
+
+
 def is_gguf(path: str | Path) -> bool:
     """Whether `path` is a file that starts with the GGUF magic."""
     p = Path(path)

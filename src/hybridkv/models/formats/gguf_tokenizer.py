@@ -14,6 +14,10 @@ Two vocabulary kinds (`tokenizer.ggml.model`) are supported:
   (or, for Gemma files, whose scores do not follow the merge order, by the token's position).
 * ``gpt2`` -- byte-level BPE from the file's merges, split first by the regex that
   `tokenizer.ggml.pre` names (see `PRE_TOKENIZER_NAMES`).
+* ``gemma4`` -- Gemma 4's vocabulary as llama.cpp's converter writes it: SentencePiece-style
+  BPE (``\u2581`` for a space, byte fallback) with its merges in the file, read as the
+  ``llama`` kind reads a Gemma file; transformers' GemmaTokenizer runs the merges over the
+  whole text, and so does this one (llama.cpp also cuts the text at newline runs first).
 
 Tokens typed CONTROL (3) become special added tokens, USER_DEFINED (4) plain added tokens, both
 matched whole in the raw text as llama.cpp does.
@@ -47,7 +51,7 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
 _SPACE = "\u2581"  # SentencePiece's visible space
 
-_SUPPORTED_MODELS = ("gpt2", "llama")
+_SUPPORTED_MODELS = ("gpt2", "llama", "gemma4")
 
 
 @dataclass(frozen=True)
@@ -372,6 +376,9 @@ def tokenizer_from_gguf(
             f"{source}: tokenizer.ggml.model {kind!r} is not supported; "
             f"supported: {', '.join(_SUPPORTED_MODELS)}"
         )
+    gemma4 = kind == "gemma4"
+    if gemma4:  # SentencePiece pieces with file merges: the llama kind's reading of Gemma
+        kind = "llama"
     tokens = _str_list(meta, "tokenizer.ggml.tokens", source, required=True)
     assert tokens is not None
     n = len(tokens)
@@ -379,7 +386,8 @@ def tokenizer_from_gguf(
         raise _bad(source, "tokenizer.ggml.tokens", "is empty")
     token_type = _num_array(meta, "tokenizer.ggml.token_type", source, n, np.int64)
     scores = _num_array(meta, "tokenizer.ggml.scores", source, n, np.float64)
-    file_merges = _str_list(meta, "tokenizer.ggml.merges", source, required=kind == "gpt2")
+    file_merges = _str_list(meta, "tokenizer.ggml.merges", source,
+                            required=kind == "gpt2" or gemma4)
     architecture = _opt_str(meta, "general.architecture", source) or ""
     pre = _opt_str(meta, "tokenizer.ggml.pre", source)
     chat_template = _opt_str(meta, "tokenizer.chat_template", source)
@@ -407,7 +415,7 @@ def tokenizer_from_gguf(
             "is missing but tokenizer.ggml.add_eos_token is true",
         )
 
-    gemma = architecture.startswith("gemma")
+    gemma = architecture.startswith("gemma") or gemma4
     if kind == "llama":
         spelled = tokens
         if gemma:

@@ -6,7 +6,9 @@ Names: the model's parameters carry Hugging Face names; the `gguf` package's ten
 table covers needs no table here.
 
 What stays quantized: the weight of every linear layer (any GGML type the kernels compute on,
-F32/F16/BF16 included) and the embedding table, which a tied LM head shares. Norms, biases
+F32/F16/BF16 included), the embedding table, which a tied LM head shares, and stacked experts
+(Gemma 4's 3-D ffn_gate_up_exps / ffn_down_exps: one quantized matrix per expert in a
+QuantizedStackedExperts, formats/quantized_experts.py). Norms, biases
 and other small tensors are dequantized to float32. A matrix of a type the kernels lack is
 refused in one line naming it, unless `dequantize=True` asks for float32 weights (the
 choice on CUDA, where the model then runs as any float32 checkpoint does).
@@ -31,6 +33,9 @@ agree (each row is quantized on its own), else as float32. Rows the converter re
 (Qwen3.5's DeltaNet value heads, grouped -> tiled) move back as they are; columns it reordered
 stay, and the layer gathers its input into the file's order (`PermutedInput`).
 
+Gemma 3n's AltUp projections are slices of one stacked tensor each (as experts are); names
+llama.cpp's table lacks (Gemma 4's router `.scale` tensors) are given per architecture.
+
 Tensors of the layers after the model's own (Qwen3.5's `nextn` multi-token-prediction block)
 are not loaded: they are listed on the model (`mtp_tensors`, their names, types and offsets in
 the file) for a speculative-decoding head to read.
@@ -53,6 +58,7 @@ from torch import nn
 from hybridkv.models.base import CausalLM
 from hybridkv.models.formats.gguf_config import ARCHS
 from hybridkv.models.formats.gguf_file import GGUFHeader, TensorInfo
+from hybridkv.models.formats.quantized_experts import QuantizedStackedExperts
 from hybridkv.models.registry import build_model
 from hybridkv.worker import quant_linear
 from hybridkv.worker.quant_linear import QuantizedWeight
@@ -111,6 +117,9 @@ class _Fixups:
     # The same for the columns of a matrix: a quantized matrix keeps its columns as stored
     # and reads its input in the file's order instead (PermutedInput).
     columns: Callable[[str, dict[str, Any]], np.ndarray | None] = lambda name, cfg: None
+    # (regex on the parameter's name, file tensor name as a template of its groups) for
+    # tensors llama.cpp's table has no entry for (it writes them by hand).
+    names: tuple[tuple[str, str], ...] = ()
 
 
 def _tiled_to_grouped(num_k_heads: int, num_v_heads: int, head_dim: int) -> np.ndarray:
@@ -212,6 +221,22 @@ _FIXUPS: dict[str, _Fixups] = {
     # LFM2-MoE: experts as qwen's; the routing bias written as a bias (exp_probs_b.bias).
     "lfm2moe": _Fixups(renames=(_EXPERTS, (r"\.expert_bias$", ".expert_bias.bias"))),
     # Granite 4.0-H: the fused gate|up projections were split into ffn_gate*/ffn_up*.
+    # Gemma 3n: the AltUp projections stacked into one tensor each ([copies, hidden, hidden],
+    # one slice per copy); AltUp's output scale written as a weight.
+    "gemma3n": _Fixups(renames=(
+        (r"^model\.altup_projections\.\d+\.weight$", "model.altup_projections.weight"),
+        (r"^model\.altup_unembed_projections\.\d+\.weight$",
+         "model.altup_unembed_projections.weight"),
+        (r"\.altup\.correct_output_scale$", ".altup.correct_output_scale.weight"))),
+    # Gemma 4: the layer scalar and the stacked experts written as weights; the router's
+    # input scale and per-expert output scale as `.scale` tensors beside the router and the
+    # experts' down projection.
+    "gemma4": _Fixups(
+        renames=((r"\.layer_scalar$", ".layer_scalar.weight"),
+                 (r"\.experts\.(gate_up_proj|down_proj)$", r".experts.\1.weight")),
+        names=((r"^model\.layers\.(\d+)\.router\.scale$", "blk.{0}.ffn_gate_inp.scale"),
+               (r"^model\.layers\.(\d+)\.router\.per_expert_scale$",
+                "blk.{0}.ffn_down_exps.scale"))),
     "granitehybrid": _Fixups(
         renames=((r"\.mamba\.dt_bias$", ".mamba.dt_proj.bias"),),
         transforms=_MAMBA2.transforms,
@@ -231,13 +256,18 @@ def gguf_names(model: nn.Module, arch: str, num_layers: int) -> dict[str, list[s
     if arch_id is None:
         raise ValueError(f"GGUF architecture {arch!r} is unknown to the gguf package")
     table = gguf.get_tensor_name_map(arch_id, num_layers)
-    renames = [(re.compile(p), r) for p, r in _FIXUPS.get(arch, _Fixups()).renames]
+    fixups = _FIXUPS.get(arch, _Fixups())
+    renames = [(re.compile(p), r) for p, r in fixups.renames]
+    direct = [(re.compile(p), template) for p, template in fixups.names]
     names: dict[str, list[str]] = {}
     for param in dict(model.named_parameters(remove_duplicate=False)):
         hf_name = param
         for pattern, repl in renames:
             hf_name = pattern.sub(repl, hf_name)
         gguf_name = table.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            gguf_name = next((template.format(*m.groups()) for pattern, template in direct
+                              if (m := pattern.search(param)) is not None), None)
         if gguf_name is None:
             continue
         names.setdefault(gguf_name, []).append(param)
@@ -440,6 +470,8 @@ def load_gguf_weights(model: CausalLM, header: GGUFHeader, config: dict[str, Any
     _tie_head(model, config)
     missing = [p for p in dict(model.named_parameters()) if p not in loaded
                and not _in_quantized(model, p)]
+    missing += [f"{name}.down_proj / gate_up_proj" for name, m in model.named_modules()
+                if isinstance(m, QuantizedStackedExperts) and not m.complete]
     if missing:
         raise ValueError(f"{header.path}: the file lacks {len(missing)} tensor(s) the model "
                          f"needs, e.g. {missing[0]!r}")
@@ -470,9 +502,11 @@ def _place(header: GGUFHeader, model: nn.Module, params: dict[str, nn.Parameter]
     permuted here)."""
     owner, attr = _module(model, pname)
     matrix = attr == "weight" and isinstance(owner, (nn.Linear, nn.Embedding))
+    experts = attr in ("gate_up_proj", "down_proj") and (
+        isinstance(owner, QuantizedStackedExperts) or QuantizedStackedExperts.takes(owner))
     where = f"{header.path}: tensor {info.name!r}" + (
         f" (for {pname!r})" if shape != info.shape else "")
-    quantized = matrix and not dequantize and transform is None
+    quantized = (matrix or experts) and not dequantize and transform is None
     if row_order is not None and not (quantized and isinstance(owner, nn.Linear)):
         raw, row_order = raw[row_order], None
     if quantized:
@@ -481,6 +515,9 @@ def _place(header: GGUFHeader, model: nn.Module, params: dict[str, nn.Parameter]
                 f"{where} is {info.type_name}, which the quantized kernels do not "
                 f"compute on (supported: {', '.join(quant_linear.SUPPORTED.values())}); pass "
                 f"dequantize=True (--dequantize) to load it as float32")
+        if experts:
+            _place_experts(model, pname, owner, raw, info)
+            return
         weight = _quantized(raw, info)
         if row_order is not None:
             weight.row_order = torch.from_numpy(row_order.astype(np.int64))
@@ -512,6 +549,21 @@ def _place(header: GGUFHeader, model: nn.Module, params: dict[str, nn.Parameter]
         if target.is_meta or target.shape != value.shape:
             raise ValueError(f"{where} cannot be placed")
         target.copy_(value)
+
+
+def _place_experts(model: nn.Module, pname: str, owner: nn.Module, raw: np.ndarray,
+                   info: TensorInfo) -> None:
+    """A 3-D expert tensor [experts, rows, cols] as one quantized matrix per expert (its rows
+    are contiguous in the file); the StackedExperts is swapped for QuantizedStackedExperts on
+    its first projection."""
+    num_experts, rows, cols = info.shape
+    if not isinstance(owner, QuantizedStackedExperts):
+        parent, child = _module(model, pname.rpartition(".")[0])
+        owner = QuantizedStackedExperts(owner, num_experts)  # type: ignore[arg-type]
+        setattr(parent, child, owner)
+    per_expert = raw.reshape(num_experts, rows, -1)
+    owner.set(pname.rpartition(".")[2], [QuantizedLinear(QuantizedWeight(
+        _tensor(per_expert[e]), info.qtype, rows, cols)) for e in range(num_experts)])
 
 
 def _in_quantized(model: nn.Module, pname: str) -> bool:
