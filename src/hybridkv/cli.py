@@ -40,6 +40,7 @@ from hybridkv.models.layer_mix import (
     shipped_config_names,
 )
 from hybridkv.server.follow_up import DEFAULT_WAIT_MS as DEFAULT_FOLLOW_UP_WAIT_MS
+from hybridkv.server.host_memory import DEFAULT_MAX_WAITING
 from hybridkv.server.reasoning import REASONING_PARSERS
 
 DESCRIPTION = (
@@ -652,9 +653,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"require `Authorization: Bearer KEY` on /v1 (default: "
                              f"${API_KEY_ENV}, else no key)")
     add_server_engine_arguments(parser)
-    parser.add_argument("--max-waiting", type=positive_int, default=None,
+    parser.add_argument("--max-waiting", type=positive_int, default=DEFAULT_MAX_WAITING,
                         help="queued requests at most; more are refused with 503 and "
-                             "Retry-After (default: no limit)")
+                             f"Retry-After (default: {DEFAULT_MAX_WAITING})")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template file, or the template itself (default: "
                              "the model's)")

@@ -166,6 +166,7 @@ class KVEventPublisher:
         self._queue: queue.Queue[tuple[int, float, list[KVCacheEvent]] | None] = \
             queue.Queue(maxsize=max_queue)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.max_queue, self.buffer_steps = max_queue, buffer_steps  # host memory's bounds
         self.next_seq = 0
         self._ctx: Any = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -206,6 +207,10 @@ class KVEventPublisher:
     @property
     def num_queued(self) -> int:
         return self._queue.qsize()
+
+    def num_buffered(self) -> int:
+        """Steps of events kept for replay requests (at most `buffer_steps`)."""
+        return len(self._buffer)
 
     def _run(self) -> None:
         while True:

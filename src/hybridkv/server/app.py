@@ -28,13 +28,15 @@ from hybridkv.server.async_engine import AsyncEngine, EngineDeadError
 from hybridkv.server.chat import ChatTemplate, find_chat_template, special_tokens
 from hybridkv.server.errors import bad_request, error_response, install_error_handlers
 from hybridkv.server.follow_up import DEFAULT_WAIT_MS, FollowUpWait
+from hybridkv.server.host_memory import DEFAULT_MAX_WAITING, host_holders
+from hybridkv.server.host_memory import describe as describe_host_memory
 from hybridkv.server.limits import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     BodyLimitMiddleware,
     JSONRoute,
     max_chars_per_token,
 )
-from hybridkv.server.metrics import ServerMetrics, scheduler_loads
+from hybridkv.server.metrics import HostMemoryCollector, ServerMetrics, scheduler_loads
 from hybridkv.server.openai_api import create_chat_completion, create_completion
 from hybridkv.server.reasoning import reasoning_enabled
 from hybridkv.server.serving import ServerState
@@ -47,7 +49,8 @@ class ServerConfig:
     model_name: str
     model_dir: str
     api_key: str | None = None
-    max_waiting: int | None = None  # more queued requests than this: 503 + Retry-After
+    # More queued requests than this: 503 + Retry-After (each holds its prompt until it runs).
+    max_waiting: int = DEFAULT_MAX_WAITING
     chat_template: str | None = None  # a file or the template itself; default: the model's
     shutdown_timeout_s: float = 10.0
     # After a step that ends a request, hold the next step this long for that client's next
@@ -169,8 +172,13 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     anthropic_api.add_routes(app, state)
     ollama_api.add_routes(app, state)
     stored = config.max_stored_responses
-    responses_api.add_routes(app, state, responses_api.ResponseStore(
-        responses_api.DEFAULT_MAX_STORED_RESPONSES if stored is None else stored))
+    store = responses_api.ResponseStore(
+        responses_api.DEFAULT_MAX_STORED_RESPONSES if stored is None else stored)
+    responses_api.add_routes(app, state, store)
+    holders = host_holders(engine, max_waiting=config.max_waiting, responses=store,
+                           num_waiting=lambda: async_engine.snapshot.num_waiting)
+    metrics.registry.register(HostMemoryCollector(holders, config.model_name))
+    logger.info("%s", describe_host_memory(holders))
     return app
 
 

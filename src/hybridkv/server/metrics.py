@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 
 from hybridkv.engine.outputs import RequestOutput
 from hybridkv.server.async_engine import EngineSnapshot, RequestStream
+from hybridkv.server.host_memory import HostHolder
 from hybridkv.server.replicas import read_status
 
 P = "hybridkv:"
@@ -192,6 +193,26 @@ def scheduler_loads(s: EngineSnapshot, capacity_tokens: int,
                                if s.prefix_queried_tokens else 0.0)}
     return {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "dp_rank_count": 1, "loads": [rank]}
+
+
+class HostMemoryCollector(Collector):
+    """server/host_memory.py's holders: what each holds now and its cap."""
+
+    def __init__(self, holders: list[HostHolder], model_name: str) -> None:
+        self._holders = holders
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model_name", "holder", "unit"]
+        used = GaugeMetricFamily(P + "host_cache_used", "What a host-memory holder outside "
+                                 "the KV arena holds now.", labels=labels)
+        limit = GaugeMetricFamily(P + "host_cache_limit", "Its cap (the startup log names "
+                                  "the flag that sets it).", labels=labels)
+        for h in self._holders:
+            used.add_metric([self._model, h.name, h.unit], float(h.used()))
+            limit.add_metric([self._model, h.name, h.unit], float(h.limit))
+        yield used
+        yield limit
 
 
 class ServerMetrics:

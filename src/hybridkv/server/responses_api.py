@@ -228,6 +228,9 @@ class ResponseStore:
         self.capacity = capacity
         self._items: OrderedDict[str, Stored] = OrderedDict()
 
+    def __len__(self) -> int:
+        return len(self._items)
+
     def put(self, response_id: str, stored: Stored) -> None:
         if self.capacity <= 0:
             return
