@@ -13,6 +13,7 @@ Responses API's stored responses, the KV events queue (batches), and q4 pages' k
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,8 +51,7 @@ def host_holders(engine: Any, *, max_waiting: int, num_waiting: Callable[[], int
             if capacity is None or not hasattr(tier, "used_bytes"):
                 continue  # a remote tier (Redis): its server holds the bytes and their bound
             holders.append(HostHolder(f"kv_offload_{name}", "bytes", int(capacity),
-                                      f"--kv-offload-{name}",
-                                      lambda tier=tier: int(tier.used_bytes)))
+                                      f"--kv-offload-{name}", functools.partial(_used, tier)))
     holders.append(HostHolder("waiting_requests", "requests", max_waiting, "--max-waiting",
                               num_waiting))
     holders.append(HostHolder("stored_responses", "responses", int(responses.capacity),
@@ -69,6 +69,10 @@ def host_holders(engine: Any, *, max_waiting: int, num_waiting: Callable[[], int
         holders.append(HostHolder("q4_key_staging", "bytes", staged,
                                   "--max-num-seqs x layers x 16 keys", lambda: staged))
     return holders
+
+
+def _used(tier: Any) -> int:
+    return int(tier.used_bytes)
 
 
 def describe(holders: list[HostHolder]) -> str:
