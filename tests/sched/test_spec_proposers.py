@@ -17,7 +17,8 @@ from hybridkv.sched.spec.ngram import NgramProposer
     ({"method": "draft_model", "model": "x", "num_speculative_tokens": 0},
      "num_speculative_tokens must be an integer in [1, 64], got 0"),
     ({"method": "ngram", "model": "x"}, "model applies to method 'draft_model', not 'ngram'"),
-    ({"method": "mtp", "num_speculative_tokens": 2}, "multi-token-prediction heads are not"),
+    ({"method": "mtp", "model": "x"}, "model applies to method 'draft_model', not 'mtp'"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "EAGLE heads are not supported"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an "
                                                        "integer in [1, 64], got 0"),
     ({"method": "ngram", "num_speculative_tokens": True}, "got True (bool)"),
@@ -38,6 +39,8 @@ def test_bad_configs_fail_in_one_line(values, message):
 def test_draft_model_drafts_in_the_worker_and_has_no_scheduler_proposer():
     config = SpeculativeConfig.from_dict({"method": "draft_model", "model": "x"})
     assert config.drafts_in_worker and make_proposer(config) is None
+    mtp = SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 2})
+    assert mtp.drafts_in_worker and make_proposer(mtp) is None
     assert not SpeculativeConfig(method="ngram").drafts_in_worker
 
 

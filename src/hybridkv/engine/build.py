@@ -15,6 +15,7 @@ from hybridkv.connector.canonical import canonical_kv_caches
 from hybridkv.connector.scheduler import OffloadConnectorScheduler
 from hybridkv.connector.worker import OffloadConnectorWorker
 from hybridkv.engine.draft import DraftParts, load_draft
+from hybridkv.engine.mtp import load_mtp
 from hybridkv.engine.offload import (
     block_hash_seed,
     build_tier_chain,
@@ -41,7 +42,6 @@ from hybridkv.sched.scheduler import Scheduler, SchedulerOutput
 from hybridkv.worker.cpu_attention import choose_backend
 from hybridkv.worker.cpu_malloc import keep_buffers_in_heap, release_free_memory
 from hybridkv.worker.cpu_ops import use_cpu_ops
-from hybridkv.worker.draft_model import DraftModel
 from hybridkv.worker.kv_cache import torch_dtype
 from hybridkv.worker.model_runner import ModelRunner, RunnerOutput
 from hybridkv.worker.quantized import QuantizedParts
@@ -219,11 +219,23 @@ def _use_cpu_kernels(model: Any, config: EngineConfig, device: str) -> None:
 
 
 def _draft(config: EngineConfig, device: str, dtype_name: str, vocab_size: int,
-           tokenizer: Any | None) -> DraftParts | None:
-    """The draft model of speculative_config method draft_model (None: no such method)."""
+           tokenizer: Any | None, mtp_of: tuple[str, LoadedModel, dict[str, Any], Any]
+           ) -> DraftParts | None:
+    """The draft model of speculative_config method draft_model, or the MTP head of method
+    mtp (`mtp_of`: the target's path, loaded model, HF config and KV layout); None for
+    other methods."""
     spec = config.speculative
     if spec is None or not spec.drafts_in_worker:
         return None
+    if spec.method == "mtp":
+        model_dir, loaded, hf_config, layout = mtp_of
+        head = load_mtp(model_dir, loaded, hf_config, layout.layer_specs,
+                        kv_cache_dtype=config.kv_cache_dtype, dtype=torch_dtype(dtype_name),
+                        device=device, linear_kernel=config.linear_kernel,
+                        dequantize=config.dequantize)
+        if choose_backend(config.attention_backend, device) == "cpu":
+            use_cpu_ops(head.model)  # its norms and RoPE as the target's
+        return head
     # In the target's dtype: its K/V are written into pages of that dtype.
     same_dtype = replace(config, dtype=dtype_name)
     draft = load_draft(spec, lambda name: _load(name, same_dtype, device),
@@ -262,7 +274,8 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
                          f"not trained on")
     layout = kv_layout_from_config(hf_config, block_size=config.block_size,
                                    kv_dtype=dtype_name)
-    draft = _draft(config, device, dtype_name, int(text_cfg["vocab_size"]), loaded.tokenizer)
+    draft = _draft(config, device, dtype_name, int(text_cfg["vocab_size"]), loaded.tokenizer,
+                   (model_dir, loaded, hf_config, layout))
     if draft is not None:  # its layers are planned with the target's (engine/draft.py)
         layout = replace(layout, layer_specs={**layout.layer_specs, **draft.layer_specs},
                          kv_sharing={**layout.kv_sharing, **draft.kv_sharing})
@@ -327,7 +340,7 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
     runner = ModelRunner(loaded.model, plan.config,
                          config.runner_config(max_model_len, device))
     if draft is not None:
-        runner.draft = DraftModel(draft.model, runner.kv_caches, runner.layer_group)
+        runner.draft = draft.make_drafter(draft.model, runner.kv_caches, runner.layer_group)
     if connector is not None:
         runner.connector = OffloadConnectorWorker(
             canonical_kv_caches(plan.config, runner.arena), connector.chain,

@@ -21,7 +21,7 @@ from hybridkv.models.formats.loader import LoadedModel
 from hybridkv.models.layer_mix import kv_layout_from_config
 from hybridkv.models.sources import resolve_model
 from hybridkv.sched.spec import SpeculativeConfig
-from hybridkv.worker.draft_model import DRAFT_PREFIX
+from hybridkv.worker.draft_model import DRAFT_PREFIX, DraftModel
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,8 @@ class DraftParts:
     layer_specs: dict[str, KVCacheSpec]  # named with DRAFT_PREFIX
     kv_sharing: dict[str, str]  # likewise
     max_position_embeddings: int | None
+    # The worker half that drafts with `model` (an MTP head has its own, worker/mtp.py).
+    make_drafter: Callable[..., DraftModel] = DraftModel
 
     def check_max_model_len(self, max_model_len: int) -> None:
         limit = self.max_position_embeddings

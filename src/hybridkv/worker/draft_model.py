@@ -26,7 +26,7 @@ models are attention-only (engine/draft.py refuses others).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -35,7 +35,7 @@ from hybridkv.sched.scheduler import SchedulerOutput
 from hybridkv.worker.forward_context import ForwardContext
 
 if TYPE_CHECKING:
-    from hybridkv.worker.model_runner import ModelRunner, StepInputs
+    from hybridkv.worker.model_runner import ModelRunner, RunnerOutput, StepInputs
 
 # The draft model's layer names in the KV cache plan: its own names, prefixed.
 DRAFT_PREFIX = "draft."
@@ -57,8 +57,19 @@ class DraftModel:
         self.num_computed: dict[str, int] = {}  # per request: positions of valid draft KV
         self._drafting: dict[str, tuple[int, int]] = {}  # this step: (known tokens, drafts)
 
+    # Whether the runner hands this drafter the target's hidden state of every token it
+    # computes (`target_forward`; the runner then computes them all: no row cut).
+    reads_target_hidden: ClassVar[bool] = False
+
     def forget(self, request_id: str) -> None:
         self.num_computed.pop(request_id, None)
+
+    def target_forward(self, inputs: StepInputs, hidden: torch.Tensor) -> None:
+        """The target's forward of this step ran: `hidden` [tokens, hidden], in `inputs`'
+        order. A draft model reads none of it."""
+
+    def step_done(self, runner: ModelRunner, result: RunnerOutput) -> None:
+        """The step's tokens are known (`result`). A draft model has nothing left to do."""
 
     def propose(self, runner: ModelRunner, out: SchedulerOutput) -> dict[str, list[int]]:
         """Catch the draft up on every scheduled request's known tokens of this step, then
@@ -129,15 +140,18 @@ class DraftModel:
         inputs.query_start_loc.append(len(inputs.input_ids))
         inputs.seq_lens.append(start + len(token_ids))
 
-    def _forward(self, runner: ModelRunner, inputs: StepInputs) -> torch.Tensor:
-        """[tokens, hidden]: one draft forward over `inputs`, writing their draft KV."""
+    def _forward(self, runner: ModelRunner, inputs: StepInputs,
+                 *extra: torch.Tensor) -> torch.Tensor:
+        """[tokens, hidden]: one draft forward over `inputs`, writing their draft KV;
+        `extra`: more per-token inputs of the drafter's model (an MTP head's hidden
+        states)."""
         ctx = ForwardContext(runner.backend, self.kv_caches, runner._metadata(inputs, None),
                              self.layer_group, rope_tables=runner.rope_tables,
                              max_position=max(inputs.seq_lens) - 1)
         device = runner.device
         ids = torch.tensor(inputs.input_ids, dtype=torch.int64, device=device)
         positions = torch.tensor(inputs.positions, dtype=torch.int64, device=device)
-        hidden: torch.Tensor = self.model(ids, positions, ctx)
+        hidden: torch.Tensor = self.model(ids, positions, ctx, *extra)
         return hidden
 
     def _argmax(self, hidden: torch.Tensor) -> list[int]:

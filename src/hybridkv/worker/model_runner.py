@@ -381,6 +381,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, out: SchedulerOutput) -> RunnerOutput:
+        result = self._step(out)
+        if self.draft is not None:  # an MTP head catches up on what the step computed
+            self.draft.step_done(self, result)
+        return result
+
+    def _step(self, out: SchedulerOutput) -> RunnerOutput:
         self._apply(out)
         if self.draft is not None:  # its drafts, scheduled after the known tokens
             self.drafts = self.draft.propose(self, out)
@@ -392,7 +398,9 @@ class ModelRunner:
                              rope_tables=self.rope_tables, max_position=max(inputs.seq_lens) - 1)
         sample_t = torch.tensor(inputs.sample_indices, dtype=torch.int64, device=self.device)
         # Only when some tokens are not sampled (prefill): a pure decode step has none to cut.
-        cut = len(inputs.sample_indices) < len(inputs.input_ids)
+        # A drafter reading the target's hidden states (an MTP head) needs every row.
+        cut = len(inputs.sample_indices) < len(inputs.input_ids) and not (
+            self.draft is not None and self.draft.reads_target_hidden)
         reduced = self.config.kv_sharing_fast_prefill and cut
         if cut:
             sampled_ctx = ForwardContext(
@@ -410,6 +418,8 @@ class ModelRunner:
         ids_t = torch.tensor(inputs.input_ids, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(inputs.positions, dtype=torch.int64, device=self.device)
         hidden = self.model(ids_t, pos_t, ctx)
+        if self.draft is not None:
+            self.draft.target_forward(inputs, hidden)
         if not inputs.sample_ids:
             return RunnerOutput({}, {})
         # Cut down to the sampled tokens, the model returns only their rows, in order.

@@ -48,7 +48,7 @@ import mmap
 import re
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -245,6 +245,17 @@ _FIXUPS: dict[str, _Fixups] = {
                (r"^model\.layers\.(\d+)\.shared_mlp\.input_linear\.weight$",
                 ("blk.{0}.ffn_gate_shexp.weight", "blk.{0}.ffn_up_shexp.weight")))),
 }
+
+# The multi-token-prediction head's own tensors at its layer (formats/mtp_weights.py loads
+# the head on a view named as that layer), which llama.cpp's table lists for few
+# architectures.
+_NEXTN = ((r"^model\.layers\.(\d+)\.eh_proj\.weight$", "blk.{0}.nextn.eh_proj.weight"),
+          (r"^model\.layers\.(\d+)\.enorm\.weight$", "blk.{0}.nextn.enorm.weight"),
+          (r"^model\.layers\.(\d+)\.hnorm\.weight$", "blk.{0}.nextn.hnorm.weight"),
+          (r"^model\.layers\.(\d+)\.shared_head\.norm\.weight$",
+           "blk.{0}.nextn.shared_head_norm.weight"))
+for _arch in ("qwen35", "qwen3next", "qwen35moe"):
+    _FIXUPS[_arch] = replace(_FIXUPS[_arch], names=(*_FIXUPS[_arch].names, *_NEXTN))
 
 
 def gguf_names(model: nn.Module, arch: str, num_layers: int) -> dict[str, list[str]]:

@@ -12,11 +12,10 @@ from hybridkv.sched.checks import check_int
 # history; a worker method's drafts come from a model the worker runs at the step's start,
 # and the scheduler only reserves their slots.
 SCHEDULER_METHODS = ("ngram",)
-WORKER_METHODS = ("draft_model",)
+WORKER_METHODS = ("draft_model", "mtp")
 METHODS = (*SCHEDULER_METHODS, *WORKER_METHODS)
 # Methods users of other engines may name, with why they are refused here.
 _NOT_HERE = {
-    "mtp": "multi-token-prediction heads are not supported yet",
     "eagle": "EAGLE heads are not supported",
     "eagle3": "EAGLE heads are not supported",
     "medusa": "Medusa heads are not supported",
@@ -30,7 +29,8 @@ class SpeculativeConfig:
     occurred earlier in them proposes the `num_speculative_tokens` tokens that followed it
     there (the latest such occurrence). `draft_model`: `model` (a path or a known model's
     name), a smaller model with the target's vocabulary, proposes `num_speculative_tokens`
-    tokens greedily each step."""
+    tokens greedily each step. `mtp`: the target's own multi-token-prediction head (a
+    checkpoint's `mtp.*` weights or a GGUF's `nextn` tensors) proposes them, recurrently."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
