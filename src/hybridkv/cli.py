@@ -33,7 +33,7 @@ from hybridkv.kv.plan import (
     parse_bytes,
     plan_kv_cache,
 )
-from hybridkv.kv.spec import AttentionSpec, IndexerKeySpec, KVCacheSpec, dtype_size
+from hybridkv.kv.spec import AttentionSpec, KVCacheSpec, dtype_size
 from hybridkv.models.layer_mix import (
     kv_layout_from_config,
     load_hf_config,
@@ -334,12 +334,13 @@ def _tier_lines(tiers: list[OffloadTier], config: KVCacheConfig) -> list[str]:
 
 def _kind_label(spec: KVCacheSpec, layer_specs: tuple[KVCacheSpec, ...] = ()) -> str:
     """A group's kind in the plan table; MLA groups (pages of latents, no K/V), groups of
-    K-only pages (raw keys, values derived from them) and indexer keys compressed per
-    `compress_rate` tokens say so."""
+    K-only pages (raw keys, values derived from them) and kinds compressed per
+    `compress_rate` tokens (entries, indexer keys, compressor states) say so."""
     if isinstance(spec, AttentionSpec) and spec.latent:
         return f"{spec.kind} (MLA)"
-    if isinstance(spec, IndexerKeySpec) and spec.compress_rate > 1:
-        return f"{spec.kind} (1/{spec.compress_rate})"
+    rate = getattr(spec, "compress_rate", 1)
+    if rate > 1:
+        return f"{spec.kind} (1/{rate})"
     keys_only = [isinstance(s, AttentionSpec) and s.keys_only for s in layer_specs or (spec,)]
     if all(keys_only):
         return f"{spec.kind} (K-only)"
@@ -355,7 +356,7 @@ def _plan_table(model: str, model_type: str, main: KVCachePlan, hybrid: KVCacheP
         f"{main.max_model_len}, max_num_batched_tokens {main.max_num_batched_tokens}, "
         f"hybrid management {'on' if main.hybrid else 'off'}",
         "",
-        f"{'group':>5}  {'kind':<20} {'dtype':<13} {'window':>7} {'layers':>6} {'shared':>6} "
+        f"{'group':>5}  {'kind':<24} {'dtype':<13} {'window':>7} {'layers':>6} {'shared':>6} "
         f"{'block tok':>9} {'block bytes':>12} {'blocks/page':>11} {'pad/page':>10}",
     ]
     for g in cfg.groups:
@@ -363,7 +364,7 @@ def _plan_table(model: str, model_type: str, main: KVCachePlan, hybrid: KVCacheP
             g.spec, "attention_chunk_size", None) or "-"
         kind = _kind_label(g.spec, g.layer_specs)
         lines.append(
-            f"{g.group_id:>5}  {kind:<20} {group_dtype(g):<13} {window!s:>7} "
+            f"{g.group_id:>5}  {kind:<24} {group_dtype(g):<13} {window!s:>7} "
             f"{len(g.layer_names):>6} "
             f"{len(g.shared_layer_names):>6} {g.block_size:>9} {format_bytes(g.block_bytes):>12} "
             f"{g.blocks_per_large_page:>11} "

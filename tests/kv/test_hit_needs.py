@@ -28,6 +28,8 @@ from hybridkv.kv.plan import KVCacheConfig, KVCacheGroup
 from hybridkv.kv.request import KVRequest
 from hybridkv.kv.spec import (
     ChunkedLocalAttentionSpec,
+    CompressedAttentionSpec,
+    CompressorStateSpec,
     FullAttentionSpec,
     IndexerKeySpec,
     KVCacheSpec,
@@ -46,13 +48,23 @@ def attn(block_size: int) -> dict[str, object]:
 def specs(draw: st.DrawFn) -> KVCacheSpec:
     block_size = draw(st.sampled_from([4, 8]))
     kind = draw(st.sampled_from(["full", "sliding_window", "chunked_local", "mamba",
-                                 "indexer_key"]))
+                                 "indexer_key", "compressed", "compressor_state"]))
     if kind == "full":
         return FullAttentionSpec(**attn(block_size))
     if kind == "indexer_key":
         # Keys per token or per 2 or 4 tokens: 4 to 32 bytes a block.
         return IndexerKeySpec(block_size=block_size, head_size=1, dtype="fp32",
                               compress_rate=draw(st.sampled_from([1, 2, 4])))
+    if kind == "compressed":
+        # Entries per 1, 2 or 4 tokens: 4 to 32 bytes a block.
+        return CompressedAttentionSpec(block_size=block_size, head_size=1, dtype="fp32",
+                                       compress_rate=draw(st.sampled_from([1, 2, 4])))
+    if kind == "compressor_state":
+        # With overlapping windows (CSA: the checkpoint at the hit point) and without (HCA:
+        # nothing): 32 bytes.
+        return CompressorStateSpec(block_size=block_size, shapes=((8,),), dtypes=("fp32",),
+                                   compress_rate=draw(st.sampled_from([1, 2, 4])),
+                                   overlap=draw(st.booleans()))
     if kind == "sliding_window":
         window = draw(st.sampled_from([1, 2, 5, 8, 13, 20]))
         return SlidingWindowSpec(sliding_window=window, **attn(block_size))

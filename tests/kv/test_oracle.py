@@ -24,6 +24,8 @@ from hybridkv.kv.plan import KVCacheConfig, KVCacheGroup
 from hybridkv.kv.request import KVRequest
 from hybridkv.kv.spec import (
     ChunkedLocalAttentionSpec,
+    CompressedAttentionSpec,
+    CompressorStateSpec,
     FullAttentionSpec,
     IndexerKeySpec,
     KVCacheSpec,
@@ -50,6 +52,14 @@ specs_st = st.lists(
         st.just(MambaSpec(block_size=BS, shapes=((8,),), dtypes=("fp32",))),
         st.sampled_from([1, 2, 4]).map(
             lambda rate: IndexerKeySpec(block_size=BS, head_size=1, compress_rate=rate)),
+        # DeepSeek-V4's kinds: entries per 1, 2 or 4 tokens, and compressor states with
+        # (CSA) and without (HCA) overlapping windows.
+        st.sampled_from([1, 2, 4]).map(
+            lambda rate: CompressedAttentionSpec(block_size=BS, head_size=1,
+                                                 compress_rate=rate, dtype="fp32")),
+        st.tuples(st.sampled_from([1, 2, 4]), st.booleans()).map(
+            lambda r: CompressorStateSpec(block_size=BS, shapes=((8,),), dtypes=("fp32",),
+                                          compress_rate=r[0], overlap=r[1])),
     ),
     min_size=1, max_size=4,
 ).filter(lambda specs: len({s.group_key() for s in specs}) == len(specs))
@@ -57,8 +67,16 @@ specs_st = st.lists(
 
 def valid_hit(spec: KVCacheSpec, cached: list[bool], end: int) -> bool:
     """Brute force: may a request reuse its first `end` blocks in a group of this spec?"""
-    if isinstance(spec, (FullAttentionSpec, IndexerKeySpec)):
+    if isinstance(spec, (FullAttentionSpec, IndexerKeySpec, CompressedAttentionSpec)):
         return all(cached[:end])
+    if isinstance(spec, CompressorStateSpec):
+        # Recompute from `end` needs the last closed window's first halves where windows
+        # overlap (the state at end), and nothing where they do not: the buffer is empty
+        # at a window boundary, and every block boundary is one.
+        assert (end * BS) % spec.compress_rate == 0
+        if not spec.overlap:
+            return True
+        return end == 0 or cached[end - 1]
     if isinstance(spec, SlidingWindowSpec):
         needed = cdiv(spec.sliding_window - 1, BS)
         return all(cached[max(0, end - needed):end])

@@ -5,6 +5,8 @@ from hybridkv.kv.plan import KVCacheConfig, KVCacheGroup
 from hybridkv.kv.request import KVRequest
 from hybridkv.kv.spec import (
     ChunkedLocalAttentionSpec,
+    CompressedAttentionSpec,
+    CompressorStateSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     IndexerKeySpec,
@@ -39,6 +41,17 @@ def cross(encoder_len: int) -> KVCacheSpec:
 
 def indexer() -> KVCacheSpec:
     return IndexerKeySpec(block_size=BLOCK, head_size=2, dtype="fp32")  # 32 bytes
+
+
+def compressed(rate: int) -> KVCacheSpec:
+    """Entries of 8 / rate fp32 values, one per `rate` tokens: 32 bytes a block."""
+    return CompressedAttentionSpec(block_size=BLOCK, head_size=2 * rate,
+                                   compress_rate=rate, dtype="fp32")
+
+
+def compressor_state(rate: int, *, overlap: bool) -> KVCacheSpec:
+    return CompressorStateSpec(block_size=BLOCK, shapes=((8,),), dtypes=("fp32",),
+                               compress_rate=rate, overlap=overlap)  # 32 bytes
 
 
 def toy_config(*specs: KVCacheSpec, num_pages: int, blocks_per_page: int = 1) -> KVCacheConfig:

@@ -77,7 +77,10 @@ DERIVED_WINDOWS: dict[str, dict[str, object]] = {
     # Each its own rule (CWM: a full layer every 4th from 0; Kolibri 1: every 5th, so 5
     # layers; Flint: the first two, every 4th from 1 and the last; ...).
     **{name: dict(layer_types=None) for name in ("cwm", "flint", "beam", "modernbert_decoder")},
-    "kolibri1": dict(layer_types=None, num_hidden_layers=5)}
+    "kolibri1": dict(layer_types=None, num_hidden_layers=5),
+    # Inkling / Inkling 2: sliding but every 6th layer.
+    "inkling": dict(layer_types=None, mlp_layer_types=None, num_hidden_layers=6),
+    "inkling2": dict(layer_types=None, num_hidden_layers=6)}
 
 
 @pytest.mark.parametrize("name", sorted(DERIVED_WINDOWS))

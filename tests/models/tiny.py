@@ -518,3 +518,36 @@ ARCHS["qwen4_exp"] = ("Qwen4ExpTextConfig", "Qwen4ExpForCausalLM", dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                      "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]}))
 PERTURB_CONSTANTS.add("qwen4_exp")
+
+# Inkling: no RoPE; every layer's attention adds a relative bias per query (its relative
+# states mixed over a bank of bias-vs-distance profiles, zero past rel_extent = 24 on full
+# layers, the window on sliding ones), short convs (kernel 4) with a residual on k, v and
+# both residual branches (their last inputs: a state beside the KV cache), sliding layers
+# (window 16) with their own head sizes, log-scaled queries from position 32 on full layers;
+# layer 0 dense, then top-2 of 4 experts with a shared expert scored beside them. Norm and
+# expert scales and the router bias get noise.
+ARCHS["inkling"] = ("InklingTextConfig", "InklingForCausalLM", dict(
+    num_hidden_layers=4, layer_types=["hybrid_sliding", "hybrid"] * 2,
+    sliding_window_size=16, swa_num_attention_heads=4, swa_num_key_value_heads=1,
+    swa_head_dim=8, d_rel=4, rel_extent=24, log_scaling_n_floor=32,
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"], moe_intermediate_size=32,
+    n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+    logits_mup_width_multiplier=2.0))
+PERTURB_CONSTANTS.add("inkling")
+
+# Inkling 2: Inkling's relative bias and convs, plus a sink logit per token and head, an
+# output gate, L2-clipped q / k / relative states (thresholds low enough to clip) and
+# RMS-normed values; full layers' k/v convs take per-token taps from their own inputs and
+# their q/k/v inputs come from three learned queries over the block summaries (attention
+# residuals, blocks of 2 layers); softcapped SwiGLU experts (top-2 of 4), logits softcapped
+# and cut to 250 of 256 (intermediate_size: its alias of the experts' width). Zero-initialised
+# taps, queries and scales get noise.
+ARCHS["inkling2"] = ("Inkling2TextConfig", "Inkling2ForCausalLM", dict(
+    num_hidden_layers=4, layer_types=["hybrid_sliding", "hybrid"] * 2,
+    sliding_window_size=16, swa_num_attention_heads=4, swa_num_key_value_heads=1,
+    swa_head_dim=8, d_rel=4, rel_extent=24, log_scaling_n_floor=32,
+    qk_l2_clip_threshold=3.0, rel_l2_clip_threshold=0.5, n_layers_per_attn_res_block=2,
+    intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+    mlp_gate_softcap=0.5, mlp_up_softcap=1.0, final_logit_softcapping=2.0,
+    unpadded_vocab_size=250))
+PERTURB_CONSTANTS.add("inkling2")

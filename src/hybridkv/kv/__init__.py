@@ -11,6 +11,8 @@ from hybridkv.kv.plan import KVCacheConfig, KVCacheGroup, KVCachePlan, plan_kv_c
 from hybridkv.kv.request import KVRequest
 from hybridkv.kv.spec import (
     ChunkedLocalAttentionSpec,
+    CompressedAttentionSpec,
+    CompressorStateSpec,
     CrossAttentionSpec,
     EncoderOnlySpec,
     FullAttentionSpec,
@@ -23,7 +25,8 @@ from hybridkv.kv.spec import (
 )
 
 __all__ = [
-    "BlockHasher", "ChunkedLocalAttentionSpec", "ComputedBlocks", "CrossAttentionSpec",
+    "BlockHasher", "ChunkedLocalAttentionSpec", "CompressedAttentionSpec",
+    "CompressorStateSpec", "ComputedBlocks", "CrossAttentionSpec",
     "EncoderOnlySpec", "FullAttentionSpec", "IndexerKeySpec", "KVCacheBlocks",
     "KVCacheConfig", "KVCacheGroup", "KVCacheManager", "KVCachePlan", "KVCacheSpec",
     "KVRequest", "MLAAttentionSpec", "MLASlidingWindowSpec", "MambaSpec", "SlidingWindowSpec",

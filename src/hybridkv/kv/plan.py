@@ -146,6 +146,9 @@ class KVCachePlan:
                     else None,
                     "window": getattr(g.spec, "sliding_window", None)
                     or getattr(g.spec, "attention_chunk_size", None),
+                    # Tokens per entry (compressed attention, indexer keys) or per
+                    # compressor window (compressor states); None: per token.
+                    "compress_rate": getattr(g.spec, "compress_rate", None),
                     "layers": list(g.layer_names),
                 }
                 for g in cfg.groups

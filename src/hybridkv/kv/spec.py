@@ -406,6 +406,67 @@ class IndexerKeySpec(KVCacheSpec):
         return num_tokens // self.compress_rate * self.bytes_per_entry
 
 
+@dataclass(frozen=True, kw_only=True)
+class CompressedAttentionSpec(KVCacheSpec):
+    """Compressed attention (DeepSeek-V4's CSA and HCA): a compressor folds each window of
+    `compress_rate` tokens into one entry of `head_size` values per KV head (K = V: one row,
+    as MLA's latents), which every later query attends to (HCA: all of them; CSA: the top k
+    of them its lightning indexer chooses, whose keys are an IndexerKeySpec of their own).
+
+    A block of `block_size` tokens holds `block_size // compress_rate` entries, so a block
+    of B entries covers B x rate tokens and a hit, which ends on a block boundary, ends on a
+    window boundary. No entry ever falls out of use: a request keeps them all and a hit
+    needs every one before it, as full attention needs every K/V. The window's tokens
+    before it closes are the compressor's state (CompressorStateSpec), not entries."""
+
+    head_size: int
+    compress_rate: int
+    num_kv_heads: int = 1
+    dtype: str = "bf16"
+    kind = "compressed"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        dtype_size(self.dtype)  # a known dtype
+        if min(self.head_size, self.compress_rate, self.num_kv_heads) < 1:
+            raise ValueError(f"compressed attention needs head_size, compress_rate and "
+                             f"num_kv_heads >= 1, got {self.head_size}, "
+                             f"{self.compress_rate} and {self.num_kv_heads}")
+        if self.block_size % self.compress_rate:
+            raise ValueError(f"compressed attention entries per {self.compress_rate} tokens "
+                             f"need a block size that is a multiple of it, got "
+                             f"{self.block_size}")
+
+    @property
+    def entries_per_block(self) -> int:
+        return self.block_size // self.compress_rate
+
+    @property
+    def bytes_per_entry(self) -> int:
+        return self.num_kv_heads * self.head_size * dtype_size(self.dtype)
+
+    @property
+    def page_dtype(self) -> str:
+        return self.dtype
+
+    def group_key(self) -> tuple[object, ...]:
+        return (self.kind, self.block_size, self.compress_rate, self.dtype)
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.entries_per_block * self.bytes_per_entry
+
+    def peak_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        return cdiv(max_model_len, self.block_size)
+
+    def steady_blocks(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def ideal_bytes(self, num_tokens: int) -> int:
+        # Closed windows only: an unfinished window's tokens are still compressor state.
+        return num_tokens // self.compress_rate * self.bytes_per_entry
+
+
 # State checkpoints a request keeps near its ends, in blocks: at each of the last this many
 # block boundaries of its prompt and of its output (kv/managers/mamba.py). A chat's next
 # request parts from this one there: an edited last message, or an answer whose text
@@ -474,6 +535,47 @@ class MambaSpec(KVCacheSpec):
 
     def ideal_bytes(self, num_tokens: int) -> int:
         return self.page_size_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressorStateSpec(MambaSpec):
+    """A compressed-attention layer's compressor state (DeepSeek-V4): per request, the
+    projections of the tokens since its last closed window (at most `compress_rate - 1`
+    tokens' kv and gate rows, of the layer's compressor and of its indexer's) and, where
+    windows overlap (`overlap`, CSA: entry w mixes window w-1's first half-projections with
+    window w's second ones), the last closed window's first halves. `shapes` hold them all.
+
+    What a prefix hit needs, at a hit point p (a multiple of `compress_rate`, as every
+    block boundary is):
+      - the buffer is empty at p (p - p // rate * rate = 0 tokens), so no buffer is needed;
+      - without overlap (HCA) nothing else is carried across windows: the hit needs no
+        state at all, and a fresh live state serves (its fill is p mod rate = 0);
+      - with overlap (CSA) entry p / rate needs window p / rate - 1's first halves, which
+        are projections of tokens [p - rate, p) inside the hit: the hit needs the state
+        checkpoint at p, Mamba's rule (kv/managers/compressor_state.py).
+    One live state per request either way, kept for the request's life."""
+
+    compress_rate: int
+    overlap: bool = False
+    kind = "compressor_state"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.compress_rate < 1 or self.block_size % self.compress_rate:
+            raise ValueError(f"a compressor state of windows of {self.compress_rate} tokens "
+                             f"needs a block size that is a multiple of it, got "
+                             f"{self.block_size}")
+
+    def group_key(self) -> tuple[object, ...]:
+        # The two hit rules (overlap or not) never share a group.
+        return (self.kind, self.block_size, self.compress_rate, self.overlap)
+
+    def checkpoint_blocks(self, max_model_len: int, max_num_batched_tokens: int,
+                          checkpoint_interval: int, checkpoint_tail: int) -> int:
+        if not self.overlap:
+            return 0  # hits need no checkpoint, so none is taken
+        return super().checkpoint_blocks(max_model_len, max_num_batched_tokens,
+                                         checkpoint_interval, checkpoint_tail)
 
 
 @dataclass(frozen=True, kw_only=True)

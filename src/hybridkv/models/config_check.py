@@ -42,6 +42,7 @@ DERIVED_FIELDS: dict[tuple[str, str], Any] = {
     ("kolibri1", "intermediate_size"): None,  # every layer is MoE
     ("zaya", "intermediate_size"): None,  # every layer is MoE
     ("qwen4_exp_text", "intermediate_size"): None,  # every layer is MoE
+    ("inkling2_text", "intermediate_size"): None,  # every layer is MoE (moe_intermediate_size)
     # ModernBERT-Decoder's window is half of its encoder's `local_attention`.
     ("modernbert-decoder", "sliding_window"):
         lambda cfg: int(cfg["local_attention"]) // 2 if cfg.get("local_attention") else None,

@@ -11,6 +11,7 @@ Pure Python: planning a model needs no torch.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -19,6 +20,8 @@ from typing import Any
 
 from hybridkv.kv.spec import (
     ChunkedLocalAttentionSpec,
+    CompressedAttentionSpec,
+    CompressorStateSpec,
     FullAttentionSpec,
     IndexerKeySpec,
     KVCacheSpec,
@@ -42,9 +45,17 @@ INDEXER = "indexer"  # a lightning indexer's keys, beside its layer's attention 
 RWKV = "rwkv"  # an RWKV-4 block: token-shift inputs and the WKV numerator/denominator/max
 MLSTM = "mlstm"  # xLSTM's matrix memory: C [heads, dk, dv] and [n | m] [heads, dk + 1]
 CCA = "cca"  # Zaya's attention inputs: the q/k convs' last inputs and the delayed values
-STATE_KINDS = (MAMBA, MAMBA1, LINEAR, CONV, RG_LRU, LIGHTNING, KDA, RWKV, MLSTM, CCA)
+# DeepSeek-V4: every layer's sliding K=V window, and on compressed layers (CSA, HCA) their
+# compressed entries, the CSA indexer's compressed keys and each compressor's state.
+V4_SLIDING, CSA, HCA = "v4_sliding", "csa", "hca"
+CSA_INDEXER, CSA_STATE, HCA_STATE = "csa_indexer", "csa_state", "hca_state"
+SCONV = "sconv"  # Inkling's four short convs per layer (k, v, both branches): last inputs
+STATE_KINDS = (MAMBA, MAMBA1, LINEAR, CONV, RG_LRU, LIGHTNING, KDA, RWKV, MLSTM, CCA, SCONV)
 # Families of KDA layers beside MLA layers (their "linear_attention" / "full_attention").
 KDA_MLA_TYPES = ("kimi_linear", "bailing_hybrid")
+# Inkling's text decoders: "hybrid" (full) and "hybrid_sliding" layers, sliding ones with
+# their own head sizes (swa_*), each with short convs beside its KV cache.
+INKLING_TYPES = ("inkling_text", "inkling2_text")
 
 SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3",
@@ -69,7 +80,13 @@ SUPPORTED_MODEL_TYPES = (
     "zaya", "doge",
     # issue 50: MLA with a lightning indexer (DSA) and sliding MLA layers; Gated DeltaNet
     # with attention over a query-sparse indexer's choice (QSA)
-    "dots3_note_text", "qwen4_exp_text")
+    "dots3_note_text", "qwen4_exp_text",
+    # issue 50: attention with a relative bias per query (and Inkling 2's sinks per token)
+    # and short convolutions, sliding + full
+    *INKLING_TYPES,
+    # issue 50: sliding windows beside compressed sparse (CSA) and heavily compressed (HCA)
+    # attention
+    "deepseek_v4")
 
 _LAYER_TYPE_WORDS = {
     "full_attention": FULL, "attention": FULL, "global": FULL, "global_attention": FULL,
@@ -147,6 +164,8 @@ def with_family_defaults(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     cfg = with_derived_fields(cfg)
     if cfg.get("model_type") == "dots3_note_text":
         return dots3_defaults(cfg)
+    if cfg.get("model_type") in INKLING_TYPES:
+        return inkling_defaults(cfg)
     if cfg.get("model_type") != "olmo_hybrid":
         return cfg
     out = dict(cfg)
@@ -207,6 +226,24 @@ def dots3_defaults(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     return out
 
 
+def inkling_defaults(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Inkling's text config as transformers completes it: `sliding_window` from
+    `sliding_window_size`, and `layer_types` (sliding but every 6th layer, or Inkling's
+    `local_layer_ids` sliding)."""
+    out = dict(cfg)
+    out["sliding_window"] = out.get("sliding_window_size") or out.get("sliding_window") or 512
+    if out.get("layer_types") is None:
+        n = int(cfg["num_hidden_layers"])
+        local = cfg.get("local_layer_ids")
+        sliding = set(local) if local is not None else {i for i in range(n) if (i + 1) % 6}
+        out["layer_types"] = ["hybrid_sliding" if i in sliding else "hybrid" for i in range(n)]
+    for word in out["layer_types"]:
+        if word not in ("hybrid", "hybrid_sliding"):
+            raise ValueError(f"layer_types: unknown {cfg['model_type']} layer type {word!r}; "
+                             f"accepted: hybrid, hybrid_sliding")
+    return out
+
+
 def qwen4_layer_types(cfg: Mapping[str, Any]) -> list[str]:
     """Qwen4-Exp's layers: Gated DeltaNet ("linear_attention") or attention over its QSA
     indexer's choice ("indexed_attention"; released configs call it "full_attention"),
@@ -221,6 +258,85 @@ def qwen4_layer_types(cfg: Mapping[str, Any]) -> list[str]:
             raise ValueError(f"layer_types: unknown qwen4_exp layer type {word!r}; accepted: "
                              f"linear_attention, indexed_attention, full_attention")
     return out
+
+
+# DeepSeek-V4's layer types and the parts of each that hold KV cache; `compress_ratios`
+# (released configs, one entry per layer then the MTP layer's) spells them 0 / 4 / 128.
+_V4_KINDS = {"sliding_attention": (V4_SLIDING,),
+             "compressed_sparse_attention": (V4_SLIDING, CSA, CSA_INDEXER, CSA_STATE),
+             "heavily_compressed_attention": (V4_SLIDING, HCA, HCA_STATE)}
+_V4_RATIO_WORDS = {0: "sliding_attention", 4: "compressed_sparse_attention",
+                   128: "heavily_compressed_attention"}
+_V4_DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+
+
+def deepseek_v4_layer_types(cfg: Mapping[str, Any]) -> list[str]:
+    """DeepSeek-V4's layer types as transformers reads them: `layer_types`, else
+    `compress_ratios` (its first num_hidden_layers entries), else two HCA layers then CSA and
+    HCA alternating."""
+    n = int(cfg["num_hidden_layers"])
+    words = cfg.get("layer_types")
+    if words is None and cfg.get("compress_ratios") is not None:
+        ratios = list(cfg["compress_ratios"])[:n]
+        for r in ratios:
+            if r not in _V4_RATIO_WORDS:
+                raise ValueError(f"compress_ratios: DeepSeek-V4 layers compress by 0 (sliding "
+                                 f"only), 4 (CSA) or 128 (HCA), got {r!r}")
+        words = [_V4_RATIO_WORDS[r] for r in ratios]
+    if words is None:
+        words = ["heavily_compressed_attention"] * min(n, 2) + [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+            for i in range(max(n - 2, 0))]
+    out = [str(w) for w in list(words)[:n]]
+    for word in out:
+        if word not in _V4_KINDS:
+            raise ValueError(f"layer_types: unknown deepseek_v4 layer type {word!r}; "
+                             f"accepted: {', '.join(_V4_KINDS)}")
+    return out
+
+
+def deepseek_v4_rates(cfg: Mapping[str, Any]) -> dict[str, int]:
+    """Tokens per compressed entry by layer type: `compress_rates`, the older
+    compress_rate_csa / compress_rate_hca, else 4 and 128."""
+    rates = dict(_V4_DEFAULT_RATES)
+    rates.update(cfg.get("compress_rates") or {})
+    for key, old in (("compressed_sparse_attention", "compress_rate_csa"),
+                     ("heavily_compressed_attention", "compress_rate_hca")):
+        if cfg.get(old) is not None:
+            rates[key] = cfg[old]
+    return {k: int(v) for k, v in rates.items()}
+
+
+def _v4_spec(kind: str, cfg: Mapping[str, Any], block_size: int, dtype: str) -> KVCacheSpec:
+    """One DeepSeek-V4 part: K=V rows of `head_dim` (one KV head) in a sliding window, or
+    entries and states whose blocks cover a whole number of windows (lcm with the block)."""
+    head = int(cfg.get("head_dim") or 512)
+    window = int(cfg.get("sliding_window") or 128)
+    if kind == V4_SLIDING:
+        return MLASlidingWindowSpec(sliding_window=window, block_size=block_size, dtype=dtype,
+                                    num_kv_heads=1, head_size=head)
+    rates = deepseek_v4_rates(cfg)
+    rate = rates["compressed_sparse_attention" if kind in (CSA, CSA_INDEXER, CSA_STATE)
+                 else "heavily_compressed_attention"]
+    blocks = math.lcm(block_size, rate)
+    if kind in (CSA, HCA):
+        return CompressedAttentionSpec(block_size=blocks, head_size=head, compress_rate=rate,
+                                       dtype=dtype)
+    index_head = int(cfg.get("index_head_dim") or 128)
+    if kind == CSA_INDEXER:
+        return IndexerKeySpec(block_size=blocks, head_size=index_head, compress_rate=rate,
+                              dtype=dtype)
+    # The projections of the tokens since the last closed window, [rate - 1, width] for kv
+    # and for gate; CSA projects 2 x width per token (two overlapping series) and keeps the
+    # last window's first halves, [rate, width] each, for its indexer's compressor too.
+    if kind == HCA_STATE:
+        shapes: tuple[tuple[int, ...], ...] = ((rate - 1, head),) * 2
+        return CompressorStateSpec(block_size=blocks, shapes=shapes, dtypes=(dtype,) * 2,
+                                   compress_rate=rate)
+    shapes = tuple(shape for width in (head, index_head)
+                   for shape in ((rate - 1, 2 * width),) * 2 + ((rate, width),) * 2)
+    return CompressorStateSpec(block_size=blocks, shapes=shapes, dtypes=(dtype,) * 8,
+                               compress_rate=rate, overlap=True)
 
 
 def layer_config(cfg: Mapping[str, Any], layer: int) -> Mapping[str, Any]:
@@ -267,8 +383,12 @@ def layer_kinds(config: Mapping[str, Any]) -> list[tuple[str, ...]]:
         return _zamba_kinds(cfg, model_type, n)
     if model_type == "zaya":
         return _zaya_kinds(cfg, n)
+    if model_type in INKLING_TYPES:
+        return [(SLIDING if w == "hybrid_sliding" else FULL, SCONV) for w in cfg["layer_types"]]
     if model_type == "dots3_note_text":
         return [_DOTS3_KINDS[w] for w in cfg["layer_types"]]
+    if model_type == "deepseek_v4":
+        return [_V4_KINDS[w] for w in deepseek_v4_layer_types(cfg)]
     if model_type == "qwen4_exp_text":
         # Its attention layers keep indexer keys where the config sets the indexer up
         # (`indexer_n_heads`: "setting this enables QSA").
@@ -481,12 +601,18 @@ def kv_layout_from_config(config: Mapping[str, Any], *, block_size: int = 16,
         for kind in parts:
             name = f"model.layers.{i}." + ("mamba" if kind in STATE_KINDS else
                                            "self_attn.indexer" if kind == INDEXER
-                                           else "self_attn")
-            specs[name] = _spec_for(kind, cfg, block_size, dtype, i, model_type)
+                                           else _V4_PARTS.get(kind, "self_attn"))
+            specs[name] = _v4_spec(kind, cfg, block_size, dtype) if kind in _V4_PARTS \
+                else _spec_for(kind, cfg, block_size, dtype, i, model_type)
     return ModelKVLayout(
         model_type=model_type, layer_specs=specs, kv_sharing=_kv_sharing(cfg, kinds),
         layer_kinds=tuple(kinds),
         max_position_embeddings=_first(cfg, "max_position_embeddings", "model_max_length"))
+
+
+_V4_PARTS = {V4_SLIDING: "self_attn", CSA: "self_attn.compressor",
+             HCA: "self_attn.compressor", CSA_INDEXER: "self_attn.indexer",
+             CSA_STATE: "self_attn.compressor_state", HCA_STATE: "self_attn.compressor_state"}
 
 
 def _kv_sharing(cfg: Mapping[str, Any], kinds: list[tuple[str, ...]]) -> dict[str, str]:
@@ -572,6 +698,8 @@ def attention_shape(cfg: Mapping[str, Any], layer: int, kind: str) -> tuple[int,
         # the key head size (one head size per page).
         return ((2 if kind == SLIDING else 1) * num_kv_heads,
                 max(head_size, int(cfg.get("v_head_dim") or head_size)))
+    if cfg.get("model_type") in INKLING_TYPES and kind == SLIDING:
+        return int(cfg["swa_num_key_value_heads"]), int(cfg["swa_head_dim"])
     if cfg.get("model_type") == "doge":
         # One more key channel per head for the key's bias (layers/key_bias_attention.py).
         return num_kv_heads, head_size + 1
@@ -670,6 +798,16 @@ def _spec_for(kind: str, cfg: Mapping[str, Any], block_size: int, dtype: str,
         return MambaSpec(block_size=block_size,
                          shapes=(((heads + kv_heads) * head_dim, kernel),
                                  (kv_heads * head_dim // 2,)), dtypes=(dtype, dtype))
+    if kind == SCONV:
+        # The last kernel - 1 inputs of the convs on k and v (the layer's KV width) and on
+        # the attention and MLP outputs (hidden), float32 as the reference keeps them.
+        kv_heads, head_dim = attention_shape(cfg, layer, SLIDING if cfg["layer_types"][layer]
+                                             == "hybrid_sliding" else FULL)
+        keep = int(cfg.get("conv_kernel_size") or cfg.get("sconv_kernel_size") or 4) - 1
+        kv = kv_heads * head_dim
+        return MambaSpec(block_size=block_size,
+                         shapes=((kv, keep), (kv, keep), (hidden, keep), (hidden, keep)),
+                         dtypes=("float32",) * 4)
     if kind == CONV:
         # The last `conv_L_cache - 1` inputs of a depthwise conv over the hidden channels.
         return MambaSpec(block_size=block_size, shapes=((hidden, int(cfg["conv_L_cache"]) - 1),),

@@ -71,6 +71,8 @@ MODELS: dict[str, str] = {
     "doge": "hybridkv.models.doge:DogeForCausalLM",
     "dots3_note_text": "hybridkv.models.dots3_note:Dots3NoteForCausalLM",
     "qwen4_exp_text": "hybridkv.models.qwen4_exp:Qwen4ExpForCausalLM",
+    "inkling_text": "hybridkv.models.inkling:InklingForCausalLM",
+    "inkling2_text": "hybridkv.models.inkling2:Inkling2ForCausalLM",
 }
 
 

@@ -49,6 +49,7 @@ from hybridkv.worker.kv_quant import (
     quantizes_queries,
     write_v_q4,
 )
+from hybridkv.worker.scored_attention import attend_scored
 
 
 @dataclass
@@ -366,6 +367,16 @@ class AttentionParams:
     # K-only pages: raw keys [..., L, Hk, D] at positions [L] -> (K, V), each [..., L, Hk, D].
     derive_kv: Callable[[torch.Tensor, torch.Tensor],
                         tuple[torch.Tensor, torch.Tensor]] | None = None
+    # Scores that depend on the query token (worker/scored_attention.py), given per step:
+    # query_bias [T, Hq, E], a bias per query and backward distance 0..E-1 (zero beyond);
+    # token_sinks [T, Hq], a sink logit per query. Either takes the layer off the batched
+    # paths: request by request here, in place in the "cpu" backend's scored kernel.
+    query_bias: torch.Tensor | None = None
+    token_sinks: torch.Tensor | None = None
+
+    @property
+    def scores_per_query(self) -> bool:
+        return self.query_bias is not None or self.token_sinks is not None
 
 
 class AttentionBackend(Protocol):
@@ -418,6 +429,8 @@ class TorchReferenceBackend:
         """Every request's queries over its context."""
         if params.derive_kv is None and quantizes_queries(meta.cache_dtype, q.shape[-1]):
             q = quantize_queries(q, params.scale)  # as the CPU kernel reads int8 pages
+        if params.scores_per_query:
+            return self._attend_scored(q, kv_cache, meta, params)
         if meta.key_groups and params.derive_kv is None:
             out = torch.empty_like(q)
             for r, n in enumerate(meta.query_lens):
@@ -444,6 +457,25 @@ class TorchReferenceBackend:
             start, end = meta.query_start_loc[r], meta.query_start_loc[r + 1]
             keys, values = self._gather(kv_cache, meta, r, params, q)
             out[start:end] = _attend(q[start:end], keys, values, meta.seq_lens[r], params)
+        return out
+
+    def _attend_scored(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                       meta: AttentionMetadata, params: AttentionParams) -> torch.Tensor:
+        """A per-query bias or sink: each request alone over its gathered context."""
+        if meta.key_groups or params.derive_kv is not None:
+            raise NotImplementedError("a per-query relative bias or sink on q4 K/V or "
+                                      "K-only pages")
+        out = torch.empty_like(q)
+        for r, n in enumerate(meta.query_lens):
+            if n == 0:
+                continue
+            start = meta.query_start_loc[r]
+            keys, values = self._gather(kv_cache, meta, r, params, q)
+            rows = slice(start, start + n)
+            out[rows] = attend_scored(
+                q[rows], keys, values, meta.seq_lens[r], params,
+                None if params.query_bias is None else params.query_bias[rows],
+                None if params.token_sinks is None else params.token_sinks[rows])
         return out
 
     @staticmethod

@@ -15,6 +15,8 @@ kernels'.
 The kernel takes float32 K/V pages and int8 / q4 pages (decoded a tile at a time in the
 kernel; a prompt chunk's q4 rows once per request and layer, which every query of the
 chunk reads); other dtypes and K-only pages (Gemma 4) take the torch path for the whole layer.
+A bias and a sink per query (Inkling: AttentionParams.query_bias / token_sinks) go to its
+scored entry point on float32 and int8 pages; with a soft-cap or q4 K/V, the torch path.
 `choose_backend("auto")` picks this backend on CPU devices when
 the kernel compiles here, the torch backend elsewhere (CUDA runs SDPA).
 """
@@ -58,6 +60,14 @@ _ARGTYPES: list[Any] = [
     _PTR, _I64, _PTR,  # q4 K/V: fresh keys [R, F, Hk, D], their row stride, first positions
     _I64,  # threads
 ]
+# hkv_paged_attention_scored: the same up to the sinks, no soft-cap and no q4 K/V, then the
+# per-query terms (AttentionParams.query_bias / token_sinks).
+_SCORED_ARGTYPES: list[Any] = [
+    *_ARGTYPES[:28], _PTR,  # ... scale, window, chunk, per-head sinks
+    _PTR, _I64, _I64, _I64,  # query bias [T, Hq, E], its token and head strides, E
+    _PTR, _I64,  # token sinks [T, Hq], their token stride
+    _I64,  # threads
+]
 
 
 class CPUPagedBackend(TorchReferenceBackend):
@@ -68,6 +78,10 @@ class CPUPagedBackend(TorchReferenceBackend):
         kernel.argtypes = _ARGTYPES
         kernel.restype = ctypes.c_int
         self._kernel = kernel
+        scored = native.load("paged_attention").hkv_paged_attention_scored
+        scored.argtypes = _SCORED_ARGTYPES
+        scored.restype = ctypes.c_int
+        self._scored = scored
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -109,6 +123,11 @@ class CPUPagedBackend(TorchReferenceBackend):
         if sinks is not None:
             sinks = sinks.detach().float().contiguous()
         cs = [stride * kv_cache.element_size() for stride in kv_cache.stride()]
+        if params.scores_per_query:
+            status = self._scored_in_place(q, out, kv_cache, meta, params, rows, table, cs,
+                                           sinks)
+            self._check(status, num_heads, kv_cache.shape[4], head_dim)
+            return
         fresh = starts = None
         if meta.key_groups:
             keys = meta.fresh[kv_cache.data_ptr()]
@@ -129,11 +148,44 @@ class CPUPagedBackend(TorchReferenceBackend):
             0 if fresh is None else fresh.stride(0),
             None if starts is None else starts.data_ptr(),
             torch.get_num_threads())  # the kernel splits only where it has several items
+        self._check(status, num_heads, kv_cache.shape[4], head_dim)
+
+    def _scored_in_place(self, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
+                         meta: AttentionMetadata, params: AttentionParams, rows: torch.Tensor,
+                         table: torch.Tensor, cs: list[int], sinks: torch.Tensor | None
+                         ) -> int:
+        """The in-place kernel with a bias and/or a sink per query (float32 or int8 pages)."""
+        query_start_loc, seq_lens = meta.host_lens
+        bias = token_sinks = None
+        if params.query_bias is not None:
+            bias = params.query_bias.detach().float().contiguous()  # [T, Hq, E]
+        if params.token_sinks is not None:
+            token_sinks = params.token_sinks.detach().float().contiguous()  # [T, Hq]
+        return int(self._scored(
+            q.data_ptr(), q.stride(0), q.stride(1),
+            out.data_ptr(), out.stride(0), out.stride(1),
+            kv_cache.data_ptr(), CODECS[meta.cache_dtype], cs[0], cs[1], cs[2], cs[3], cs[4],
+            meta.block_size, meta.kernel_block_size, meta.blocks_per_page,
+            table.data_ptr(), table.stride(0),
+            rows.data_ptr(), rows.numel(),
+            query_start_loc.data_ptr(), seq_lens.data_ptr(),
+            q.shape[1], kv_cache.shape[4], q.shape[2],
+            params.scale, params.sliding_window or 0, params.chunk_size or 0,
+            None if sinks is None else sinks.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            0 if bias is None else bias.stride(0), 0 if bias is None else bias.stride(1),
+            0 if bias is None else bias.shape[2],
+            None if token_sinks is None else token_sinks.data_ptr(),
+            0 if token_sinks is None else token_sinks.stride(0),
+            torch.get_num_threads()))
+
+    @staticmethod
+    def _check(status: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         if status == -2:
             raise MemoryError("paged attention could not allocate its work list")
         if status != 0:
             raise RuntimeError(f"paged attention kernel refused its arguments ({status}): "
-                               f"{num_heads} heads, {kv_cache.shape[4]} KV heads, "
+                               f"{num_heads} heads, {num_kv_heads} KV heads, "
                                f"head dim {head_dim}")
 
 
@@ -165,6 +217,8 @@ def _in_place_ok(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadat
         return False  # the kernel reads q4 K/V pages only, not q4 rows per token
     if meta.key_groups and meta.kernel_block_size % KEY_GROUP:
         return False
+    if params.scores_per_query and (params.softcap is not None or meta.key_groups):
+        return False  # the scored kernel takes neither: the torch path
     return (q.device.type == "cpu" and q.dtype == torch.float32
             and meta.cache_dtype in CODECS and kv_cache.dtype == page_dtype
             and kv_cache.dim() == 6 and params.derive_kv is None and q.stride(2) == 1

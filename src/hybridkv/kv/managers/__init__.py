@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from hybridkv.kv.managers.base import SingleTypeManager
 from hybridkv.kv.managers.chunked_local import ChunkedLocalManager
+from hybridkv.kv.managers.compressed import CompressedAttentionManager
+from hybridkv.kv.managers.compressor_state import CompressorStateManager
 from hybridkv.kv.managers.cross_attention import CrossAttentionManager
 from hybridkv.kv.managers.full import FullAttentionManager
 from hybridkv.kv.managers.indexer_key import IndexerKeyManager
@@ -17,6 +19,8 @@ MANAGER_BY_KIND: dict[str, type[SingleTypeManager]] = {
     "mamba": MambaManager,
     "cross_attention": CrossAttentionManager,
     "indexer_key": IndexerKeyManager,
+    "compressed": CompressedAttentionManager,
+    "compressor_state": CompressorStateManager,
 }
 
 

@@ -23,7 +23,10 @@
    Requests split across threads. Addressing follows the KV view [pages, blocks_per_page, 2,
    block, Hk, row] given by its strides in bytes, so padded large pages and kernel blocks
    inside manager blocks need no special case. Masks: causal, sliding window, chunked local
-   attention; optional logit soft-cap and per-head sink logits, as in worker/attention.py. */
+   attention; optional logit soft-cap and per-head sink logits, as in worker/attention.py.
+   `hkv_paged_attention_scored` also takes what depends on the query token (Inkling): a bias
+   per query, head and backward distance d < extent added to the scaled score, and a sink
+   logit per query and head (worker/scored_attention.py computes the same). */
 
 #include <math.h>
 #include <stdint.h>
@@ -473,6 +476,38 @@ static void decode_q4_group(const kv_view *kv, const q4_layout *l, const int64_t
     }
 }
 
+/* Per-query score terms (NULL pointers: none). bias [T, Hq, extent] with strides in floats;
+   sinks [T, Hq] replace the per-head sinks. */
+typedef struct {
+    const float *bias;
+    int64_t bias_token_stride, bias_head_stride, extent;
+    const float *sinks;
+    int64_t sink_token_stride;
+} query_terms;
+
+/* scores[t] of keys at positions first + t, for the query at `pos`: + bias[pos - key]. */
+static inline void add_bias(float *scores, int64_t n, const float *bias, int64_t pos,
+                            int64_t first, int64_t extent) {
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t d = pos - (first + t);
+        if (d < extent) scores[t] += bias[d];
+    }
+}
+
+static int paged_attention(
+    const float *q, int64_t q_token_stride, int64_t q_head_stride,
+    float *out, int64_t out_token_stride, int64_t out_head_stride,
+    const char *cache, int64_t codec, int64_t page_stride, int64_t slot_stride,
+    int64_t kv_stride, int64_t token_stride, int64_t head_stride,
+    int64_t block_size, int64_t kernel_block_size, int64_t blocks_per_page,
+    const int64_t *block_table, int64_t table_stride,
+    const int64_t *rows, int64_t num_rows,
+    const int64_t *query_start_loc, const int64_t *seq_lens,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    float scale, int64_t window, int64_t chunk, float softcap, const float *sinks,
+    const float *fresh, int64_t fresh_stride, const int64_t *fresh_starts,
+    const query_terms *terms, int64_t num_threads);
+
 /* Returns 0, or a negative code for arguments it cannot take (checked by the caller too).
    Cache strides are in bytes; `codec` says what the rows hold (CODEC_*). */
 int hkv_paged_attention(
@@ -488,6 +523,55 @@ int hkv_paged_attention(
     float scale, int64_t window, int64_t chunk, float softcap, const float *sinks,
     const float *fresh, int64_t fresh_stride, const int64_t *fresh_starts,
     int64_t num_threads) {
+    const query_terms none = {NULL, 0, 0, 0, NULL, 0};
+    return paged_attention(q, q_token_stride, q_head_stride, out, out_token_stride,
+                           out_head_stride, cache, codec, page_stride, slot_stride, kv_stride,
+                           token_stride, head_stride, block_size, kernel_block_size,
+                           blocks_per_page, block_table, table_stride, rows, num_rows,
+                           query_start_loc, seq_lens, num_heads, num_kv_heads, head_dim, scale,
+                           window, chunk, softcap, sinks, fresh, fresh_stride, fresh_starts,
+                           &none, num_threads);
+}
+
+/* hkv_paged_attention with per-query terms; soft-capping is refused (-1): the bias joins
+   the score after the cap in the reference order, which the tile softmax does not keep. */
+int hkv_paged_attention_scored(
+    const float *q, int64_t q_token_stride, int64_t q_head_stride,
+    float *out, int64_t out_token_stride, int64_t out_head_stride,
+    const char *cache, int64_t codec, int64_t page_stride, int64_t slot_stride,
+    int64_t kv_stride, int64_t token_stride, int64_t head_stride,
+    int64_t block_size, int64_t kernel_block_size, int64_t blocks_per_page,
+    const int64_t *block_table, int64_t table_stride,
+    const int64_t *rows, int64_t num_rows,
+    const int64_t *query_start_loc, const int64_t *seq_lens,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    float scale, int64_t window, int64_t chunk, const float *sinks,
+    const float *bias, int64_t bias_token_stride, int64_t bias_head_stride, int64_t extent,
+    const float *token_sinks, int64_t sink_token_stride, int64_t num_threads) {
+    if (codec == CODEC_Q4 || (bias != NULL && extent <= 0)) return -1;
+    const query_terms terms = {bias, bias_token_stride, bias_head_stride, extent, token_sinks,
+                               sink_token_stride};
+    return paged_attention(q, q_token_stride, q_head_stride, out, out_token_stride,
+                           out_head_stride, cache, codec, page_stride, slot_stride, kv_stride,
+                           token_stride, head_stride, block_size, kernel_block_size,
+                           blocks_per_page, block_table, table_stride, rows, num_rows,
+                           query_start_loc, seq_lens, num_heads, num_kv_heads, head_dim, scale,
+                           window, chunk, 0.f, sinks, NULL, 0, NULL, &terms, num_threads);
+}
+
+static int paged_attention(
+    const float *q, int64_t q_token_stride, int64_t q_head_stride,
+    float *out, int64_t out_token_stride, int64_t out_head_stride,
+    const char *cache, int64_t codec, int64_t page_stride, int64_t slot_stride,
+    int64_t kv_stride, int64_t token_stride, int64_t head_stride,
+    int64_t block_size, int64_t kernel_block_size, int64_t blocks_per_page,
+    const int64_t *block_table, int64_t table_stride,
+    const int64_t *rows, int64_t num_rows,
+    const int64_t *query_start_loc, const int64_t *seq_lens,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    float scale, int64_t window, int64_t chunk, float softcap, const float *sinks,
+    const float *fresh, int64_t fresh_stride, const int64_t *fresh_starts,
+    const query_terms *terms, int64_t num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 ||
         num_heads * head_dim > (1 << 16) || head_dim > 1024 || codec < CODEC_F32 ||
         codec > CODEC_Q4 || (codec == CODEC_Q4 && (fresh == NULL || kernel_block_size % KEY_GROUP)))
@@ -621,8 +705,11 @@ int hkv_paged_attention(
                 if (codec == CODEC_INT8 && head_dim % GROUP == 0)
                     q8_round_trip(qs + h * head_dim, head_dim);
 #endif
-                run_max[h] = sinks ? sinks[h] : -INFINITY;
-                run_sum[h] = sinks ? 1.f : 0.f;
+                const float *sink = terms->sinks != NULL
+                    ? terms->sinks + tok * terms->sink_token_stride + h
+                    : sinks != NULL ? sinks + h : NULL;
+                run_max[h] = sink ? *sink : -INFINITY;
+                run_sum[h] = sink ? 1.f : 0.f;
             }
             memset(acc, 0, sizeof(float) * num_heads * head_dim);
             /* q4 K/V: keys from `own` on (the query's group) are read from `fresh`. */
@@ -674,6 +761,10 @@ int hkv_paged_attention(
                             float *w = probs + g * TILE;
                             score_rows_i8(q8 + h * head_dim, qsc + h * (head_dim / GROUP),
                                           krow, token_stride, n, head_dim, w);
+                            if (terms->bias != NULL)
+                                add_bias(w, n, terms->bias + tok * terms->bias_token_stride
+                                                   + h * terms->bias_head_stride,
+                                         pos, t0 - n, terms->extent);
                             corr[g] = softmax_tile(w, n, softcap, &run_max[h], &run_sum[h]);
                         }
                         weigh_rows_i8(acc + kh * group * head_dim, corr, probs, group,
@@ -727,6 +818,10 @@ int hkv_paged_attention(
                         const int64_t h = kh * group + g;
                         PREFETCH_HEAD()
                         score_rows(qs + h * head_dim, k0, stride, n, head_dim, scores);
+                        if (terms->bias != NULL) /* t0 was advanced past the tile */
+                            add_bias(scores, n, terms->bias + tok * terms->bias_token_stride
+                                                    + h * terms->bias_head_stride,
+                                     pos, t0 - n, terms->extent);
                         const float correction = softmax_tile(scores, n, softcap, &run_max[h],
                                                               &run_sum[h]);
                         weigh_rows(acc + h * head_dim, correction, scores, v0, stride, n,
