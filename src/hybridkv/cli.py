@@ -196,8 +196,9 @@ def speculative_config(text: str) -> dict[str, Any]:
 
 SPECULATIVE_HELP = ('speculative decoding, as vLLM spells it: \'{"method": "ngram", '
                     '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-                    '"prompt_lookup_min": 1}\' or \'{"method": "draft_model", "model": '
-                    'PATH, "num_speculative_tokens": 4}\' (default: off)')
+                    '"prompt_lookup_min": 1}\', \'{"method": "draft_model", "model": '
+                    'PATH, "num_speculative_tokens": 4}\' or \'{"method": "mtp", '
+                    '"num_speculative_tokens": 2}\' (default: off)')
 
 
 def read_text(path: Path) -> str:
