@@ -46,8 +46,25 @@ def test_holders_are_capped_and_shown(demo_dir: Path, caplog: pytest.LogCaptureF
         == (2, 2)
     assert limit("waiting_requests", "requests") == DEFAULT_MAX_WAITING
     assert used("waiting_requests", "requests") == 0
+
     [line] = [r.getMessage() for r in caplog.records
               if r.getMessage().startswith("host memory outside the KV arena")]
     assert "kv_offload_cpu <= 64.00 MiB (--kv-offload-cpu)" in line
     assert "stored_responses <= 2 responses (--max-stored-responses)" in line
     assert f"waiting_requests <= {DEFAULT_MAX_WAITING} requests (--max-waiting)" in line
+
+
+def test_kv_events_queue_and_replay_buffer_are_shown(demo_dir: Path) -> None:
+    pytest.importorskip("zmq")
+    from tests.connector.vllm_events import free_port
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    with live_server(demo_dir, engine={"kv_events_endpoint": endpoint}) as live, \
+            live.client() as http:
+        assert http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2}
+                         ).status_code == 200
+        metrics = live.metrics()
+    assert metrics["hybridkv:host_cache_limit{holder=kv_events_queue,unit=batches}"] == 10_000
+    assert metrics["hybridkv:host_cache_limit{holder=kv_events_replay,unit=steps}"] == 10_000
+    assert 0 <= metrics["hybridkv:host_cache_used{holder=kv_events_queue,unit=batches}"] \
+        <= 10_000

@@ -208,6 +208,7 @@ class KVEventPublisher:
     def num_queued(self) -> int:
         return self._queue.qsize()
 
+    @property
     def num_buffered(self) -> int:
         """Steps of events kept for replay requests (at most `buffer_steps`)."""
         return len(self._buffer)

@@ -59,9 +59,10 @@ def host_holders(engine: Any, *, max_waiting: int, num_waiting: Callable[[], int
     events = getattr(engine, "kv_events", None)
     if events is not None:
         holders.append(HostHolder("kv_events_queue", "batches", int(events.max_queue),
-                                  "--kv-events-queue", events.num_queued))
+                                  "--kv-events-queue",
+                                  functools.partial(_count, events, "num_queued")))
         holders.append(HostHolder("kv_events_replay", "steps", int(events.buffer_steps),
-                                  "fixed", events.num_buffered))
+                                  "fixed", functools.partial(_count, events, "num_buffered")))
     staging = getattr(getattr(engine, "runner", None), "key_staging", None) or {}
     staged = sum(t.numel() * t.element_size() for layers in staging.values()
                  for t in layers.values())
@@ -73,6 +74,10 @@ def host_holders(engine: Any, *, max_waiting: int, num_waiting: Callable[[], int
 
 def _used(tier: Any) -> int:
     return int(tier.used_bytes)
+
+
+def _count(owner: Any, name: str) -> int:
+    return int(getattr(owner, name))
 
 
 def describe(holders: list[HostHolder]) -> str:
