@@ -250,73 +250,85 @@ static inline __attribute__((always_inline)) void widen32(__m256i q, vf d0, vf d
     }
 }
 
-static inline __attribute__((always_inline)) void deq32(const int type, const uint8_t *row,
-                                                        int64_t blk, const int sub, vf w[4]) {
-    const int64_t sb = blk * (super_block(type) ? 8 : 1) + sub;
+/* A sub-block's 32 codes as signed bytes and the scales that make them values (widen32):
+   code d0 (values 0-15), code d1 (16-31), or fma(code, d0, m) for the types with a min. */
+typedef struct {
+    __m256i q;
+    float d0, d1, m;
+} codes32;
+
+static inline int with_min(int type) {
+    return type == T_Q4_1 || type == T_Q5_1 || type == T_Q4_K || type == T_Q5_K;
+}
+
+/* A 256-value type's sub-block `sub` of block `blk`, its block's scales from block_scales
+   (the same float products deq32_lanes makes per sub-block). */
+static inline __attribute__((always_inline)) codes32 k_codes(const int type, const uint8_t *row,
+                                                             int64_t blk, const int sub,
+                                                             const float *d, const float *m) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
-    switch (type) {
-    case T_Q8_0: {
-        const uint8_t *p = row + sb * 34;
-        const vf d = vf_set1(half_to_float(rd16(p)));
-        widen32(_mm256_loadu_si256((const __m256i *)(p + 2)), d, d, d, 0, w);
-        return;
-    }
-    case T_Q4_0:
-    case T_Q5_0: {
-        const int five = type == T_Q5_0;
-        const uint8_t *p = row + sb * (five ? 22 : 18);
-        __m256i q = nibbles32(p + (five ? 6 : 2));
-        if (five) q = _mm256_or_si256(q, bits_to_0x10(rd32(p + 2)));
-        const vf d = vf_set1(half_to_float(rd16(p)));
-        widen32(_mm256_sub_epi8(q, _mm256_set1_epi8(five ? 16 : 8)), d, d, d, 0, w);
-        return;
-    }
-    case T_Q4_1:
-    case T_Q5_1: {
-        const int five = type == T_Q5_1;
-        const uint8_t *p = row + sb * (five ? 24 : 20);
-        __m256i q = nibbles32(p + (five ? 8 : 4));
-        if (five) q = _mm256_or_si256(q, bits_to_0x10(rd32(p + 4)));
-        const vf d = vf_set1(half_to_float(rd16(p))), m = vf_set1(half_to_float(rd16(p + 2)));
-        widen32(q, d, d, m, 1, w);
-        return;
-    }
-    case T_Q4_K:
-    case T_Q5_K: {
-        const int five = type == T_Q5_K;
-        const int s = sub;
-        const uint8_t *p = row + blk * (five ? 176 : 144);
-        vf d, m;
-        k_scale_min(p, s, &d, &m);
-        __m256i q = _mm256_loadu_si256((const __m256i *)(p + (five ? 48 : 16) + 32 * (s >> 1)));
-        if (s & 1) q = _mm256_srli_epi16(q, 4);
-        q = _mm256_and_si256(q, low4);
-        if (five) {
-            const __m256i bit = _mm256_set1_epi8((char)(1 << s));
-            const __m256i hv = _mm256_loadu_si256((const __m256i *)(p + 16));
-            q = _mm256_or_si256(q, _mm256_and_si256(
-                _mm256_cmpeq_epi8(_mm256_and_si256(hv, bit), bit), _mm256_set1_epi8(0x10)));
-        }
-        widen32(q, d, d, m, 1, w);
-        return;
-    }
-    case T_Q6_K: {
+    codes32 c;
+    if (type == T_Q6_K) {
         const int h = sub >> 2, s = sub & 3;
         const uint8_t *p = row + blk * 210;
-        const int8_t *scales = (const int8_t *)(p + 192);
-        const float d = half_to_float(rd16(p + 208));
         __m256i lo = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32 * (s & 1)));
         if (s >> 1) lo = _mm256_srli_epi16(lo, 4);
         lo = _mm256_and_si256(lo, low4);
         __m256i hi = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
         hi = _mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * s));
         hi = _mm256_slli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(3)), 4);
-        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
-        const vf d0 = vf_set1(d * (float)scales[8 * h + 2 * s]);
-        const vf d1 = vf_set1(d * (float)scales[8 * h + 2 * s + 1]);
-        widen32(q, d0, d1, d0, 0, w);
-        return;
+        c.q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+        c.d0 = d[8 * h + 2 * s], c.d1 = d[8 * h + 2 * s + 1], c.m = 0.f;
+        return c;
     }
+    const int five = type == T_Q5_K;
+    const uint8_t *p = row + blk * (five ? 176 : 144);
+    __m256i q = _mm256_loadu_si256((const __m256i *)(p + (five ? 48 : 16) + 32 * (sub >> 1)));
+    if (sub & 1) q = _mm256_srli_epi16(q, 4);
+    q = _mm256_and_si256(q, low4);
+    if (five) {
+        const __m256i bit = _mm256_set1_epi8((char)(1 << sub));
+        const __m256i hv = _mm256_loadu_si256((const __m256i *)(p + 16));
+        q = _mm256_or_si256(q, _mm256_and_si256(
+            _mm256_cmpeq_epi8(_mm256_and_si256(hv, bit), bit), _mm256_set1_epi8(0x10)));
+    }
+    c.q = q, c.d0 = c.d1 = d[sub], c.m = m[sub];
+    return c;
+}
+
+/* Block `blk` of a 32-value type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). */
+static inline __attribute__((always_inline)) codes32 block_codes(const int type,
+                                                                 const uint8_t *row,
+                                                                 int64_t blk) {
+    codes32 c;
+    if (type == T_Q8_0) {
+        const uint8_t *p = row + blk * 34;
+        c.q = _mm256_loadu_si256((const __m256i *)(p + 2));
+        c.d0 = c.d1 = half_to_float(rd16(p)), c.m = 0.f;
+        return c;
+    }
+    const int five = type == T_Q5_0 || type == T_Q5_1, min = with_min(type);
+    const int64_t size = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 24;
+    const uint8_t *p = row + blk * size;
+    __m256i q = nibbles32(p + 2 + 2 * min + 4 * five);
+    if (five) q = _mm256_or_si256(q, bits_to_0x10(rd32(p + 2 + 2 * min)));
+    if (!min) q = _mm256_sub_epi8(q, _mm256_set1_epi8(five ? 16 : 8));
+    c.q = q, c.d0 = c.d1 = half_to_float(rd16(p)), c.m = min ? half_to_float(rd16(p + 2)) : 0.f;
+    return c;
+}
+
+static inline __attribute__((always_inline)) void widen_codes(const int type, codes32 c, vf w[4]) {
+    widen32(c.q, vf_set1(c.d0), vf_set1(c.d1), vf_set1(c.m), with_min(type), w);
+}
+
+/* 32-value types through their codes; the 256-value ones are deq32_k's (the few-row and
+   buffered kernels read their block's scales once), the float types deq32_lanes'. */
+static inline __attribute__((always_inline)) void deq32(const int type, const uint8_t *row,
+                                                        int64_t blk, const int sub, vf w[4]) {
+    switch (type) {
+    case T_Q8_0: case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1:
+        widen_codes(type, block_codes(type, row, blk), w);
+        return;
     default:
         deq32_lanes(type, row, blk, sub, w);
         return;
@@ -356,34 +368,7 @@ static inline __attribute__((always_inline)) void deq32_k(const int type, const 
                                                           const float *d, const float *m,
                                                           vf w[4]) {
 #if defined(QG_AVX2)
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
-    if (type == T_Q6_K) {
-        const int h = sub >> 2, s = sub & 3;
-        const uint8_t *p = row + blk * 210;
-        __m256i lo = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32 * (s & 1)));
-        if (s >> 1) lo = _mm256_srli_epi16(lo, 4);
-        lo = _mm256_and_si256(lo, low4);
-        __m256i hi = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
-        hi = _mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * s));
-        hi = _mm256_slli_epi16(_mm256_and_si256(hi, _mm256_set1_epi8(3)), 4);
-        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
-        const vf d0 = vf_set1(d[8 * h + 2 * s]), d1 = vf_set1(d[8 * h + 2 * s + 1]);
-        widen32(q, d0, d1, d0, 0, w);
-        return;
-    }
-    const int five = type == T_Q5_K;
-    const uint8_t *p = row + blk * (five ? 176 : 144);
-    __m256i q = _mm256_loadu_si256((const __m256i *)(p + (five ? 48 : 16) + 32 * (sub >> 1)));
-    if (sub & 1) q = _mm256_srli_epi16(q, 4);
-    q = _mm256_and_si256(q, low4);
-    if (five) {
-        const __m256i bit = _mm256_set1_epi8((char)(1 << sub));
-        const __m256i hv = _mm256_loadu_si256((const __m256i *)(p + 16));
-        q = _mm256_or_si256(q, _mm256_and_si256(
-            _mm256_cmpeq_epi8(_mm256_and_si256(hv, bit), bit), _mm256_set1_epi8(0x10)));
-    }
-    const vf dv = vf_set1(d[sub]);
-    widen32(q, dv, dv, vf_set1(m[sub]), 1, w);
+    widen_codes(type, k_codes(type, row, blk, sub, d, m), w);
 #else
     (void)d, (void)m;
     deq32_lanes(type, row, blk, sub, w);
@@ -537,13 +522,19 @@ static void buf_rows(const float *w, int64_t nr, int64_t cols, const float *x, i
 static void deq_rows(int type, const uint8_t *const *wr, int64_t nr, int64_t cols, float *out) {
 #define DQ(T) case T:                                                                       \
     for (int64_t j = 0; j < nr; j++)                                                        \
-        for (int64_t b = 0; b < cols / (32 * (super_block(T) ? 8 : 1)); b++)               \
+        for (int64_t b = 0; b < cols / (32 * (super_block(T) ? 8 : 1)); b++) {             \
+            float kd[16], km[8];                                                            \
+            if (super_block(T)) block_scales(T, wr[j], b, kd, km);                          \
             for (int u = 0; u < (super_block(T) ? 8 : 1); u++) {                            \
                 vf w[4];                                                                    \
                 float *o = out + j * cols + 32 * (b * (super_block(T) ? 8 : 1) + u);        \
-                deq32(T, wr[j], b, u, w);                                                   \
+                if (super_block(T))                                                         \
+                    deq32_k(T, wr[j], b, u, kd, km, w);                                     \
+                else                                                                        \
+                    deq32(T, wr[j], b, u, w);                                               \
                 for (int t = 0; t < 4; t++) vf_store(o + 8 * t, w[t]);                      \
             }                                                                               \
+        }                                                                                   \
     break;
     switch (type) {
     DQ(T_Q4_0) DQ(T_Q4_1) DQ(T_Q5_0) DQ(T_Q5_1) DQ(T_Q8_0) DQ(T_Q4_K) DQ(T_Q5_K) DQ(T_Q6_K)
