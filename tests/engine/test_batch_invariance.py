@@ -39,7 +39,7 @@ def model(request, tmp_path_factory) -> str:
                                 demo_shape("small", layers=4)))
 
 
-def _engine(model: str, kv_cache_dtype: str, **options) -> LLM:
+def _engine_with(model: str, kv_cache_dtype: str, **options) -> LLM:
     return LLM(model, kv_cache_memory="64MiB", max_model_len=512,
                kv_cache_dtype=kv_cache_dtype, **options)
 
@@ -76,8 +76,17 @@ class PageRows:
         return [self.rows[o.request_id] for o in outputs], outputs
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "q4"])
-def test_page_bytes_alone_chunked_batched_and_after_a_hit(model, kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype,activations", [
+    ("auto", "float32"), ("int8", "float32"), ("q4", "float32"), ("auto", "int8"),
+    ("q4", "int8")])
+def test_page_bytes_alone_chunked_batched_and_after_a_hit(model, kv_cache_dtype, activations):
+    """float32 activations, and 8-bit ones (llama.cpp's arithmetic, quant_activations="int8":
+    the GGUF's quantized products at every row count; the float32 model has none)."""
+    if activations == "int8" and not model.endswith(".gguf"):
+        pytest.skip("8-bit activations apply to quantized weights (the GGUF) only")
+    def _engine(model: str, kv_cache_dtype: str, **options) -> LLM:
+        return _engine_with(model, kv_cache_dtype, quant_activations=activations, **options)
+
     plain = {"enable_prefix_caching": False}
     [alone], [ref] = PageRows(_engine(model, kv_cache_dtype, **plain)).run([PROMPT])
     # the prompt and the generated tokens whose K/V was written, decode steps' included

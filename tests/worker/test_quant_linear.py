@@ -302,6 +302,57 @@ def test_a_rows_result_does_not_depend_on_its_batch(qtype: int) -> None:
 
 
 @needs_c
+@pytest.mark.parametrize("qtype", sorted(INT8_TYPES), ids=[ql.SUPPORTED[t] for t in sorted(INT8_TYPES)])
+def test_8bit_activations_rows_do_not_depend_on_their_batch(qtype: int, path: str) -> None:
+    """With 8-bit activations every row count takes them (each x row quantized alone, each
+    dot the same instructions): a row's result is bit for bit the same alone, in any batch
+    and on 1-3 threads, and hkv_quant_gemm_int8 (the native decode layers' call) gives the
+    operator path's bytes, plain and gated (gate and up products, then gated_rows)."""
+    import ctypes
+
+    from hybridkv.worker import cpu_linear
+
+    values, _ = ql.block_shape(qtype)
+    cols = 512 if values == 256 else 320
+    rows = 2 * 67
+    raw = weights(qtype, rows, cols, seed=12)
+    data = as_tensor(raw)
+    x = torch.randn(70, cols)
+    was = ql.set_float_activations(False)
+    before = torch.get_num_threads()
+    lib = ql.library()
+    fn = lib.hkv_quant_gemm_int8
+    fn.restype = ctypes.c_int
+    P, I = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [P, I, I, P, I, ctypes.c_int, I, I, P, I, ctypes.c_int, P]
+
+    def gemm_int8(xs: torch.Tensor, n: int, mode: int) -> torch.Tensor:
+        out = torch.empty(xs.shape[0], n)
+        assert fn(xs.data_ptr(), xs.shape[0], xs.stride(0), data.data_ptr(), data.stride(0),
+                  qtype, n, cols, out.data_ptr(), out.stride(0), mode, None) == 0
+        return out
+
+    try:
+        if not ql.int8_capable(qtype):
+            pytest.skip("8-bit activations need AVX2")
+        assert ql.int8_rows(qtype) >= 1 << 40
+        torch.set_num_threads(1)
+        alone = torch.cat([ql.matmul(x[i:i + 1], data, qtype, cols) for i in range(70)])
+        check_matmul(alone, x, raw, qtype, cols)
+        silu = cpu_linear.GATED_ACTIVATIONS["silu"]
+        gated = ql.gated_rows(alone[:, :67].contiguous(), alone[:, 67:].contiguous(), silu)
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 25, 70):
+                assert torch.equal(ql.matmul(x[:m], data, qtype, cols), alone[:m]), (threads, m)
+                assert torch.equal(gemm_int8(x[:m], rows, 0), alone[:m]), (threads, m)
+                assert torch.equal(gemm_int8(x[:m], 67, silu), gated[:m]), (threads, m)
+    finally:
+        torch.set_num_threads(before)
+        ql.set_float_activations(was)
+
+
+@needs_c
 def test_rows_wider_than_the_chunk_buffer() -> None:
     """Rows of more than half a thread's chunk buffer (32,768 floats) still take two rows a
     chunk, the buffer grown to fit: the same bytes as one row at a time."""

@@ -145,6 +145,11 @@ class NativeDecode:
         for i, layer in enumerate(layers):
             structs.append(self._describe(i, layer))
         self.layers = (Layer * len(structs))(*structs)
+        # Whether every matrix takes 8-bit activations where they are on (the C call then
+        # runs quant.c's kernel on all of them, as the operator path does).
+        self.int8_ready = all(
+            quant_linear.int8_capable(mat.type)
+            for L in structs for mat in (*L.qkv[:L.n_qkv], L.o, *L.gate_up[:L.n_gate_up], L.down))
         lib = library()
         attention = native.load("paged_attention").hkv_paged_attention
         ops = cpu_ops.library()
@@ -227,8 +232,8 @@ class NativeDecode:
         """Whether this step runs here: every token a decode of its own request, at most
         `max_rows` of them, float32 K/V pages and the C attention backend."""
         m = h.shape[0]
-        if not quant_linear.FLOAT_ACTIVATIONS:
-            return False  # 8-bit activations: the operator path picks kernels per type
+        if not quant_linear.FLOAT_ACTIVATIONS and not self.int8_ready:
+            return False  # 8-bit activations on some matrices, float on others
         if not (self.refused is None and 0 < m <= self.max_rows and h.dim() == 2
                 and h.dtype == torch.float32 and h.device.type == "cpu"
                 and isinstance(ctx.backend, CPUPagedBackend)
@@ -295,6 +300,7 @@ class NativeDecode:
             step.keep += [cos, sin]
             cos_ptrs[j], sin_ptrs[j] = cos.data_ptr(), sin.data_ptr()
         out = h.contiguous().clone()
+        self.kernels.matmul = quant_linear.gemm_address()  # float or 8-bit activations
         rc = self._run(self.layers, len(self.names), step.groups, ctypes.byref(self.kernels),
                        cos_ptrs, sin_ptrs, out.data_ptr(), m, self.hidden,
                        self.scratch.data_ptr(), torch.get_num_threads())

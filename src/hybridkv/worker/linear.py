@@ -185,10 +185,10 @@ class GatedLinear(nn.Module):
                 if y is not None:
                     return y.view(*x.shape[:-1], y.shape[-1])
             if parts is not None and all(quant_linear.takes_gemm(w.qtype, w.cols)
-                                           for w in parts.weights) \
-                    and quant_linear.FLOAT_ACTIVATIONS:
-                # Gate and up of two block types: the activation by the kernel's own loop,
-                # so the bytes do not depend on which path a row took.
+                                           for w in parts.weights):
+                # Gate and up of two block types, or 8-bit activations: the activation by
+                # the kernel's own loop, so the bytes do not depend on which path a row took
+                # (the native decode layers run the same loop).
                 gate, up = self.gate_up.split(rows)
                 y = quant_linear.gated_rows(gate, up, self.quantized_mode)
                 return y.view(*x.shape[:-1], y.shape[-1])

@@ -18,9 +18,11 @@
      F32, F16, BF16: one value a block.
 
    The product here is the 8-bit activations' (off by default): for the quantized types
-   with AVX2 it quantizes a small batch of x rows (up to 8-24 rows by type: int_rows_max)
-   to 8 bits once per call and takes integer dot products with each weight block (no float
-   copy of the weights, so decode streams the quantized rows once, near memory bandwidth).
+   with AVX2 it quantizes every x row to 8 bits once per call (at any number of rows, each
+   row alone: batch invariant) and takes integer dot products with each weight block (no
+   float copy of the weights, so decode streams the quantized rows once, near memory
+   bandwidth); hkv_quant_gemm_int8 is the same product with quant_gemm.c's call, gated
+   modes included (the native decode layers).
    x in float takes quant_gemm.c, whose order of arithmetic does not depend on the number
    of rows (worker/quant_linear.py); hkv_quant_matmul refuses it (-1).
    hkv_quant_float_activations(1) keeps x in float on every path. Work is split over
@@ -586,7 +588,15 @@ static inline __m256i bits_to_ff(const uint8_t *bits) {
 /* Sums of pairs of u8 x s8 products (into int16: at most 2 128 127 < 2^15), then of
    their pairs: eight int32 sums of four products each. */
 static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    /* The same int32 sums in one instruction (no pair of products reaches 2^15, so
+       maddubs never saturated them). */
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
 }
 
 /* One 32-value block b of the types with 32-value blocks into A[i] (and O[i], the min
@@ -759,36 +769,26 @@ static int int_type(int type) {
            type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
 }
 
-/* x rows up to which the integer path runs (measured against the float kernels: see
-   quant_linear.py). */
-#ifndef INT_MAX_ROWS
-#define INT_MAX_ROWS 0 /* a build option (measurements): all types up to this many rows */
-#endif
+/* x rows up to which the integer path runs once 8-bit activations are asked for: every
+   row count on AVX2, so a row's result never depends on its batch (each x row is
+   quantized alone and each (x row, weight row) dot runs the same instructions however
+   many x rows int_row takes at once). Without AVX2 the portable integer kernel (measured
+   with SSE2 and AVX2 code) was slower than the float kernels: x stays in float there, at
+   every row count too. */
 #ifndef INT_MAX_ROWS_PORTABLE
 #define INT_MAX_ROWS_PORTABLE 0
 #endif
 static int64_t int_rows_max(int type) {
-#if defined(HAVE_INT_AVX2)
-    /* AVX2 (one core of an AMD EPYC): up to these rows the integer kernel beats the float
-       ones (the fused kernel to 4 rows, 8 for Q8_0, then the panels); in the tests'
-       portable mode the portable kernels take the same rows. */
-    if (INT_MAX_ROWS) return INT_MAX_ROWS;
-    switch (type) {
-    case T_Q8_0: return 24;
-    case T_Q4_0: case T_Q4_1: return 20;
-    case T_Q5_0: case T_Q6_K: return 16;
-    case T_Q5_1: return 12;
-    case T_Q4_K: return 10;
-    case T_Q5_K: return 8;
-    default: return 0;
-    }
-#else
-    /* Without AVX2 the portable integer kernel (measured with SSE2 and AVX2 code) was
-       slower than the float panels: x stays in float. */
     (void)type;
+#if defined(HAVE_INT_AVX2)
+    return INT64_MAX; /* the tests' portable mode too (its kernels take the same rows) */
+#else
     return INT_MAX_ROWS_PORTABLE;
 #endif
 }
+
+/* Whether `type` takes 8-bit activations where they are on (1) or stays float (0). */
+int hkv_quant_int8_capable(int type) { return int_type(type) && int_rows_max(type) > 0; }
 
 /* x rows up to which y = x W^T of `type` takes 8-bit activations (0: never). */
 int64_t hkv_quant_int8_rows(int type) {
@@ -885,4 +885,29 @@ int hkv_quant_matmul(const float *x, int64_t m, int64_t ldx, const uint8_t *w, i
         return int_matmul(x, m, ldx, w, ldw, type, rows, cols, y, ldy);
     /* Float activations: quant_gemm.c (one order of arithmetic for every row count). */
     return -1;
+}
+
+/* hkv_quant_gemm's call (decode_layers.c's matmul_fn) with 8-bit activations: mode 0,
+   y [m, n] = x W^T; a gated mode (1 SiLU, 2 GELU-tanh, 3 ReLU), y = act(x G^T) * (x U^T)
+   with G = W's n rows and U = u's (W's next n rows where u is NULL), through simd.h's
+   gated_row. The operator path computes the same with these activations (the gate and up
+   products, then quant_linear.gated_rows), so a decode step gets its bytes. -1: a type
+   this path does not take or 8-bit activations off; -2: no memory. */
+int hkv_quant_gemm_int8(const float *x, int64_t m, int64_t ldx, const uint8_t *w, int64_t ldw,
+                        int type, int64_t n, int64_t cols, float *y, int64_t ldy, int mode,
+                        const uint8_t *u) {
+    if (float_activations || !int_type(type) || m > int_rows_max(type) || cols % 32)
+        return -1;
+    if (m <= 0 || n <= 0) return 0;
+    if (!mode) return int_matmul(x, m, ldx, w, ldw, type, n, cols, y, ldy);
+    if (u == NULL) u = w + n * ldw;
+    float *g = malloc(2 * (size_t)(m * n) * sizeof(float));
+    if (g == NULL) return -2;
+    float *up = g + m * n;
+    int rc = int_matmul(x, m, ldx, w, ldw, type, n, cols, g, n);
+    if (rc == 0) rc = int_matmul(x, m, ldx, u, ldw, type, n, cols, up, n);
+    if (rc == 0)
+        for (int64_t i = 0; i < m; i++) gated_row(g + i * n, up + i * n, n, mode, y + i * ldy);
+    free(g);
+    return rc;
 }
