@@ -79,12 +79,13 @@ def without_min(raw: np.ndarray, qtype: int, cols: int) -> torch.Tensor:
     return reference(blocks.reshape(raw.shape[0], -1), qtype, cols)
 
 
-def int8_bound(x: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
-    """quant_linear's bound on |y - y_float| from 8-bit x: per 32-value block of x,
-    max |x| / 254 times sum |d q| of the block's weights (wq: without their mins)."""
+def int8_bound(x: torch.Tensor, wq: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """quant_linear's bound on |y - y_float| from 8-bit x: per group of x values sharing a
+    scale (ql.int8_x_block: 32, or 256 for the K-quants), max |x| / 254 times sum |d q| of
+    the group's weights (wq: without their mins)."""
     m, cols = x.shape
-    half_step = x.abs().double().reshape(m, cols // 32, 32).amax(dim=2) / 254
-    return half_step.repeat_interleave(32, dim=1) @ wq.abs().double().T
+    half_step = x.abs().double().reshape(m, cols // group, group).amax(dim=2) / 254
+    return half_step.repeat_interleave(group, dim=1) @ wq.abs().double().T
 
 
 def check_matmul(got: torch.Tensor, x: torch.Tensor, raw: np.ndarray, qtype: int,
@@ -98,7 +99,8 @@ def check_matmul(got: torch.Tensor, x: torch.Tensor, raw: np.ndarray, qtype: int
         return 0.0
     want = x.double() @ w.double().T
     scale = x.abs().double() @ w.abs().double().T
-    bound = int8_bound(x, without_min(raw, qtype, cols)) + 1e-5 * scale + 1e-30
+    bound = int8_bound(x, without_min(raw, qtype, cols), ql.int8_x_block(qtype)) + \
+        1e-5 * scale + 1e-30
     ratio = ((got.double() - want).abs() / bound).max().item()
     assert ratio <= 1.0, f"error {ratio:.3g} x the 8-bit activations' bound"
     return ratio

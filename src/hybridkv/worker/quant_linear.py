@@ -18,9 +18,10 @@ Which path y = x W^T takes (M: the rows of x):
   * With 8-bit activations on (quant_activations="int8"; off by default, see
     FLOAT_ACTIVATIONS), quantized types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) on a
     CPU with AVX2 take 8-bit activations at every M: each x row is quantized alone in
-    blocks of 32 values (scale d = max|x| / 127, q = round(x / d)) and dotted with the
-    weight blocks' integers in int32 (AVX2 maddubs/madd, or one VNNI dpbusd: the same
-    sums), one float scaling per 32 values; mins go through x's exact block sums. A row's
+    groups of 32 values, 256 for the K-quants (int8_x_block; scale d = max|x| / 127, q =
+    round(x / d)), and dotted with the weight blocks' integers in int32 (AVX2 maddubs/madd,
+    or one VNNI dpbusd: the same sums), one float scaling per 32 values (per 256 for the
+    K-quants, as llama.cpp's Q8_K); mins go through x's exact sums per 32. A row's
     result does not depend on its batch here either (each (x row, weight row) dot runs the
     same instructions, the work split by weight rows). At M=1 on one core this runs
     1.7-2.9x the float kernel; at M=512, 0.8-1.1x. Gated MLPs take the product then
@@ -29,9 +30,9 @@ Which path y = x W^T takes (M: the rows of x):
   * Rows whose width is not a multiple of 32 (F32/F16/BF16 only), and machines where the
     C kernels do not build, take torch's matmul on the dequantized weights.
 
-Accuracy of the 8-bit activations: rounding x to its block's grid moves each value by at
-most d / 2 = max|x_block| / 254, so for each output
-    |y - y_float| <= sum over x blocks B of (max_{k in B} |x_k| / 254) * sum_{k in B} |d q_k|
+Accuracy of the 8-bit activations: rounding x to its group's grid moves each value by at
+most d / 2 = max|x_group| / 254, so for each output
+    |y - y_float| <= sum over x groups B of (max_{k in B} |x_k| / 254) * sum_{k in B} |d q_k|
 plus float rounding (~1e-6 sum |x||w|), with d q the weight less its block's min (the
 weight itself for Q4_0, Q5_0, Q8_0, Q6_K). The tests check it for every type (odd block
 counts, strided rows, 2 threads, both kernels). In practice errors stay ~5% of that bound;
@@ -160,6 +161,12 @@ def gemm_address() -> int:
         return int(ctypes.cast(library().hkv_quant_gemm_int8, ctypes.c_void_p).value or 0)
     fn = _gemm()
     return int(ctypes.cast(fn, ctypes.c_void_p).value or 0) if fn is not None else 0
+
+
+def int8_x_block(qtype: int) -> int:
+    """x values that share one 8-bit scale in `qtype`'s products with 8-bit activations:
+    256 for the K-quants (Q4_K, Q5_K, Q6_K: llama.cpp's Q8_K), else 32."""
+    return 256 if int(qtype) in (12, 13, 14) else 32
 
 
 def int8_capable(qtype: int) -> bool:

@@ -364,12 +364,14 @@ static inline void hsum4(v8 a, v8 b, v8 c, v8 d, float *out) {
 }
 #endif
 
-/* ---- A few x rows: 8-bit activations, integer dot products ----
-   Each x row is quantized once per call, in blocks of 32 values: d = max |x| / 127 and
-   q = round(x / d) (so |x - d q| <= d / 2), plus the block's float sum. A weight block's
-   integers then dot with the x block's in int32 (exactly), converted to float once per
-   32 values (16 for Q6_K's scales) and scaled by the two blocks' scales; the offsets of
-   the types with a min (Q4_1, Q5_1, Q4_K, Q5_K) go through the x block's exact float sum.
+/* ---- 8-bit activations, integer dot products ----
+   Each x row is quantized once per call, in groups of 32 values (256 for the K-quants,
+   llama.cpp's Q8_K: x_group): d = max |x| / 127 over the group and q = round(x / d) (so
+   |x - d q| <= d / 2), plus each 32 values' float sum. A weight block's integers then dot
+   with x's in int32 (exactly): converted to float once per 32 values and scaled by both
+   blocks' scales, or for the K-quants each sub-block's sum times its integer scale added
+   up over the whole 256-value block first; the offsets of the types with a min (Q4_1,
+   Q5_1, Q4_K, Q5_K) go through x's exact float sums per 32.
    The signed types (Q4_0, Q5_0, Q8_0, Q6_K) take |w| as the unsigned operand of the
    byte products and x with w's sign (AVX2's maddubs multiplies unsigned by signed bytes).
    The error against float activations is sum over blocks of (max |x| in the block / 254)
@@ -409,20 +411,50 @@ static inline void finish_block(float amax, float sum, float *d, float *id, floa
     *s = sum;
 }
 
+/* Blocks of 32 x values that share one 8-bit scale for `type`: 8 (256 values, llama.cpp's
+   Q8_K) for the K-quants, whose integer sums then run a whole weight block before a float
+   is touched, else 1. */
+static inline int x_group(int type) {
+    return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K ? 8 : 1;
+}
+
+/* A group of g 32-value blocks' scale from their largest |x| and sums: every block gets
+   d = amax / 127 (NaN for all of them where any block holds a NaN or an infinity) and
+   its own sum; *id the reciprocal that rounds them. */
+static inline float finish_group(const float *amax, const float *sum, int g, float *d,
+                                 float *s) {
+    float mx = 0.f;
+    int finite = 1;
+    for (int j = 0; j < g; j++) {
+        mx = fmaxf(mx, amax[j]);
+        finite &= isfinite(sum[j]) != 0;
+    }
+    const float dd = mx / 127.f; /* as finish_block */
+    for (int j = 0; j < g; j++) {
+        d[j] = finite ? dd : NAN;
+        s[j] = sum[j];
+    }
+    return dd != 0.f && isfinite(dd) ? 1.f / dd : 0.f;
+}
+
 static void quantize_x_portable(const float *x, int64_t m, int64_t ldx, int64_t cols,
-                                int8_t *q, float *d, float *s) {
+                                int8_t *q, float *d, float *s, int g) {
     const int64_t nb = cols / 32;
     for (int64_t i = 0; i < m; i++)
-        for (int64_t b = 0; b < nb; b++) {
-            const float *v = x + i * ldx + 32 * b;
-            float amax = 0.f, sum = 0.f, id;
-            for (int j = 0; j < 32; j++) {
-                amax = fmaxf(amax, fabsf(v[j]));
-                sum += v[j];
+        for (int64_t b = 0; b < nb; b += g) {
+            float amax[8], sum[8];
+            for (int j = 0; j < g; j++) {
+                const float *v = x + i * ldx + 32 * (b + j);
+                amax[j] = 0.f, sum[j] = 0.f;
+                for (int k = 0; k < 32; k++) {
+                    amax[j] = fmaxf(amax[j], fabsf(v[k]));
+                    sum[j] += v[k];
+                }
             }
-            finish_block(amax, sum, d + i * nb + b, &id, s + i * nb + b);
+            const float id = finish_group(amax, sum, g, d + i * nb + b, s + i * nb + b);
             int8_t *o = q + i * cols + 32 * b;
-            for (int j = 0; j < 32; j++) o[j] = (int8_t)(int)nearbyintf(v[j] * id);
+            const float *v = x + i * ldx + 32 * b;
+            for (int k = 0; k < 32 * g; k++) o[k] = (int8_t)(int)nearbyintf(v[k] * id);
         }
 }
 
@@ -535,38 +567,43 @@ static float int_dot_portable(const int8_t *w, const float *sc, const float *mn,
 #define HAVE_INT_AVX2 1
 
 static void quantize_x_avx2(const float *x, int64_t m, int64_t ldx, int64_t cols, int8_t *q,
-                            float *d, float *s) {
+                            float *d, float *s, int g) {
     const int64_t nb = cols / 32;
     const __m256 sign = _mm256_set1_ps(-0.f);
     const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t i = 0; i < m; i++)
-        for (int64_t b = 0; b < nb; b++) {
-            const float *v = x + i * ldx + 32 * b;
-            const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
-            const __m256 v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
-            const __m256 mx = _mm256_max_ps(
-                _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-            h = _mm_max_ss(h, _mm_movehdup_ps(h));
-            const __m256 sv = _mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3));
-            __m128 t = _mm_add_ps(_mm256_castps256_ps128(sv), _mm256_extractf128_ps(sv, 1));
-            t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-            t = _mm_add_ss(t, _mm_movehdup_ps(t));
-            float id;
-            finish_block(_mm_cvtss_f32(h), _mm_cvtss_f32(t), d + i * nb + b, &id,
-                         s + i * nb + b);
-            const __m256 idv = _mm256_set1_ps(id);
-            /* Rounded to nearest even, as nearbyintf in the portable code. */
-            const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, idv));
-            const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, idv));
-            const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, idv));
-            const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, idv));
-            const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1),
-                                                 _mm256_packs_epi32(i2, i3));
-            _mm256_storeu_si256((__m256i *)(q + i * cols + 32 * b),
-                                _mm256_permutevar8x32_epi32(p, perm));
+        for (int64_t b = 0; b < nb; b += g) {
+            float amax[8], sum[8];
+            for (int j = 0; j < g; j++) {
+                const float *v = x + i * ldx + 32 * (b + j);
+                const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+                const __m256 v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
+                const __m256 mx = _mm256_max_ps(
+                    _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                    _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+                __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+                h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+                h = _mm_max_ss(h, _mm_movehdup_ps(h));
+                const __m256 sv = _mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3));
+                __m128 t = _mm_add_ps(_mm256_castps256_ps128(sv), _mm256_extractf128_ps(sv, 1));
+                t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+                t = _mm_add_ss(t, _mm_movehdup_ps(t));
+                amax[j] = _mm_cvtss_f32(h), sum[j] = _mm_cvtss_f32(t);
+            }
+            const __m256 idv = _mm256_set1_ps(
+                finish_group(amax, sum, g, d + i * nb + b, s + i * nb + b));
+            for (int j = 0; j < g; j++) {
+                const float *v = x + i * ldx + 32 * (b + j);
+                /* Rounded to nearest even, as nearbyintf in the portable code. */
+                const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v), idv));
+                const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8), idv));
+                const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 16), idv));
+                const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 24), idv));
+                const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1),
+                                                     _mm256_packs_epi32(i2, i3));
+                _mm256_storeu_si256((__m256i *)(q + i * cols + 32 * (b + j)),
+                                    _mm256_permutevar8x32_epi32(p, perm));
+            }
         }
 }
 
@@ -682,8 +719,11 @@ static inline __attribute__((always_inline)) void int_row(
                 _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mns))));
             const __m256i hv = five ? _mm256_loadu_si256((const __m256i *)qh)
                                     : _mm256_setzero_si256();
-            __m256 sb[INT_ROWS], sb2[INT_ROWS];
-            for (int i = 0; i < NX; i++) sb[i] = sb2[i] = _mm256_setzero_ps();
+            /* x's 256 values share one scale (x_group): the sub-blocks' integer sums,
+               each times its integer scale, add up in int32 (at most 8 x 2 x 31 x 127 x 63
+               a lane), one conversion and one scaling a block. */
+            __m256i sum[INT_ROWS];
+            for (int i = 0; i < NX; i++) sum[i] = _mm256_setzero_si256();
             for (int s = 0; s < 8; s += 2) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 * s));
                 __m256i lo, hi;
@@ -691,19 +731,17 @@ static inline __attribute__((always_inline)) void int_row(
                 const __m256i s0 = _mm256_set1_epi16(scs[s]), s1 = _mm256_set1_epi16(scs[s + 1]);
                 for (int i = 0; i < NX; i++) {
                     const int8_t *xi = xq + i * cols + k + 32 * s;
-                    const float *di = xd + i * nb + b + s;
                     const __m256i t0 = _mm256_madd_epi16(
                         _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xi)), s0);
                     const __m256i t1 = _mm256_madd_epi16(
                         _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xi + 32))),
                         s1);
-                    sb[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t0), _mm256_set1_ps(di[0]), sb[i]);
-                    sb2[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t1), _mm256_set1_ps(di[1]), sb2[i]);
+                    sum[i] = _mm256_add_epi32(sum[i], _mm256_add_epi32(t0, t1));
                 }
             }
-            const __m256 dv = _mm256_set1_ps(dw);
             for (int i = 0; i < NX; i++) {
-                acc[i] = _mm256_fmadd_ps(dv, _mm256_add_ps(sb[i], sb2[i]), acc[i]);
+                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[i * nb + b]),
+                                         _mm256_cvtepi32_ps(sum[i]), acc[i]);
                 acc2[i] = _mm256_fnmadd_ps(mv, _mm256_loadu_ps(xs + i * nb + b), acc2[i]);
             }
         }
@@ -714,8 +752,8 @@ static inline __attribute__((always_inline)) void int_row(
         for (int64_t k = 0, b = 0; k < cols; k += 256, b += 8, p += 210) {
             const uint8_t *ql = p, *qh = p + 128;
             const int8_t *scs = (const int8_t *)(p + 192);
-            __m256 sb[2][INT_ROWS];
-            for (int i = 0; i < NX; i++) sb[0][i] = sb[1][i] = _mm256_setzero_ps();
+            __m256i sum[INT_ROWS]; /* as Q4_K's: at most 8 x 2 x 32 x 127 x 128 a lane */
+            for (int i = 0; i < NX; i++) sum[i] = _mm256_setzero_si256();
             for (int h = 0; h < 2; h++) {
                 const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
                 const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
@@ -734,21 +772,19 @@ static inline __attribute__((always_inline)) void int_row(
                     const __m256i wa = _mm256_sign_epi8(w, w);
                     const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(scs[8 * h + 2 * s + 1]),
                                                         _mm_set1_epi16(scs[8 * h + 2 * s]));
-                    const int64_t kk = k + 128 * h + 32 * s, bb = b + 4 * h + s;
+                    const int64_t kk = k + 128 * h + 32 * s;
                     for (int i = 0; i < NX; i++) {
                         const __m256i xv =
                             _mm256_loadu_si256((const __m256i *)(xq + i * cols + kk));
-                        const __m256i t = _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, w)), sv);
-                        sb[s & 1][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t),
-                                                       _mm256_set1_ps(xd[i * nb + bb]),
-                                                       sb[s & 1][i]);
+                        sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, w)), sv));
                     }
                 }
             }
-            const __m256 dv = _mm256_set1_ps(half_to_float(rd16(p + 208)));
+            const float dw = half_to_float(rd16(p + 208));
             for (int i = 0; i < NX; i++)
-                acc[i] = _mm256_fmadd_ps(dv, _mm256_add_ps(sb[0][i], sb[1][i]), acc[i]);
+                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[i * nb + b]),
+                                         _mm256_cvtepi32_ps(sum[i]), acc[i]);
         }
         break;
     }
@@ -813,10 +849,10 @@ static int int_matmul(const float *x, int64_t m, int64_t ldx, const uint8_t *w, 
 #endif
 #if defined(HAVE_INT_AVX2)
     if (fast)
-        quantize_x_avx2(x, m, ldx, cols, xq, xd, xs);
+        quantize_x_avx2(x, m, ldx, cols, xq, xd, xs, x_group(type));
     else
 #endif
-        quantize_x_portable(x, m, ldx, cols, xq, xd, xs);
+        quantize_x_portable(x, m, ldx, cols, xq, xd, xs, x_group(type));
     const int parallel = m * rows * cols >= (1 << 17) && rows > 1;
     int failed = 0;
     if (fast) {
