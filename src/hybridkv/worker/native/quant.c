@@ -411,6 +411,22 @@ static inline void finish_block(float amax, float sum, float *d, float *id, floa
     *s = sum;
 }
 
+/* Q4_K / Q5_K's twelve scale bytes as scales_mins_k4 reads them, by 32-bit words: bytes
+   0-7 the eight 6-bit scales, 8-15 the eight mins (a dozen integer operations where the
+   byte loop took ~40, a K-quant decode's largest cost after the dot products). */
+static inline __m128i scales_mins_k4_v(const uint8_t *s) {
+    const uint32_t a = rd32(s), b = rd32(s + 4), c = rd32(s + 8);
+    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    const uint32_t sc_hi = (c & m4) | (((a >> 6) & m2) << 4);   /* sc[4 + j] */
+    const uint32_t mn_hi = ((c >> 4) & m4) | (((b >> 6) & m2) << 4); /* mn[4 + j] */
+    return _mm_set_epi32((int)mn_hi, (int)(b & m6), (int)sc_hi, (int)(a & m6));
+}
+
+#if defined(__AVX2__)
+/* The byte shuffle that copies 16-bit lane j (of each 128-bit half) to all its lanes. */
+static inline __m256i lane16(int j) { return _mm256_set1_epi16((short)((2 * j + 1) << 8 | 2 * j)); }
+#endif
+
 /* Blocks of 32 x values that share one 8-bit scale for `type`: 8 (256 values, llama.cpp's
    Q8_K) for the K-quants, whose integer sums then run a whole weight block before a float
    is touched, else 1. */
@@ -713,10 +729,11 @@ static inline __attribute__((always_inline)) void int_row(
         for (int64_t k = 0, b = 0; k < cols; k += 256, b += 8, p += size) {
             const float dw = half_to_float(rd16(p)), dmin = half_to_float(rd16(p + 2));
             const uint8_t *qh = p + 16, *q = p + (five ? 48 : 16);
-            uint8_t scs[8], mns[8];
-            scales_mins_k4(p + 4, scs, mns);
+            const __m128i sm = scales_mins_k4_v(p + 4);
             const __m256 mv = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(
-                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mns))));
+                _mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+            /* the eight scales as 16-bit lanes, in both halves (shuffled to each one) */
+            const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
             const __m256i hv = five ? _mm256_loadu_si256((const __m256i *)qh)
                                     : _mm256_setzero_si256();
             /* x's 256 values share one scale (x_group): the sub-blocks' integer sums,
@@ -724,11 +741,13 @@ static inline __attribute__((always_inline)) void int_row(
                a lane), one conversion and one scaling a block. */
             __m256i sum[INT_ROWS];
             for (int i = 0; i < NX; i++) sum[i] = _mm256_setzero_si256();
+#pragma GCC unroll 4
             for (int s = 0; s < 8; s += 2) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 * s));
                 __m256i lo, hi;
                 k_subblock_codes(v, hv, s, five, &lo, &hi);
-                const __m256i s0 = _mm256_set1_epi16(scs[s]), s1 = _mm256_set1_epi16(scs[s + 1]);
+                const __m256i s0 = _mm256_shuffle_epi8(sc, lane16(s));
+                const __m256i s1 = _mm256_shuffle_epi8(sc, lane16(s + 1));
                 for (int i = 0; i < NX; i++) {
                     const int8_t *xi = xq + i * cols + k + 32 * s;
                     const __m256i t0 = _mm256_madd_epi16(
@@ -755,6 +774,9 @@ static inline __attribute__((always_inline)) void int_row(
             __m256i sum[INT_ROWS]; /* as Q4_K's: at most 8 x 2 x 32 x 127 x 128 a lane */
             for (int i = 0; i < NX; i++) sum[i] = _mm256_setzero_si256();
             for (int h = 0; h < 2; h++) {
+                /* this half's eight int8 scales as 16-bit lanes, in both 128-bit halves */
+                const __m256i sc8 = _mm256_broadcastsi128_si256(
+                    _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(scs + 8 * h))));
                 const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
                 const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
                 const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
@@ -767,11 +789,13 @@ static inline __attribute__((always_inline)) void int_row(
                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4),
                     _mm256_and_si256(hb, _mm256_set1_epi8(0x30)),
                     _mm256_and_si256(_mm256_srli_epi16(hb, 2), _mm256_set1_epi8(0x30))};
+#pragma GCC unroll 4
                 for (int s = 0; s < 4; s++) {
                     const __m256i w = _mm256_sub_epi8(_mm256_or_si256(lows[s], highs[s]), x32);
                     const __m256i wa = _mm256_sign_epi8(w, w);
-                    const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(scs[8 * h + 2 * s + 1]),
-                                                        _mm_set1_epi16(scs[8 * h + 2 * s]));
+                    /* values 0-15 of the 32 take scale 2 s, 16-31 scale 2 s + 1 */
+                    const __m256i sv = _mm256_shuffle_epi8(
+                        sc8, _mm256_blend_epi32(lane16(2 * s), lane16(2 * s + 1), 0xf0));
                     const int64_t kk = k + 128 * h + 32 * s;
                     for (int i = 0; i < NX; i++) {
                         const __m256i xv =
