@@ -304,7 +304,8 @@ def test_a_rows_result_does_not_depend_on_its_batch(qtype: int) -> None:
 
 
 @needs_c
-@pytest.mark.parametrize("qtype", sorted(INT8_TYPES), ids=[ql.SUPPORTED[t] for t in sorted(INT8_TYPES)])
+@pytest.mark.parametrize("qtype", sorted(INT8_TYPES),
+                         ids=[ql.SUPPORTED[t] for t in sorted(INT8_TYPES)])
 def test_8bit_activations_rows_do_not_depend_on_their_batch(qtype: int, path: str) -> None:
     """With 8-bit activations every row count takes them (each x row quantized alone, each
     dot the same instructions): a row's result is bit for bit the same alone, in any batch
@@ -325,8 +326,8 @@ def test_8bit_activations_rows_do_not_depend_on_their_batch(qtype: int, path: st
     lib = ql.library()
     fn = lib.hkv_quant_gemm_int8
     fn.restype = ctypes.c_int
-    P, I = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [P, I, I, P, I, ctypes.c_int, I, I, P, I, ctypes.c_int, P]
+    ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    fn.argtypes = [ptr, i64, i64, ptr, i64, c_int, i64, i64, ptr, i64, c_int, ptr]
 
     def gemm_int8(xs: torch.Tensor, n: int, mode: int) -> torch.Tensor:
         out = torch.empty(xs.shape[0], n)
