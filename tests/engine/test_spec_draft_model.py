@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from hybridkv import LLM, SamplingParams  # noqa: E402
-from hybridkv.worker.draft_model import DRAFT_PREFIX  # noqa: E402
+from hybridkv.worker.spec.draft_model import DRAFT_PREFIX  # noqa: E402
 from tests.engine.test_spec_decode import (  # noqa: E402
     ALPHABET,
     GREEDY,

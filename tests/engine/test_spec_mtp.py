@@ -18,8 +18,8 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from hybridkv import LLM, SamplingParams  # noqa: E402
-from hybridkv.worker.draft_model import DRAFT_PREFIX  # noqa: E402
-from hybridkv.worker.mtp import MTPDrafter  # noqa: E402
+from hybridkv.worker.spec.draft_model import DRAFT_PREFIX  # noqa: E402
+from hybridkv.worker.spec.mtp import MTPDrafter  # noqa: E402
 from tests.engine.test_spec_decode import ALPHABET, GREEDY, PROMPTS, engine  # noqa: E402
 from tests.engine.test_spec_decode import narrow_head as narrow  # noqa: E402
 from tests.engine.test_spec_draft_model import (  # noqa: E402

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 from hybridkv import LLM, SamplingParams  # noqa: E402
 from hybridkv.worker import model_runner  # noqa: E402
-from hybridkv.worker.rejection_sampler import Verified  # noqa: E402
+from hybridkv.worker.sampling.rejection import Verified  # noqa: E402
 from tests.models.tiny import build_tiny_model  # noqa: E402
 
 NUM_SAMPLES = 2000

@@ -238,7 +238,7 @@ def test_quantized_gguf_matches_the_dequantized_checkpoint(gguf_case):
 def test_dequantize_option_runs_float_weights(gguf_case):
     name, path, _, prompts, tokens, logits = gguf_case
     llm, outs = _run(path, prompts, dequantize=True)
-    from hybridkv.worker.quantized import QuantizedLinear
+    from hybridkv.worker.linear.quantized import QuantizedLinear
     model = llm.engine.runner.model
     assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
     _check(llm, outs, tokens, logits, atol=1e-3)

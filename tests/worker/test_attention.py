@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.worker.attention import (  # noqa: E402
+from hybridkv.worker.attention.backend import (  # noqa: E402
     CAUSAL_TILE,
     AttentionMetadata,
     AttentionParams,
@@ -185,7 +185,7 @@ def test_long_causal_prompts_in_query_tiles_equal_one_masked_softmax(length, kv_
     rows over only the keys before them, query heads of a KV head stacked; or torch's query
     tiles) against a plain masked softmax: two prompts, grouped query heads, a length that is no
     multiple of the tile or a panel, value widths that are no multiple of a panel."""
-    from hybridkv.worker import cpu_linear
+    from hybridkv.worker.linear import cpu as cpu_linear
 
     calls = []
     if path == "torch":
@@ -235,8 +235,8 @@ def test_attention_tiles_in_c_equal_a_masked_softmax(num_q, q_start, key_start, 
     over exactly the keys its position, window and chunk allow, against a masked softmax in
     float64: grouped query heads (3 per KV head), widths that are no multiple of a panel,
     rows left out for padding untouched."""
-    from hybridkv.worker import cpu_linear
-    from hybridkv.worker.attention import _c_tiles
+    from hybridkv.worker.attention.backend import _c_tiles
+    from hybridkv.worker.linear import cpu as cpu_linear
 
     if cpu_linear.attention_kernel() is None:
         pytest.skip("the linear kernel does not build here")
@@ -266,7 +266,7 @@ def test_attention_tiles_in_c_equal_a_masked_softmax(num_q, q_start, key_start, 
 
 
 def test_attention_tiles_in_c_refuse_queries_their_keys_do_not_cover():
-    from hybridkv.worker import cpu_linear
+    from hybridkv.worker.linear import cpu as cpu_linear
 
     if cpu_linear.attention_kernel() is None:
         pytest.skip("the linear kernel does not build here")
@@ -284,7 +284,7 @@ def test_attention_tiles_in_c_refuse_queries_their_keys_do_not_cover():
 def test_the_in_place_kernel_gives_one_threads_bytes_at_any_thread_count(lens, new, threads):
     """The paged kernel splits a step's queries over threads (runs of a request's queries):
     every output row is the bytes one thread gives it, a lone prompt included."""
-    from hybridkv.worker import cpu_attention
+    from hybridkv.worker.attention import cpu as cpu_attention
 
     torch.manual_seed(5)
     kv = torch.zeros(40, 2, 2, BS, H_KV, D)

@@ -68,7 +68,7 @@ def test_an_unwritable_cache_is_a_build_error_that_auto_falls_back_from(tmp_path
     """Where the kernels cannot be built, "auto" runs the torch backend and an explicit
     "cpu" is refused in one line."""
     from hybridkv.worker import native
-    from hybridkv.worker.attention import TorchReferenceBackend, get_backend
+    from hybridkv.worker.attention.backend import TorchReferenceBackend, get_backend
 
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")

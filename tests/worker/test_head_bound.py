@@ -1,4 +1,4 @@
-"""The LM head's 8-bit greedy pre-pass (worker/head_bound.py): the kernel computes what
+"""The LM head's 8-bit greedy pre-pass (worker/head/bound.py): the kernel computes what
 its copy holds (AVX2 and portable code alike), both error bounds hold for every logit, the
 selection keeps exactly the tokens the bounds cannot rule out, and the argmax it returns is
 the full logits' argmax (first id among equal values), on float heads and quantized ones of
@@ -10,10 +10,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.worker import head_bound as hb  # noqa: E402
-from hybridkv.worker import quant_linear  # noqa: E402
-from hybridkv.worker.head_bound import HeadBound, quantize_blocks, quantized_x  # noqa: E402
-from hybridkv.worker.quant_linear import QuantizedWeight  # noqa: E402
+from hybridkv.worker.head import bound as hb  # noqa: E402
+from hybridkv.worker.head.bound import HeadBound, quantize_blocks, quantized_x  # noqa: E402
+from hybridkv.worker.linear import quant as quant_linear  # noqa: E402
+from hybridkv.worker.linear.quant import QuantizedWeight  # noqa: E402
 
 if not quant_linear.available() or not hb.available():
     pytest.skip("no pre-pass kernel here (needs a C compiler and AVX2)",

@@ -1,4 +1,4 @@
-"""The LM head's pre-pass copy kept on disk (worker/head_cache.py): a second build of the same
+"""The LM head's pre-pass copy kept on disk (worker/head/cache.py): a second build of the same
 head maps the stored copy (file pages, no build) holding the same values; a file cut short,
 or a head whose bytes differ, is never mapped; and a head's greedy choices are the same from
 a built and from a mapped copy."""
@@ -11,9 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.worker import head_bound as hb  # noqa: E402
-from hybridkv.worker import head_cache, quant_linear  # noqa: E402
-from hybridkv.worker.head_bound import HeadBound  # noqa: E402
+from hybridkv.worker.head import bound as hb  # noqa: E402
+from hybridkv.worker.head import cache as head_cache  # noqa: E402
+from hybridkv.worker.head.bound import HeadBound  # noqa: E402
+from hybridkv.worker.linear import quant as quant_linear  # noqa: E402
 from tests.worker.test_head_bound import Q4_K, Q8_0, hidden, quantized_head  # noqa: E402
 
 if not quant_linear.available() or not hb.available():

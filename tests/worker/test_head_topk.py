@@ -1,4 +1,4 @@
-"""The running top-k of the blocked LM head (worker/head_topk.py): the C kernel and the
+"""The running top-k of the blocked LM head (worker/head/topk.py): the C kernel and the
 torch fallback both give each row's k largest logits in order, equal values by ascending
 id (k = 1 is torch.argmax), across blocks of any size, with NaN rows flagged."""
 
@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.worker import head_topk  # noqa: E402
+from hybridkv.worker.head import topk as head_topk  # noqa: E402
 
 
 def reference(logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:

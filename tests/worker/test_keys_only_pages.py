@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.worker.attention import AttentionParams, get_backend  # noqa: E402
+from hybridkv.worker.attention.backend import AttentionParams, get_backend  # noqa: E402
 from tests.worker.test_attention import BS, H_KV, H_Q, D, dense, paged_metadata  # noqa: E402
 
 

@@ -12,12 +12,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hybridkv.kv.spec import quantized_row_bytes  # noqa: E402
-from hybridkv.worker.attention import (  # noqa: E402
+from hybridkv.worker.attention.backend import (  # noqa: E402
     AttentionMetadata,
     AttentionParams,
     TorchReferenceBackend,
 )
-from hybridkv.worker.kv_quant import (  # noqa: E402
+from hybridkv.worker.attention.kv_quant import (  # noqa: E402
     dequantize_rows,
     quantize_rows,
     quantize_values_q4,
@@ -117,7 +117,7 @@ def test_rows_encode_as_the_reference_does(dtype, dim):
 def test_the_c_int8_writer_writes_torchs_bytes(dim, monkeypatch):
     # Both write paths must give one block the same bytes (a prefix hit or a tier cannot
     # tell which wrote it): ties at .5, zero groups, scales that round in fp16, huge values.
-    from hybridkv.worker import kv_quant
+    from hybridkv.worker.attention import kv_quant
 
     if kv_quant._int8_kernel() is None:
         pytest.skip("no C compiler")
@@ -135,8 +135,9 @@ def test_the_c_int8_writer_writes_torchs_bytes(dim, monkeypatch):
 def test_the_cpu_backend_writes_int8_pages_as_torch_does(monkeypatch):
     # The C writer quantizes straight into the slots: the same bytes in the same places as
     # quantize_rows and an index_put, the other slots untouched.
-    from hybridkv.worker import cpu_attention, native
-    from hybridkv.worker.attention import TorchReferenceBackend
+    from hybridkv.worker import native
+    from hybridkv.worker.attention import cpu as cpu_attention
+    from hybridkv.worker.attention.backend import TorchReferenceBackend
 
     try:
         backend = cpu_attention.CPUPagedBackend()
@@ -243,7 +244,8 @@ def _paged(dtype, num_blocks, block, heads_kv, dim, gen):
 @pytest.mark.parametrize("window, softcap", [(None, None), (20, 30.0)])
 def test_the_kernel_reads_quantized_pages_as_the_torch_path(dtype, heads, heads_kv, dim,
                                                             window, softcap):
-    from hybridkv.worker import cpu_attention, native
+    from hybridkv.worker import native
+    from hybridkv.worker.attention import cpu as cpu_attention
 
     try:
         backend = cpu_attention.CPUPagedBackend()

@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from hybridkv.models.layers.activations import activation
-from hybridkv.worker import cpu_linear, native
+from hybridkv.worker import native
 from hybridkv.worker.cpu_malloc import keep_buffers_in_heap
-from hybridkv.worker.linear import (
+from hybridkv.worker.linear import cpu as cpu_linear
+from hybridkv.worker.linear.layers import (
     ONEDNN_ACTIVATIONS,
     GatedLinear,
     Linear,

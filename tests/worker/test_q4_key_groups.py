@@ -13,12 +13,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hybridkv.kv.spec import KEY_GROUP, FullAttentionSpec, q4_kv_layout  # noqa: E402
-from hybridkv.worker.attention import (  # noqa: E402
+from hybridkv.worker.attention.backend import (  # noqa: E402
     AttentionMetadata,
     AttentionParams,
     TorchReferenceBackend,
 )
-from hybridkv.worker.kv_quant import (  # noqa: E402
+from hybridkv.worker.attention.kv_quant import (  # noqa: E402
     dequantize_key_groups,
     dequantize_values_q4,
     quantize_key_groups,
@@ -200,7 +200,8 @@ def test_a_group_is_quantized_once_whole_from_its_staged_keys():
                                                   (4, 2, 40)])
 @pytest.mark.parametrize("window, softcap", [(None, None), (20, 30.0)])
 def test_the_kernel_reads_q4_pages_as_the_torch_path(heads, heads_kv, dim, window, softcap):
-    from hybridkv.worker import cpu_attention, native
+    from hybridkv.worker import native
+    from hybridkv.worker.attention import cpu as cpu_attention
 
     try:
         backend = cpu_attention.CPUPagedBackend()
@@ -230,7 +231,7 @@ def test_the_c_v_writer_writes_torchs_bytes(dim):
     """The CPU's C writer of q4 V rows and torch's operations give a slot the same bytes
     (ties at .5, zero groups, fp16-clamped scales), and leave the rows' tails (their key
     group's shares) and every other slot as they were."""
-    from hybridkv.worker import kv_quant
+    from hybridkv.worker.attention import kv_quant
 
     if kv_quant._native("hkv_write_v_q4") is None:
         pytest.skip("no C compiler")
@@ -254,8 +255,9 @@ def test_the_c_v_writer_writes_torchs_bytes(dim):
 def test_q4_rows_per_token_take_the_torch_path():
     """Pages of q4 rows per token (cross-attention's) are not what the kernel reads: the CPU
     backend leaves them to the torch path, which decodes them as written."""
-    from hybridkv.worker import cpu_attention, native
-    from hybridkv.worker.kv_quant import quantize_rows
+    from hybridkv.worker import native
+    from hybridkv.worker.attention import cpu as cpu_attention
+    from hybridkv.worker.attention.kv_quant import quantize_rows
 
     try:
         backend = cpu_attention.CPUPagedBackend()

@@ -1,4 +1,4 @@
-"""The GGML-quantized kernels (worker/native/quant.c through worker/quant_linear.py) against
+"""The GGML-quantized kernels (worker/native/quant.c through worker/linear/quant.py) against
 gguf-py's numpy dequantization and a float matmul: every supported block type, the AVX2
 and the portable kernels, 8-bit and float activations, odd row counts, strided inputs,
 several threads."""
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridkv.worker import quant_linear as ql
+from hybridkv.worker.linear import quant as ql
 
 TYPES = sorted(ql.SUPPORTED)
 K_QUANTS = {12, 13, 14}  # gguf-py has no quantizer for these: random blocks instead
@@ -80,7 +80,7 @@ def without_min(raw: np.ndarray, qtype: int, cols: int) -> torch.Tensor:
 
 
 def int8_bound(x: torch.Tensor, wq: torch.Tensor, group: int = 32) -> torch.Tensor:
-    """quant_linear's bound on |y - y_float| from 8-bit x: per group of x values sharing a
+    """linear/quant.py's bound on |y - y_float| from 8-bit x: per group of x values sharing a
     scale (ql.int8_x_block: 32, or 256 for the K-quants), max |x| / 254 times sum |d q| of
     the group's weights (wq: without their mins)."""
     m, cols = x.shape
@@ -212,7 +212,7 @@ def test_float_activations_switch() -> None:
     import subprocess
     import sys
 
-    code = ("from hybridkv.worker import quant_linear as ql; "
+    code = ("from hybridkv.worker.linear import quant as ql; "
             "print(ql.FLOAT_ACTIVATIONS, ql.available() and "
             "ql.library().hkv_quant_float_activations(-1))")
     for value, want in (("1", "True 1"), ("0", "False 0"), (None, "True 1")):
@@ -270,7 +270,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(qtype: int) -> None:
     the buffered tiles from 8, partial tiles and chunks), into a strided out, and on 1, 2
     or 3 threads (work is split by output rows only); plain and gated; close to the float
     product of the dequantized weights."""
-    from hybridkv.worker import cpu_linear
+    from hybridkv.worker.linear import cpu as cpu_linear
 
     values, _ = ql.block_shape(qtype)
     cols = 512 if values == 256 else 320
@@ -313,7 +313,7 @@ def test_8bit_activations_rows_do_not_depend_on_their_batch(qtype: int, path: st
     operator path's bytes, plain and gated (gate and up products, then gated_rows)."""
     import ctypes
 
-    from hybridkv.worker import cpu_linear
+    from hybridkv.worker.linear import cpu as cpu_linear
 
     values, _ = ql.block_shape(qtype)
     cols = 512 if values == 256 else 320
@@ -388,7 +388,7 @@ def test_gated_product_equals_activation_of_gate_times_up(qtype: int, act: str) 
     """gated_matmul: act(x G^T) * (x U^T) in the kernel's epilogue at every row count (None
     with 8-bit activations' rows: the caller applies the activation); outputs that fill no
     whole chunk, several chunks on two threads."""
-    from hybridkv.worker import cpu_linear
+    from hybridkv.worker.linear import cpu as cpu_linear
     if not ql.takes_gemm(qtype, 256):
         pytest.skip("the one-order kernel does not build here")
     fn = {"silu": torch.nn.functional.silu, "relu": torch.relu,
@@ -499,7 +499,7 @@ def test_parts_kept_apart_give_the_stacked_matrix_bytes(qtype: int) -> None:
     """q/k/v and gate/up stay where the file holds them (QuantizedParts writes each part's
     columns; the gated product takes gate and up as two matrices): at every row count the
     bytes of one product on the rows stacked, as a copy side by side gave them."""
-    from hybridkv.worker.quantized import QuantizedLinear, QuantizedParts
+    from hybridkv.worker.linear.quantized import QuantizedLinear, QuantizedParts
 
     cols = 256
     q, k, v = (ql.QuantizedWeight(as_tensor(weights(qtype, n, cols, seed=s)), qtype, n, cols)
@@ -523,7 +523,7 @@ def test_rows_in_the_files_order_give_the_reordered_matrix_bytes(qtype: int) -> 
     is kept as it lies, with `row_order`: alone and as a part of q/k/v, at every row count
     its product is the bytes of the product over the rows copied into order, and it
     dequantizes in order."""
-    from hybridkv.worker.quantized import QuantizedLinear, QuantizedParts
+    from hybridkv.worker.linear.quantized import QuantizedLinear, QuantizedParts
 
     cols, n = 256, 64
     data = as_tensor(weights(qtype, n, cols, seed=7))

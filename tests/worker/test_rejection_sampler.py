@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridkv.worker.rejection_sampler import verify_greedy
+from hybridkv.worker.sampling.rejection import verify_greedy
 
 
 @pytest.mark.parametrize("drafts, targets, accepted, token", [
@@ -24,7 +24,7 @@ def test_rows_must_match_the_drafts():
 
 def test_speculative_sampling_rule_keeps_the_target_distribution():
     torch = pytest.importorskip("torch")
-    from hybridkv.worker.rejection_sampler import verify_sampled
+    from hybridkv.worker.sampling.rejection import verify_sampled
 
     p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.1, 0.7]])
     generator = torch.Generator().manual_seed(0)
@@ -43,7 +43,7 @@ def test_speculative_sampling_rule_keeps_the_target_distribution():
 
 def test_certain_and_impossible_drafts():
     torch = pytest.importorskip("torch")
-    from hybridkv.worker.rejection_sampler import verify_sampled
+    from hybridkv.worker.sampling.rejection import verify_sampled
 
     certain = torch.tensor([[0.0, 1.0], [0.0, 1.0], [1.0, 0.0]])
     assert verify_sampled([1, 1], certain) == ([1, 1], 0)  # kept, then the bonus token

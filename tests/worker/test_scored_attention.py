@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.worker.attention import AttentionParams, get_backend  # noqa: E402
+from hybridkv.worker.attention.backend import AttentionParams, get_backend  # noqa: E402
 from tests.worker.test_attention import BS, H_KV, H_Q, D, paged_metadata  # noqa: E402
 
 EXTENT = 6  # the bias covers distances 0..5: shorter than the contexts, longer than none
@@ -77,7 +77,7 @@ def test_int8_pages_give_the_in_place_kernel_the_torch_paths_scores(window):
     """int8 pages, head size 32 (queries read as int8 too, the kernel's int8 dot path): the
     "cpu" backend's in-place kernel and the torch path agree with bias and sinks on."""
     from hybridkv.kv.spec import quantized_row_bytes
-    from hybridkv.worker.attention import TorchReferenceBackend
+    from hybridkv.worker.attention.backend import TorchReferenceBackend
 
     torch.manual_seed(4)
     dim, per_page = 32, 3

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("llguidance")
 
 from hybridkv.sched.structured.manager import GrammarBitmask  # noqa: E402
-from hybridkv.worker import sampler  # noqa: E402
+from hybridkv.worker.sampling import sampler  # noqa: E402
 
 
 @pytest.mark.parametrize("vocab, words", [(1000, 32), (1024, 32), (1030, 32)])

@@ -39,12 +39,12 @@ from hybridkv.models.layer_mix import kv_layout_from_config
 from hybridkv.models.native_decode import attach as attach_native_decode
 from hybridkv.models.sources import resolve_model
 from hybridkv.sched.scheduler import Scheduler, SchedulerOutput
-from hybridkv.worker.cpu_attention import choose_backend
+from hybridkv.worker.attention.cpu import choose_backend
 from hybridkv.worker.cpu_malloc import keep_buffers_in_heap, release_free_memory
 from hybridkv.worker.cpu_ops import use_cpu_ops
 from hybridkv.worker.kv_cache import torch_dtype
+from hybridkv.worker.linear.quantized import QuantizedParts
 from hybridkv.worker.model_runner import ModelRunner, RunnerOutput
-from hybridkv.worker.quantized import QuantizedParts
 from hybridkv.worker.threads import set_intra_op_threads
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ def _load(model: str, config: EngineConfig, device: str
     """(the loaded model, its HF config, its dtype name)."""
     source = resolve_model(model)
     if source.is_gguf:
-        from hybridkv.worker import quant_linear
+        from hybridkv.worker.linear import quant as quant_linear
 
         quant_linear.set_float_activations(config.quant_activations == "float32")
         header = read_header(source.path)

@@ -1,5 +1,5 @@
 """The draft model of `speculative_config` method `draft_model`: loaded and checked beside the
-target, its layers added to the KV cache plan under worker/draft_model.py's DRAFT_PREFIX.
+target, its layers added to the KV cache plan under worker/spec/draft_model.py's DRAFT_PREFIX.
 
 Its KV pages are layers of the one plan, so they come out of the same budget and arena: a
 draft layer joins the target's group of its kind (each block then holds the draft's pages
@@ -21,7 +21,7 @@ from hybridkv.models.formats.loader import LoadedModel
 from hybridkv.models.layer_mix import kv_layout_from_config
 from hybridkv.models.sources import resolve_model
 from hybridkv.sched.spec import SpeculativeConfig
-from hybridkv.worker.draft_model import DRAFT_PREFIX, DraftModel
+from hybridkv.worker.spec.draft_model import DRAFT_PREFIX, DraftModel
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class DraftParts:
     layer_specs: dict[str, KVCacheSpec]  # named with DRAFT_PREFIX
     kv_sharing: dict[str, str]  # likewise
     max_position_embeddings: int | None
-    # The worker half that drafts with `model` (an MTP head has its own, worker/mtp.py).
+    # The worker half that drafts with `model` (an MTP head has its own, worker/spec/mtp.py).
     make_drafter: Callable[..., DraftModel] = DraftModel
 
     def check_max_model_len(self, max_model_len: int) -> None:

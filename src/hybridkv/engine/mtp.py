@@ -23,9 +23,9 @@ from hybridkv.models.formats.mtp_weights import (
 )
 from hybridkv.models.qwen3_next_mtp import MTP_ATTENTION, MTP_MODEL_TYPES, Qwen3NextMTP
 from hybridkv.models.sources import resolve_model
-from hybridkv.worker.draft_model import DRAFT_PREFIX
-from hybridkv.worker.linear import choose_kernel, fuse_linears
-from hybridkv.worker.mtp import MTPDrafter
+from hybridkv.worker.linear.layers import choose_kernel, fuse_linears
+from hybridkv.worker.spec.draft_model import DRAFT_PREFIX
+from hybridkv.worker.spec.mtp import MTPDrafter
 
 
 def load_mtp(model: str, target: LoadedModel, hf_config: dict[str, Any],

@@ -1,6 +1,6 @@
 """Where a loaded model's weights sit: used in place in a mapping of the model's file (page
 cache, one copy however many processes and replicas map the file), mapped from hybridkv's
-cache (the LM head's 8-bit pre-pass copy, worker/head_cache.py: page cache as well), or in
+cache (the LM head's 8-bit pre-pass copy, worker/head/cache.py: page cache as well), or in
 memory of this process's own (what a load had to change: dequantized norms, joined or
 reordered rows of float or dequantized weights). The startup log says all three, so the
 cost of every copy is visible.
@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hybridkv.worker import head_cache
-from hybridkv.worker.head_bound import HeadBound
-from hybridkv.worker.quant_linear import QuantizedWeight
+from hybridkv.worker.head import cache as head_cache
+from hybridkv.worker.head.bound import HeadBound
+from hybridkv.worker.linear.quant import QuantizedWeight
 
 
 @dataclass(frozen=True)

@@ -59,8 +59,9 @@ def cdiv(a: int, b: int) -> int:
 #   - K: per channel over each group of KEY_GROUP consecutive tokens (a scale and a minimum
 #     per channel and group, as KIVI does), no rotation. A group is quantized once its
 #     KEY_GROUP tokens are known; until then its keys are read in full precision from the
-#     worker's staging buffer (worker/kv_quant.py), so a query sees every key before its own
-#     group quantized and its own group's exactly, however the prompt was chunked.
+#     worker's staging buffer (worker/attention/kv_quant.py), so a query sees every key
+#     before its own group quantized and its own group's exactly, however the prompt was
+#     chunked.
 #   - V: per token, rotated as above, symmetric: (x / scale) + 8 in a nibble, scale =
 #     max|x| / 7 per group of QUANT_GROUP (an fp16 scale per group).
 # Both rows of a token are `q4_kv_layout(D).row` bytes: the K row holds the nibbles and the

@@ -25,7 +25,7 @@ from hybridkv.models.layers.output_gated_attention import OutputGatedAttention
 from hybridkv.models.layers.rotary import Rotary
 from hybridkv.models.text_config import TextConfig
 from hybridkv.models.weights import renamed
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 
 CHECKPOINT_NAMES = ((r"\.mlp\.router\.gate\.", ".mlp.gate."),
                     (r"\.mlp\.expert_bias$", ".mlp.gate.e_score_correction_bias"))

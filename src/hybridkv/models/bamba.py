@@ -16,7 +16,7 @@ from hybridkv.models.layers.mamba2 import Mamba2Mixer
 from hybridkv.models.layers.mlp import GatedMLP
 from hybridkv.models.layers.rotary import Rotary
 from hybridkv.models.text_config import TextConfig
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 
 
 def bamba_layer(cfg: TextConfig, layer: int, kind: str | None) -> DecoderLayer:

@@ -12,12 +12,13 @@ from hybridkv.models.layer_mix import kv_shared_from
 from hybridkv.models.layers.norms import RMSNorm
 from hybridkv.models.text_config import TextConfig
 from hybridkv.models.weights import load_named_weights
-from hybridkv.worker import head_bound, quant_linear
 from hybridkv.worker.forward_context import ForwardContext
-from hybridkv.worker.head_bound import HeadBound
-from hybridkv.worker.head_topk import HeadCandidates, HeadTopK
-from hybridkv.worker.linear import Linear
-from hybridkv.worker.quantized import QuantizedLinear
+from hybridkv.worker.head import bound as head_bound
+from hybridkv.worker.head.bound import HeadBound
+from hybridkv.worker.head.topk import HeadCandidates, HeadTopK
+from hybridkv.worker.linear import quant as quant_linear
+from hybridkv.worker.linear.layers import Linear
+from hybridkv.worker.linear.quantized import QuantizedLinear
 
 
 class CausalLM(nn.Module):
@@ -171,7 +172,7 @@ class CausalLM(nn.Module):
     TIED_HEAD_COPY_BYTES = 256 << 20
 
     # Heads of at least this many weights get an 8-bit pre-pass for greedy rows on the CPU
-    # kernels (worker/head_bound.py): an 8-bit copy of the head (a quarter of a float
+    # kernels (worker/head/bound.py): an 8-bit copy of the head (a quarter of a float
     # head's bytes, plus an eighth for its bounds' norms).
     HEAD_BOUND_WEIGHTS = 1 << 24
     head_bound: HeadBound | None = None
@@ -179,9 +180,9 @@ class CausalLM(nn.Module):
     native_decode: Any = None
 
     def fuse_linears(self, kernel: str) -> None:
-        """The LM head on `kernel` (see worker/linear.py); a tied head only on the CPU kernels
-        ("cpu", "onednn"), as a copy, up to TIED_HEAD_COPY_BYTES. On those kernels a large
-        head also gets its greedy pre-pass."""
+        """The LM head on `kernel` (see worker/linear/layers.py); a tied head only on the CPU
+        kernels ("cpu", "onednn"), as a copy, up to TIED_HEAD_COPY_BYTES. On those kernels a
+        large head also gets its greedy pre-pass."""
         if kernel in ("cpu", "onednn"):
             self.head_bound = self._build_head_bound()
         if not isinstance(self.lm_head, nn.Linear):

@@ -23,7 +23,7 @@ from hybridkv.models.layers.moe import ExpertMLPs
 from hybridkv.models.layers.rotary import Rotary
 from hybridkv.models.layers.scalable_softmax_attention import ScalableSoftmaxAttention
 from hybridkv.models.text_config import TextConfig
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 
 NAMES = LayerNames("self_attn", post_mixer_norm="post_attention_layernorm",
                    ffn_norm="pre_feedforward_layernorm",

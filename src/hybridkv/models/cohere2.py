@@ -27,7 +27,7 @@ from hybridkv.models.layers.parallel_block import FloatLayerNorm, ParallelBlock
 from hybridkv.models.layers.rotary import rope_params
 from hybridkv.models.layers.rotary_pairs import AdjacentPairRotary
 from hybridkv.models.text_config import TextConfig
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 
 
 class Cohere2MoE(nn.Module):

@@ -1,7 +1,7 @@
 """dots3_note's text decoder: multi-head latent attention on every layer (sliding-window MLA
 on "sliding_attention" layers, with their own MLA sizes in `per_layer_config`), a lightning
 indexer choosing each query's top `index_topk` positions on "indexed_attention" layers
-(DeepSeek-V3.2's DSA; worker/sparse_mla.py), a dense MLP on "dense" layers and
+(DeepSeek-V3.2's DSA; worker/attention/sparse_mla.py), a dense MLP on "dense" layers and
 DeepSeek-V3-style grouped routed experts plus shared experts on "sparse" ones.
 
 Its MLA differs from DeepSeek's (layers/mla.py) in three rescalings and a norm:
@@ -36,15 +36,15 @@ from hybridkv.models.layers.moe import ExpertMLPs
 from hybridkv.models.layers.norms import RMSNorm
 from hybridkv.models.layers.rotary import Rotary
 from hybridkv.models.text_config import TextConfig
-from hybridkv.worker.forward_context import ForwardContext
-from hybridkv.worker.mla import MLAParams
-from hybridkv.worker.sparse_mla import (
+from hybridkv.worker.attention.mla import MLAParams
+from hybridkv.worker.attention.sparse_mla import (
     IndexerParams,
     Selection,
     select_top_k,
     sparse_mla_forward,
     write_rows,
 )
+from hybridkv.worker.forward_context import ForwardContext
 
 
 def layer_rotary(cfg: Mapping[str, Any], layer: int, layer_type: str) -> Rotary:

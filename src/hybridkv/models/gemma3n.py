@@ -35,7 +35,7 @@ from hybridkv.models.layers.per_layer_inputs import PerLayerInputLayer, PerLayer
 from hybridkv.models.layers.rotary import Rotary
 from hybridkv.models.text_config import TextConfig
 from hybridkv.models.weights import MULTIMODAL_PARTS
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 from hybridkv.worker.forward_context import ForwardContext
 
 

@@ -20,7 +20,7 @@ from hybridkv.models.layers.mlp import GatedMLP
 from hybridkv.models.layers.moe import Routing, act_glu, dispatch, glu_project, route
 from hybridkv.models.layers.rotary import Rotary
 from hybridkv.models.text_config import TextConfig
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 
 
 class Linear3D(nn.Module):

@@ -20,7 +20,7 @@ from hybridkv.models.layers.mlp import GatedMLP
 from hybridkv.models.layers.moe import MoE, Routing, StackedExperts, act_glu
 from hybridkv.models.layers.rotary import Rotary, rope_params
 from hybridkv.models.text_config import TextConfig
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 
 
 def layer_rotary(cfg: TextConfig, layer: int, kind: str) -> Rotary | None:

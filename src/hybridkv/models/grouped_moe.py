@@ -30,7 +30,7 @@ from hybridkv.models.layers.padded_value_attention import PaddedValueAttention
 from hybridkv.models.layers.rotary import Rotary
 from hybridkv.models.text_config import TextConfig
 from hybridkv.models.weights import renamed
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 
 EXAONE_MOE_NAMES = ((r"\.mlp\.e_score_correction_bias$", ".mlp.gate.e_score_correction_bias"),)
 MIMO_NAMES = ((r"\.self_attn\.attention_sink_bias$", ".self_attn.sinks"),)

@@ -35,7 +35,7 @@ from hybridkv.models.layers.norms import RMSNorm
 from hybridkv.models.layers.relative_bias import RelativeLogits, log_scale
 from hybridkv.models.layers.residual_conv import ResidualConv, StateRun, ready_states
 from hybridkv.models.text_config import TextConfig
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 from hybridkv.worker.forward_context import ForwardContext
 
 # Indices of a layer's conv states (layer_mix's sconv spec, in this order).

@@ -43,7 +43,7 @@ from hybridkv.models.layers.norms import RMSNorm
 from hybridkv.models.layers.relative_bias import RelativeLogits, log_scale
 from hybridkv.models.layers.residual_conv import ResidualConv, StateRun, conv_window, ready_states
 from hybridkv.models.text_config import TextConfig
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 from hybridkv.worker.forward_context import ForwardContext
 
 K_CONV, V_CONV, ATTN_CONV, MLP_CONV = range(4)  # the layer's conv states (layer_mix sconv)

@@ -18,7 +18,7 @@ from hybridkv.models.layers.mamba1 import Mamba1Mixer
 from hybridkv.models.layers.mlp import GatedMLP
 from hybridkv.models.layers.moe import ExpertMLPs, MoE, Routing
 from hybridkv.models.text_config import TextConfig
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 
 
 def jamba_layer(cfg: TextConfig, layer: int, kind: str | None) -> DecoderLayer:

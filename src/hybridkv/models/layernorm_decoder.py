@@ -24,7 +24,7 @@ from hybridkv.models.layers.rotary import Rotary
 from hybridkv.models.layers.sparsemixer import sparsemixer_top2
 from hybridkv.models.text_config import TextConfig
 from hybridkv.models.weights import renamed
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 
 CHECKPOINT_NAMES = (
     (r"\.mlp\.c_fc\.", ".mlp.up_proj."), (r"\.mlp\.c_proj\.", ".mlp.down_proj."),

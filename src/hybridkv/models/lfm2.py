@@ -27,7 +27,7 @@ from hybridkv.models.layers.rotary import Rotary
 from hybridkv.models.layers.short_conv import ShortConv
 from hybridkv.models.layers.sigmoid_moe import SigmoidBiasMoE
 from hybridkv.models.text_config import TextConfig
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 
 # checkpoint name part -> the kit's
 RENAMES = ((".self_attn.out_proj.", ".self_attn.o_proj."),

@@ -32,7 +32,7 @@ from hybridkv.models.layers.position_scaled_queries import PositionScaledQueryAt
 from hybridkv.models.layers.rotary import Rotary
 from hybridkv.models.text_config import TextConfig
 from hybridkv.models.weights import renamed, split_rows
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text", "vaultgemma")
 QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text")

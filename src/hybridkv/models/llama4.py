@@ -22,7 +22,7 @@ from hybridkv.models.layers.moe import MoE, Routing, StackedExperts, act_glu
 from hybridkv.models.layers.norms import rms_normalize
 from hybridkv.models.layers.rotary import apply_rope_pairs, rope_inv_freq, rope_params
 from hybridkv.models.text_config import TextConfig
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 from hybridkv.worker.forward_context import ForwardContext
 
 

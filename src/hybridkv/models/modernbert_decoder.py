@@ -29,7 +29,7 @@ from hybridkv.models.layers.mlp import GatedMLP
 from hybridkv.models.layers.rotary import Rotary
 from hybridkv.models.text_config import TextConfig
 from hybridkv.models.weights import renamed
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 
 # In order: the prediction head leaves `lm_head` before the decoder takes the name.
 CHECKPOINT_NAMES = ((r"^lm_head\.", "head."), (r"^decoder\.", "lm_head."),

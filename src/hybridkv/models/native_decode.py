@@ -33,11 +33,12 @@ from hybridkv.models.layers.decoder_layer import DecoderLayer
 from hybridkv.models.layers.mlp import GatedMLP
 from hybridkv.models.layers.norms import RMSNorm
 from hybridkv.models.layers.rotary import Rotary
-from hybridkv.worker import cpu_ops, native, quant_linear
-from hybridkv.worker.attention import AttentionMetadata
-from hybridkv.worker.cpu_attention import CPUPagedBackend, max_query
+from hybridkv.worker import cpu_ops, native
+from hybridkv.worker.attention.backend import AttentionMetadata
+from hybridkv.worker.attention.cpu import CPUPagedBackend, max_query
 from hybridkv.worker.forward_context import ForwardContext
-from hybridkv.worker.linear import GatedLinear, Linear
+from hybridkv.worker.linear import quant as quant_linear
+from hybridkv.worker.linear.layers import GatedLinear, Linear
 
 logger = logging.getLogger(__name__)
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float

@@ -13,7 +13,7 @@ from hybridkv.models.layers.decoder_layer import DecoderLayer, LayerNames
 from hybridkv.models.layers.mamba2 import Mamba2Mixer
 from hybridkv.models.layers.mlp import MLP
 from hybridkv.models.text_config import TextConfig
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 
 MIXER = LayerNames("mixer", mixer_norm="norm", ffn_norm=None, ffns=())
 MLP_ONLY = LayerNames(None, mixer_norm=None, ffn_norm="norm", ffns=("mixer",))

@@ -34,7 +34,7 @@ from hybridkv.models.layers.mlp import GatedMLP
 from hybridkv.models.layers.rotary import Rotary, rope_params
 from hybridkv.models.text_config import TextConfig
 from hybridkv.models.weights import renamed
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 
 POST_NORMS = LayerNames("self_attn", mixer_norm=None, ffn_norm=None,
                         post_mixer_norm="post_attention_layernorm",

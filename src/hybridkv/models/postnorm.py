@@ -20,7 +20,7 @@ from hybridkv.models.layers.flat_qk_norm import FlatQKNormAttention
 from hybridkv.models.layers.mlp import GatedMLP
 from hybridkv.models.layers.rotary import Rotary
 from hybridkv.models.text_config import TextConfig
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 
 POST_NORMS = LayerNames("self_attn", mixer_norm=None, ffn_norm=None,
                         post_mixer_norm="post_attention_layernorm",

@@ -26,7 +26,7 @@ from hybridkv.models.layers.mlp import GatedMLP
 from hybridkv.models.layers.moe import ExpertMLPs, MoE, Routing
 from hybridkv.models.layers.rotary import Rotary
 from hybridkv.models.text_config import TextConfig
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 
 QWEN3_5_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 

@@ -31,7 +31,7 @@ from hybridkv.models.qwen3_next import QWEN3_5_TYPES, per_expert, qwen3_next_lay
 from hybridkv.models.text_config import TextConfig
 from hybridkv.models.weights import load_named_weights
 from hybridkv.worker.forward_context import ForwardContext
-from hybridkv.worker.head_topk import HeadCandidates
+from hybridkv.worker.head.topk import HeadCandidates
 
 # Families whose checkpoints carry this head, by model_type.
 MTP_MODEL_TYPES = ("qwen3_next", *QWEN3_5_TYPES)

@@ -1,6 +1,6 @@
 """Qwen4-Exp's text decoder: Gated DeltaNet on "linear_attention" layers (its projections
 stored apart, as Qwen3.5's), gated attention on "indexed_attention" layers reading only
-what a query-sparse indexer (QSA; worker/qsa.py) selects for each query, a top-k MoE with
+what a query-sparse indexer (QSA; worker/attention/qsa.py) selects for each query, a top-k MoE with
 a sigmoid-gated shared expert on every layer, and hyper-connections around each sublayer
 (layers/hyper_connection.py): the residual stream is `hc_count` copies of the hidden state
 and an output mixer, not a final norm, turns it into the logits' input.
@@ -31,10 +31,10 @@ from hybridkv.models.layers.moe import ExpertMLPs, MoE, Routing
 from hybridkv.models.layers.norms import RMSNorm
 from hybridkv.models.layers.rotary import Rotary, apply_rope
 from hybridkv.models.text_config import TextConfig
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
+from hybridkv.worker.attention.qsa import QSAParams, qsa_attention, select_blocks
+from hybridkv.worker.attention.sparse_mla import Selection, write_rows
 from hybridkv.worker.forward_context import ForwardContext, rope_cos_sin
-from hybridkv.worker.qsa import QSAParams, qsa_attention, select_blocks
-from hybridkv.worker.sparse_mla import Selection, write_rows
 
 INDEXER_FIELDS = ("indexer_n_heads", "indexer_head_dim", "indexer_budget",
                   "indexer_compress_ratio")

@@ -23,7 +23,7 @@ from hybridkv.models.layers.mlp import GatedMLP
 from hybridkv.models.layers.rg_lru import RecurrentBlock
 from hybridkv.models.layers.rotary import Rotary
 from hybridkv.models.text_config import TextConfig
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 
 NAMES = LayerNames("temporal_block", mixer_norm="temporal_pre_norm",
                    ffn_norm="channel_pre_norm", ffns=("mlp_block",))

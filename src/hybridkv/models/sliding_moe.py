@@ -35,7 +35,7 @@ from hybridkv.models.layers.rotary import Rotary
 from hybridkv.models.layers.softplus_gated_attention import SoftplusGatedAttention
 from hybridkv.models.text_config import TextConfig
 from hybridkv.models.weights import renamed
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 
 CHECKPOINT_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
     "flint": ((r"\.self_attn\.softmax_offset$", ".self_attn.sinks"),),

@@ -27,7 +27,7 @@ from hybridkv.models.layers.moe import StackedExperts, act_glu
 from hybridkv.models.layers.norms import RMSNorm
 from hybridkv.models.layers.rotary import Rotary
 from hybridkv.models.text_config import TextConfig
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 from hybridkv.worker.forward_context import ForwardContext
 
 

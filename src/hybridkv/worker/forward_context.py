@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from hybridkv.worker.attention import AttentionBackend, AttentionMetadata, AttentionParams
-from hybridkv.worker.mla import MLAParams, mla_forward
+from hybridkv.worker.attention.backend import AttentionBackend, AttentionMetadata, AttentionParams
+from hybridkv.worker.attention.mla import MLAParams, mla_forward
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float
@@ -130,7 +130,7 @@ class ForwardContext:
 
     def mla_attention(self, layer_name: str, q: torch.Tensor, latent: torch.Tensor,
                       kv_b_weight: torch.Tensor, params: MLAParams) -> torch.Tensor:
-        """Multi-head latent attention (worker/mla.py): write the layer's latents, attend
+        """Multi-head latent attention (worker/attention/mla.py): write the layer's latents, attend
         over them up-projected by kv_b_weight. Returns [T, H, v_head_dim]."""
         meta = self.metadata[self.layer_group[layer_name]]
         assert isinstance(meta, AttentionMetadata)

@@ -21,14 +21,14 @@ from hybridkv.kv.spec import KEY_GROUP, cdiv
 from hybridkv.sched.sampling import SamplingParams
 from hybridkv.sched.scheduler import SchedulerOutput
 from hybridkv.sched.structured.manager import GrammarBitmask, StepGrammars
-from hybridkv.worker.attention import AttentionMetadata, get_backend
+from hybridkv.worker.attention.backend import AttentionMetadata, get_backend
 from hybridkv.worker.block_table import BlockTable
 from hybridkv.worker.config import RunnerConfig
-from hybridkv.worker.draft_model import DraftModel
 from hybridkv.worker.forward_context import ForwardContext, RopeTables
 from hybridkv.worker.kv_cache import allocate_key_staging, allocate_kv_caches
-from hybridkv.worker.rejection_sampler import Verified, verify_greedy, verify_sampled
-from hybridkv.worker.sampler import Sampler, masked_rows
+from hybridkv.worker.sampling.rejection import Verified, verify_greedy, verify_sampled
+from hybridkv.worker.sampling.sampler import Sampler, masked_rows
+from hybridkv.worker.spec.draft_model import DraftModel
 from hybridkv.worker.state import StateMetadata
 
 # Called with (request ids, their logits [R, V]) every step that samples; tests compare the
@@ -87,7 +87,7 @@ class ModelRunner:
         # Quantized pages (None: pages in the model dtype), one dtype per group.
         self.cache_dtypes = [getattr(g.spec, "cache_dtype", None) for g in kv_config.groups]
         # q4 K/V pages: per group and layer, each row's unfinished key group in full
-        # precision (worker/attention.py), and the position up to which a row's staged keys
+        # precision (worker/attention/backend.py), and the position up to which a row's staged keys
         # are its request's (a request must not start inside a group it has not staged).
         self.key_staging = allocate_key_staging(kv_config, self.kv_caches,
                                                 config.max_num_seqs, self.device)

@@ -60,9 +60,9 @@ from hybridkv.models.formats.gguf_config import ARCHS
 from hybridkv.models.formats.gguf_file import GGUFHeader, TensorInfo
 from hybridkv.models.formats.quantized_experts import QuantizedStackedExperts
 from hybridkv.models.registry import build_model
-from hybridkv.worker import quant_linear
-from hybridkv.worker.quant_linear import QuantizedWeight
-from hybridkv.worker.quantized import QuantizedEmbedding, QuantizedLinear
+from hybridkv.worker.linear import quant as quant_linear
+from hybridkv.worker.linear.quant import QuantizedWeight
+from hybridkv.worker.linear.quantized import QuantizedEmbedding, QuantizedLinear
 
 # Tensors llama.cpp files may carry that the engine computes itself.
 _DERIVED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")

@@ -17,7 +17,7 @@ from hybridkv.models.formats.gguf_file import GGUFHeader
 from hybridkv.models.layer_mix import SUPPORTED_MODEL_TYPES
 from hybridkv.models.registry import build_model
 from hybridkv.worker.cpu_malloc import release_free_memory
-from hybridkv.worker.linear import choose_kernel, fuse_linears
+from hybridkv.worker.linear.layers import choose_kernel, fuse_linears
 
 
 @dataclass
@@ -124,7 +124,8 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: torch.devic
                config: dict[str, Any] | None = None,
                linear_kernel: str | None = "auto") -> LoadedModel:
     """`config`: the directory's config.json when the caller has read it already;
-    `linear_kernel`: see worker/linear.py (None: leave the checkpoint's nn.Linear modules)."""
+    `linear_kernel`: see worker/linear/layers.py (None: leave the checkpoint's nn.Linear
+    modules)."""
     path = Path(model_dir)
     config = config if config is not None else read_config(path)
     # The small files first: a broken tokenizer is reported before minutes of weights load.

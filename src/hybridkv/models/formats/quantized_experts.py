@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hybridkv.models.layers.moe import StackedExperts, dispatch
-from hybridkv.worker.quantized import QuantizedLinear
+from hybridkv.worker.linear.quantized import QuantizedLinear
 
 
 class QuantizedStackedExperts(nn.Module):

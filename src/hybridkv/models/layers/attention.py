@@ -29,9 +29,9 @@ from torch import nn
 from hybridkv.models.layers.norms import RMSNorm, rms_normalize
 from hybridkv.models.layers.rotary import Rotary
 from hybridkv.models.text_config import TextConfig
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 from hybridkv.worker.forward_context import ForwardContext
-from hybridkv.worker.linear import Linear
+from hybridkv.worker.linear.layers import Linear
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,7 +132,7 @@ class Attention(nn.Module):
                 self.v_proj(h) if self.v_proj is not None else None)
 
     def fuse_linears(self, kernel: str) -> None:
-        """q/k/v as one GEMM and o_proj on `kernel` (see worker/linear.py)."""
+        """q/k/v as one GEMM and o_proj on `kernel` (see worker/linear/layers.py)."""
         projections = [p for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None]
         self.qkv = Linear(projections, kernel)
         self.q_proj = self.k_proj = self.v_proj = None

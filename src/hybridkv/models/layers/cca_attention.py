@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hybridkv.models.layers.rotary import Rotary
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 from hybridkv.worker.forward_context import ForwardContext
 
 

@@ -1,6 +1,6 @@
 """Multi-head latent attention (DeepSeek-V2's MLA) as Kimi Linear and Ling 3.0 (Bailing
 hybrid) write it. Keys and values come from one latent per token, which is all the KV cache
-keeps (worker/mla.py):
+keeps (worker/attention/mla.py):
 
     q             = q_proj(h)  or  q_b_proj(norm(q_a_proj(h)))         [T, H, nope + rope]
     c_kv | k_pe   = kv_a_proj_with_mqa(h);  c_kv = kv_a_layernorm(c_kv)  [T, rank], [T, rope]
@@ -20,8 +20,8 @@ from torch import nn
 
 from hybridkv.models.layers.norms import RMSNorm
 from hybridkv.models.layers.rotary import Rotary, apply_rope
+from hybridkv.worker.attention.mla import MLAParams
 from hybridkv.worker.forward_context import ForwardContext
-from hybridkv.worker.mla import MLAParams
 
 # The latent and query norms' eps in both references (they do not read rms_norm_eps).
 LATENT_NORM_EPS = 1e-6

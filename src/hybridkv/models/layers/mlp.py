@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from hybridkv.models.layers.activations import activation
-from hybridkv.worker.linear import GatedLinear, Linear
-from hybridkv.worker.quant_linear import QuantizedWeight
-from hybridkv.worker.quantized import QuantizedLinear
+from hybridkv.worker.linear.layers import GatedLinear, Linear
+from hybridkv.worker.linear.quant import QuantizedWeight
+from hybridkv.worker.linear.quantized import QuantizedLinear
 
 
 class GatedMLP(nn.Module):
@@ -19,7 +19,7 @@ class GatedMLP(nn.Module):
       mean + std * Φ⁻¹(sparsity) of each token (a Gaussian top-k) before the activation.
     - `multipliers` (Falcon-H1 µP): (on the gate's pre-activation, on the output).
     After `fuse_linears`, gate and up are one GEMM (or two with the activation and product
-    as post-ops, see worker/linear.py) and the checkpoint's modules are gone."""
+    as post-ops, see worker/linear/layers.py) and the checkpoint's modules are gone."""
 
     def __init__(self, hidden: int, intermediate: int, act: str, *, bias: bool = False,
                  fused: tuple[str, str] | None = None, activation_sparsity: float = 0.0,

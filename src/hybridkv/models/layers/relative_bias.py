@@ -5,7 +5,7 @@ r [H, d_rel] mix them into one bias per head and backward distance:
     table[t, h, d] = sum_i r[t, h, i] * proj[i, d]          # [T, H, E]
 
 The attention adds table[t, h, p - j] to the score of the key at j for the query at p
-(zero when p - j >= E): AttentionParams.query_bias, worker/scored_attention.py."""
+(zero when p - j >= E): AttentionParams.query_bias, worker/attention/scored.py."""
 
 from __future__ import annotations
 

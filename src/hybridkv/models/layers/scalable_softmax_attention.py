@@ -13,7 +13,7 @@ from torch import nn
 
 from hybridkv.models.layers.attention import Attention, AttentionShape
 from hybridkv.models.layers.rotary import Rotary
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 from hybridkv.worker.forward_context import ForwardContext
 
 SCALABLE_SOFTMAX_LENGTH = 2048.0

@@ -22,7 +22,7 @@ from torch import nn
 from hybridkv.models.layers.activations import activation
 from hybridkv.models.layers.norms import RMSNorm
 from hybridkv.models.layers.rotary import Rotary
-from hybridkv.worker.attention import AttentionParams
+from hybridkv.worker.attention.backend import AttentionParams
 from hybridkv.worker.forward_context import ForwardContext
 
 

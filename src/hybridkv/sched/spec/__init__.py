@@ -6,7 +6,7 @@ proposers that guess a request's next tokens (drafts) from what it knows.
     drafts = proposer.propose(request.token_ids, 4)     # [] when it has no guess
 
 Drafts are scheduled as extra tokens of their request; the target model scores them in one
-pass and the rejection sampler (worker/rejection_sampler.py) keeps the longest valid prefix.
+pass and the rejection sampler (worker/sampling/rejection.py) keeps the longest valid prefix.
 A proposer knows nothing of the rejection sampler, and the sampler nothing of proposers.
 """
 

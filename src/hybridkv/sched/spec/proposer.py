@@ -1,6 +1,6 @@
 """The scheduler's proposers behind `speculative_config["method"]`: one small module each,
 registered here by name. Worker methods (a draft model) have none here: the worker makes
-their drafts (worker/draft_model.py) in the slots the scheduler reserves."""
+their drafts (worker/spec/draft_model.py) in the slots the scheduler reserves."""
 
 from __future__ import annotations
 

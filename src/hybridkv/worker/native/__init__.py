@@ -9,7 +9,7 @@ built for another CPU. A
 compile takes about a second; a build goes to a temporary file renamed into place, so
 processes starting together never load a half-written library.
 
-No torch here: callers pass data pointers (see worker/cpu_attention.py).
+No torch here: callers pass data pointers (see worker/attention/cpu.py).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ typedef struct {
 
 /* One quantized matrix: rows of `cols` values, `ldw` bytes apart. `order` (NULL: none):
    the matrix row of each output (rows the file stores in another order, llama.cpp's q/k
-   permutation: worker/quant_linear.py QuantizedWeight.row_order); q/k/v parts only. */
+   permutation: worker/linear/quant.py QuantizedWeight.row_order); q/k/v parts only. */
 typedef struct {
     const uint8_t *w;
     int64_t ldw, type, rows;
@@ -73,7 +73,7 @@ typedef struct {
     int64_t group; /* its KV cache group's step metadata */
 } hkv_layer;
 
-/* A KV cache group's metadata for this step (worker/attention.py: AttentionMetadata). */
+/* A KV cache group's metadata for this step (worker/attention/backend.py: AttentionMetadata). */
 typedef struct {
     const int64_t *block_table, *slot_mapping, *rows, *query_start_loc, *seq_lens;
     int64_t table_stride, num_rows, block_size, kernel_block_size, blocks_per_page;

@@ -1,5 +1,5 @@
 /* The tokens that can still be a row's argmax, given approximate logits and a bound on
-   each one's error (worker/head_bound.py: a greedy step's 8-bit pre-pass of the LM head),
+   each one's error (worker/head/bound.py: a greedy step's 8-bit pre-pass of the LM head),
    and likewise those that can be among its k largest.
 
    Row r's logit of token v is known to lie in approx[r][v] -+ bound, with
@@ -157,7 +157,7 @@ int hkv_head_bound_select(const float *approx, int64_t n, int64_t vocab, int64_t
 }
 
 /* What a step needs of its n rows of x before the pre-pass, in one call (the same values
-   as worker/head_bound.py's quantize_blocks and error_terms, which take ~15 small tensor
+   as worker/head/bound.py's quantize_blocks and error_terms, which take ~15 small tensor
    operations a row; after the head's pass has streamed through the caches they cost more
    than all of this): per 32-value block d = max|x| / 127, q = round(x / d) to nearest even
    (0 for a block of zeros) and the norms of x and of e = x - q d, whole and per block,
@@ -214,7 +214,7 @@ int hkv_head_prepare(const float *x, int64_t n, int64_t cols, float rounding, in
    conversion and one FMA per block for 8 tokens at once. On one AVX2 core this computes a
    262k x 640 head at 32 rows ~2x faster than a blocked float GEMM.
 
-   Layout (worker/head_bound.py: pack_rows): group g holds tokens 8g..8g+7; per 32-value
+   Layout (worker/head/bound.py: pack_rows): group g holds tokens 8g..8g+7; per 32-value
    block b, 8 chunks of 32 bytes, chunk j = the 8 tokens' values 4j..4j+3 in token order;
    scales[g][b][t] the token's block scale, an IEEE half (a batch-1 step reads the copy
    once, bound by memory bandwidth: float scales would add 12% to its bytes). x: int8

@@ -1,4 +1,4 @@
-/* int8 KV rows written on the CPU: the bytes worker/kv_quant.py writes, without its ~20
+/* int8 KV rows written on the CPU: the bytes worker/attention/kv_quant.py writes, without its ~20
    torch operations per call (a decode step writes one token a layer, where those cost more
    than the layer's attention). Row: [fp16 scale per group of 32 | int8 values | zero pad
    to even]; scale = max|x| / 127 rounded to fp16 (to nearest even), values x / scale rounded

@@ -3,7 +3,7 @@
 
    At decode a step is a few dozen rows, so a linear layer is bound by streaming its weights
    from memory: each weight is read once and used for every row. The weights are packed once
-   into panels of 64 output columns, [panels, K, 64] (worker/cpu_linear.py packs them), so a
+   into panels of 64 output columns, [panels, K, 64] (worker/linear/cpu.py packs them), so a
    panel is one forward stream; register tiles of 6 rows x 64 columns (24 accumulators)
    walk down it. A decode step's rows (12 to 96) take each panel 256 rows of K at a time,
    every tile in turn, while the next 64 KiB of the stream is prefetched a few lines per

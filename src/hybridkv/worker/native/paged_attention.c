@@ -1,4 +1,4 @@
-/* Attention of every query over the paged KV cache, read in place (worker/cpu_attention.py
+/* Attention of every query over the paged KV cache, read in place (worker/attention/cpu.py
    sends it decode steps and prompt chunks alike, for float32 and int8 pages).
 
    The torch path copies each request's context out of its blocks and then reads the copy
@@ -18,15 +18,15 @@
    values, so the output is rotated back (the rotation is orthonormal); K rows are nibbles
    quantized per channel over groups of KEY_GROUP tokens, the group's (scale, minimum) pairs
    spread over its rows' tails. A query reads the keys of its own group, which may not be
-   quantized yet, in full precision from `fresh` (worker/attention.py: FreshKeys).
+   quantized yet, in full precision from `fresh` (worker/attention/backend.py: FreshKeys).
 
    Requests split across threads. Addressing follows the KV view [pages, blocks_per_page, 2,
    block, Hk, row] given by its strides in bytes, so padded large pages and kernel blocks
    inside manager blocks need no special case. Masks: causal, sliding window, chunked local
-   attention; optional logit soft-cap and per-head sink logits, as in worker/attention.py.
+   attention; optional logit soft-cap and per-head sink logits, as in worker/attention/backend.py.
    `hkv_paged_attention_scored` also takes what depends on the query token (Inkling): a bias
    per query, head and backward distance d < extent added to the scaled score, and a sink
-   logit per query and head (worker/scored_attention.py computes the same). */
+   logit per query and head (worker/attention/scored.py computes the same). */
 
 #include <math.h>
 #include <stdint.h>
@@ -195,7 +195,7 @@ static inline void decode_key_row(const char *row, int64_t dim, const float *sca
 }
 
 /* The orthonormal Hadamard transform of each full group of GROUP values (its own inverse):
-   what q4 rows were rotated by when written (worker/kv_quant.py). */
+   what q4 rows were rotated by when written (worker/attention/kv_quant.py). */
 static void rotate_groups(float *x, int64_t dim) {
     const float norm = 0.17677669529663687f; /* 1 / sqrt(32) */
     for (int64_t g = 0; g + GROUP <= dim; g += GROUP) {
@@ -314,9 +314,9 @@ static void __attribute__((unused)) q8_round_trip(float *x, int64_t dim) {
 #if defined(__AVX2__) && defined(__F16C__)
 /* int8 pages without decoding them (head sizes a multiple of GROUP). The query is quantized
    like a K row (int8 per GROUP with one scale, as llama.cpp's q8_0 dot products do; every
-   path does the same to queries over int8 pages, worker/kv_quant.py: quantize_queries), so
-   q.k is integer products summed exactly, times the two scales: 32 products in four
-   instructions, no float copy of the row. V rows are converted in registers, each
+   path does the same to queries over int8 pages, worker/attention/kv_quant.py:
+   quantize_queries), so q.k is integer products summed exactly, times the two scales: 32
+   products in four instructions, no float copy of the row. V rows are converted in registers, each
    converted slice weighed into every query head of the KV head, with the row's scale
    folded into the head's softmax weight. */
 #define I8_DOT 1

@@ -1,5 +1,5 @@
 /* GGML-quantized weights on the CPU: dequantization, row gathers (embeddings) and
-   y = x W^T with W kept in its GGUF blocks (worker/quant_linear.py calls these).
+   y = x W^T with W kept in its GGUF blocks (worker/linear/quant.py calls these).
 
    The block layouts (as gguf-py's quants.py reads them; all little-endian, f16 scales):
      Q4_0  32 values, 18 bytes: d, qs[16]; value j = d (nibble - 8), low nibbles j < 16,
@@ -24,7 +24,7 @@
    bandwidth); hkv_quant_gemm_int8 is the same product with quant_gemm.c's call, gated
    modes included (the native decode layers).
    x in float takes quant_gemm.c, whose order of arithmetic does not depend on the number
-   of rows (worker/quant_linear.py); hkv_quant_matmul refuses it (-1).
+   of rows (worker/linear/quant.py); hkv_quant_matmul refuses it (-1).
    hkv_quant_float_activations(1) keeps x in float on every path. Work is split over
    torch's OpenMP threads. */
 
@@ -376,7 +376,7 @@ static inline void hsum4(v8 a, v8 b, v8 c, v8 d, float *out) {
    byte products and x with w's sign (AVX2's maddubs multiplies unsigned by signed bytes).
    The error against float activations is sum over blocks of (max |x| in the block / 254)
    times sum |d q| over the block's weights (d q: the weight without its min), plus float
-   rounding; quant_linear.py states and the tests check it. */
+   rounding; linear/quant.py states and the tests check it. */
 
 #ifndef INT_PREFETCH
 #define INT_PREFETCH 2048
@@ -951,7 +951,7 @@ int hkv_quant_matmul(const float *x, int64_t m, int64_t ldx, const uint8_t *w, i
    y [m, n] = x W^T; a gated mode (1 SiLU, 2 GELU-tanh, 3 ReLU), y = act(x G^T) * (x U^T)
    with G = W's n rows and U = u's (W's next n rows where u is NULL), through simd.h's
    gated_row. The operator path computes the same with these activations (the gate and up
-   products, then quant_linear.gated_rows), so a decode step gets its bytes. -1: a type
+   products, then linear/quant.py gated_rows), so a decode step gets its bytes. -1: a type
    this path does not take or 8-bit activations off; -2: no memory. */
 int hkv_quant_gemm_int8(const float *x, int64_t m, int64_t ldx, const uint8_t *w, int64_t ldw,
                         int type, int64_t n, int64_t cols, float *y, int64_t ldy, int mode,

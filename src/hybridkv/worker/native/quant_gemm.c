@@ -9,7 +9,7 @@
      acc      eight lane sums, acc = fma(w[k .. k + 8], x[k .. k + 8], acc) for k = 0, 8, ..
               K - 8 in that order;
      y        the lanes summed as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) (hsum8);
-     gated    act(y_gate) * y_up by simd.h's gated_act (modes of worker/cpu_linear.py).
+     gated    act(y_gate) * y_up by simd.h's gated_act (modes of worker/linear/cpu.py).
    Two kernels compute it:
      few rows   (decode: fewer than BUF_FROM x rows) dequantize each weight block in
                 registers as they stream it, every x row of a pass dotting it (no float copy

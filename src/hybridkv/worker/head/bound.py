@@ -36,8 +36,10 @@ from typing import Any
 
 import torch
 
-from hybridkv.worker import head_cache, native, quant_linear
-from hybridkv.worker.head_topk import HeadCandidates
+from hybridkv.worker import native
+from hybridkv.worker.head import cache as head_cache
+from hybridkv.worker.head.topk import HeadCandidates
+from hybridkv.worker.linear import quant as quant_linear
 
 BLOCK = 32  # values per scale, in the copy and in x
 GROUP = 8  # tokens packed together (one register's int32 lanes)

@@ -1,4 +1,4 @@
-"""The LM head's 8-bit pre-pass copy (worker/head_bound.py), kept on disk and mapped.
+"""The LM head's 8-bit pre-pass copy (worker/head/bound.py), kept on disk and mapped.
 
 Building the copy reads and requantizes every row of the head: ~2-3 s of a 262k-token
 vocabulary's start-up, paid again by every process. Kept in the cache directory under a hash
@@ -35,8 +35,8 @@ _HEADER = struct.Struct("<8s16sqqq?")  # magic, key, vocab, cols, groups, exact
 
 # The code that makes the copy: a change to it names every copy anew (as a changed kernel
 # source names a new library), so a file made by other code is never mapped.
-_MAKERS = (Path(__file__).with_name("head_bound.py"), Path(__file__),
-           Path(__file__).parent / "native" / "head_bound.c")
+_MAKERS = (Path(__file__).with_name("bound.py"), Path(__file__),
+           Path(__file__).parents[1] / "native" / "head_bound.c")
 
 
 def head_key(data: torch.Tensor, kind: str) -> bytes:

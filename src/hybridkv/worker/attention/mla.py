@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hybridkv.worker.attention import AttentionMetadata, from_page, to_page
+from hybridkv.worker.attention.backend import AttentionMetadata, from_page, to_page
 
 
 @dataclass(frozen=True)

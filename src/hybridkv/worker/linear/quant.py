@@ -178,7 +178,7 @@ def int8_capable(qtype: int) -> bool:
 
 def gated_rows(gate: torch.Tensor, up: torch.Tensor, mode: int) -> torch.Tensor:
     """act(gate) * up for float32 [M, n] rows of unit stride (a gated mode of
-    worker/cpu_linear.py), by the same C loop as the kernel's gated epilogue; gate and up
+    worker/linear/cpu.py), by the same C loop as the kernel's gated epilogue; gate and up
     computed apart (matrices of two block types) then get the bytes one matrix would."""
     fn = native.function("quant_gemm", "hkv_gated_rows", _GATED_SIGNATURE)
     m, n = gate.shape
@@ -333,7 +333,7 @@ def gated_matmul(x: torch.Tensor, weight: QuantizedWeight, mode: int,
                  up: QuantizedWeight | None = None) -> torch.Tensor | None:
     """act(x G^T) * (x U^T), float32 [M, n], for `weight` the n gate rows and `up` the n up
     rows (of one type, width and row stride), or, `up` None, `weight` the n gate rows then the
-    n up rows; `mode` one of worker/cpu_linear.py's GATED_ACTIVATIONS: quant_gemm.c's gated
+    n up rows; `mode` one of worker/linear/cpu.py's GATED_ACTIVATIONS: quant_gemm.c's gated
     epilogue, at every M (batch invariant). None where the plain product runs these rows
     (8-bit activations' rows, a type or width the kernel does not take): the caller then
     applies the activation."""

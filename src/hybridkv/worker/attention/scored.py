@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from hybridkv.worker.attention import AttentionParams
+    from hybridkv.worker.attention.backend import AttentionParams
 
 # Queries scored at once on a full-attention layer: bounds the [H, block, L] scores.
 QUERY_BLOCK = 256

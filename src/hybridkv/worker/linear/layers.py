@@ -4,7 +4,7 @@ Two things change against a plain `nn.Linear` per projection:
 - projections of the same input are one GEMM (q/k/v; a gated MLP's gate and up): fewer,
   larger calls, which matters most when a step is a few dozen tokens;
 - on CPUs, float32 weights are packed once for hybridkv's own kernel ("cpu",
-  worker/cpu_linear.py: a C call per projection, the gated MLP's activation and product in
+  worker/linear/cpu.py: a C call per projection, the gated MLP's activation and product in
   its registers), which streams the weights at decode about 1.1x faster than oneDNN and
   runs prefill at oneDNN's speed; or, for bfloat16, reordered once into oneDNN's blocked
   layout for its prepacked GEMM ("onednn", about 1.2x faster than `F.linear` for these
@@ -21,8 +21,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from hybridkv.worker import cpu_linear, native, quant_linear
-from hybridkv.worker.quantized import QuantizedLinear, QuantizedParts
+from hybridkv.worker import native
+from hybridkv.worker.linear import cpu as cpu_linear
+from hybridkv.worker.linear import quant as quant_linear
+from hybridkv.worker.linear.quantized import QuantizedLinear, QuantizedParts
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Modules over weights kept quantized (GGUF blocks): a linear layer and an embedding table.
 
 They stand where a model's `nn.Linear` / `nn.Embedding` stood, so the families are unchanged;
-`Linear` (worker/linear.py) fuses several of them (q/k/v, gate/up) into one call when their
-block types agree. The kernels are worker/quant_linear.py's C code: weights are read in their
+`Linear` (worker/linear/layers.py) fuses several of them (q/k/v, gate/up) into one call when their
+block types agree. The kernels are worker/linear/quant.py's C code: weights are read in their
 blocks at every step, never expanded to float32 in memory.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from hybridkv.worker.quant_linear import QuantizedWeight
+from hybridkv.worker.linear.quant import QuantizedWeight
 
 
 class QuantizedLinear(nn.Module):

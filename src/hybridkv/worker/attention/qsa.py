@@ -10,9 +10,9 @@ positions of the top blocks and to the query's unfinished block.
 
 Each query's row holds exactly its nb(t) complete blocks, as in the reference, so torch.topk
 sees the same row (and breaks ties the same way) however the prompt was chunked. Reads
-gather over the block tables (worker/sparse_mla.py `paged_rows`): the indexer every raw key
-of the context, the attention only the K/V rows some query of the step selected (each
-query's rows materialised, [n, S, Hk, D]: the torch reference path).
+gather over the block tables (worker/attention/sparse_mla.py `paged_rows`): the indexer
+every raw key of the context, the attention only the K/V rows some query of the step
+selected (each query's rows materialised, [n, S, Hk, D]: the torch reference path).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv.worker.attention import AttentionMetadata, from_page
-from hybridkv.worker.sparse_mla import Selection, paged_rows
+from hybridkv.worker.attention.backend import AttentionMetadata, from_page
+from hybridkv.worker.attention.sparse_mla import Selection, paged_rows
 
 # (raw keys of complete blocks [NB, r, Di], their first positions [NB]) -> block keys
 # [NB, Di]: the model's compression.

@@ -15,8 +15,8 @@ A context's positions are 0..L-1 (block order is position order), so RoPE of the
 is exact; everything after the gather (plans, padding, masks) is the same for both layouts.
 
 Quantized pages (`AttentionMetadata.cache_dtype`, kv/spec.py) hold rows of bytes instead of
-head_size values: K/V are quantized as they are written (worker/kv_quant.py) and the rows a
-batch gathers are dequantized into the compute dtype before SDPA.
+head_size values: K/V are quantized as they are written (worker/attention/kv_quant.py) and
+the rows a batch gathers are dequantized into the compute dtype before SDPA.
 
 q4 K/V pages (`AttentionMetadata.key_groups`) quantize keys per channel over groups of
 KEY_GROUP tokens. A group is quantized when its last token is written; until then its keys
@@ -37,8 +37,7 @@ import torch
 from torch import nn
 
 from hybridkv.kv.spec import KEY_GROUP, q4_kv_layout
-from hybridkv.worker import cpu_linear
-from hybridkv.worker.kv_quant import (
+from hybridkv.worker.attention.kv_quant import (
     dequantize_key_groups,
     dequantize_rows,
     dequantize_values_q4,
@@ -49,7 +48,8 @@ from hybridkv.worker.kv_quant import (
     quantizes_queries,
     write_v_q4,
 )
-from hybridkv.worker.scored_attention import attend_scored
+from hybridkv.worker.attention.scored import attend_scored
+from hybridkv.worker.linear import cpu as cpu_linear
 
 
 @dataclass
@@ -197,7 +197,7 @@ class AttentionMetadata:
     blocks_per_page: int  # of the group's KV views: block b is (page b // n, slot b % n)
     cache_dtype: str | None = None  # quantized pages (kv/spec.py CACHE_DTYPES), else None
     # Per request: its prompt's length (a lightning indexer's top-k breaks ties as the
-    # reference does over rows of that length: worker/sparse_mla.py); None: not given.
+    # reference does over rows of that length: worker/attention/sparse_mla.py); None: not given.
     prompt_lens: list[int] | None = None
     # q4 K/V pages with keys per channel over KEY_GROUP tokens (see the module docstring):
     # per layer (its KV view's data_ptr) the staging buffer [rows, KEY_GROUP, Hk, D] of the
@@ -367,7 +367,7 @@ class AttentionParams:
     # K-only pages: raw keys [..., L, Hk, D] at positions [L] -> (K, V), each [..., L, Hk, D].
     derive_kv: Callable[[torch.Tensor, torch.Tensor],
                         tuple[torch.Tensor, torch.Tensor]] | None = None
-    # Scores that depend on the query token (worker/scored_attention.py), given per step:
+    # Scores that depend on the query token (worker/attention/scored.py), given per step:
     # query_bias [T, Hq, E], a bias per query and backward distance 0..E-1 (zero beyond);
     # token_sinks [T, Hq], a sink logit per query. Either takes the layer off the batched
     # paths: request by request here, in place in the "cpu" backend's scored kernel.
@@ -930,9 +930,10 @@ BACKEND_NAMES = ("auto", "cpu", "torch")
 
 def get_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
     """"torch": gather + SDPA, any device; "cpu": decode reads the pages in place (a C
-    kernel compiled on first use, worker/cpu_attention.py); "auto": "cpu" on CPU devices
+    kernel compiled on first use, worker/attention/cpu.py); "auto": "cpu" on CPU devices
     where the kernel compiles, else "torch"."""
-    from hybridkv.worker import cpu_attention, native  # registers "cpu"
+    from hybridkv.worker import native
+    from hybridkv.worker.attention import cpu as cpu_attention  # registers "cpu"
 
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; available: "

@@ -31,13 +31,13 @@ import torch
 
 from hybridkv.kv.spec import KEY_GROUP, quantized_row_bytes
 from hybridkv.worker import cpu_ops, native
-from hybridkv.worker.attention import (
+from hybridkv.worker.attention.backend import (
     BACKENDS,
     AttentionMetadata,
     AttentionParams,
     TorchReferenceBackend,
 )
-from hybridkv.worker.kv_quant import write_int8_kv
+from hybridkv.worker.attention.kv_quant import write_int8_kv
 
 logger = logging.getLogger(__name__)
 

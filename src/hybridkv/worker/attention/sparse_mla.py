@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv.worker.attention import AttentionMetadata, from_page, to_page
-from hybridkv.worker.mla import MLAParams, expand_latents
+from hybridkv.worker.attention.backend import AttentionMetadata, from_page, to_page
+from hybridkv.worker.attention.mla import MLAParams, expand_latents
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def sparse_mla_forward(q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Te
     """Write this step's latents [T, rank + rope], then attend q [T, H, nope + rope] (RoPE
     applied) over the latents of each query's selection. Returns [T, H, v_head_dim].
     Quantized pages (kv_cache_dtype) hold latent rows per token: quantized as written,
-    dequantized as gathered, as worker/mla.py reads them."""
+    dequantized as gathered, as worker/attention/mla.py reads them."""
     pages, slots, offsets = meta.write_index
     kv_cache[pages, slots, offsets] = to_page(latent, kv_cache, meta)
     out = q.new_empty(q.shape[0], params.num_heads, params.v_head_dim)

@@ -1,5 +1,5 @@
 """Drafts from the target's own multi-token-prediction head (`speculative_config` method
-`mtp`): the draft-model machinery (worker/draft_model.py: its layer in the KV cache plan
+`mtp`): the draft-model machinery (worker/spec/draft_model.py: its layer in the KV cache plan
 under DRAFT_PREFIX, drafts in the slots the scheduler reserves, rollback by overwriting)
 with a head that reads the target's last hidden state instead of running a model of its own.
 
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from hybridkv.sched.scheduler import SchedulerOutput
-from hybridkv.worker.draft_model import DraftModel
+from hybridkv.worker.spec.draft_model import DraftModel
 
 if TYPE_CHECKING:
     from hybridkv.worker.model_runner import ModelRunner, RunnerOutput, StepInputs
