@@ -697,7 +697,7 @@ static inline __attribute__((always_inline)) void int_block32(
    block): with one x row a single chain of FMAs would bound the speed. */
 static inline __attribute__((always_inline)) void int_row(
     int type, const uint8_t *p, int64_t cols, const int8_t *xq, const float *xd,
-    const float *xs, float *y, int64_t ldy, const int NX) {
+    const float *xs, const int16_t *bs, float *y, int64_t ldy, const int NX) {
     const int64_t nb = cols / 32;
     __m256 acc[INT_ROWS], acc2[INT_ROWS];
     float off[INT_ROWS];
@@ -767,11 +767,14 @@ static inline __attribute__((always_inline)) void int_row(
         break;
     }
     case T_Q6_K: {
-        const __m256i x32 = _mm256_set1_epi8(32), three = _mm256_set1_epi8(3);
+        /* The codes as unsigned bytes (0..63: value + 32), so no sign juggling per 32
+           values; the 32 in each is taken back once a block, from x's sums per 16 (bs)
+           times the 16 scales: sum (q - 32) x = sum q x - 32 sum x, exactly in int32. */
+        const __m256i three = _mm256_set1_epi8(3);
         for (int64_t k = 0, b = 0; k < cols; k += 256, b += 8, p += 210) {
             const uint8_t *ql = p, *qh = p + 128;
             const int8_t *scs = (const int8_t *)(p + 192);
-            __m256i sum[INT_ROWS]; /* as Q4_K's: at most 8 x 2 x 32 x 127 x 128 a lane */
+            __m256i sum[INT_ROWS]; /* at most 8 x 2 x 63 x 127 x 128 a lane */
             for (int i = 0; i < NX; i++) sum[i] = _mm256_setzero_si256();
             for (int h = 0; h < 2; h++) {
                 /* this half's eight int8 scales as 16-bit lanes, in both 128-bit halves */
@@ -791,8 +794,7 @@ static inline __attribute__((always_inline)) void int_row(
                     _mm256_and_si256(_mm256_srli_epi16(hb, 2), _mm256_set1_epi8(0x30))};
 #pragma GCC unroll 4
                 for (int s = 0; s < 4; s++) {
-                    const __m256i w = _mm256_sub_epi8(_mm256_or_si256(lows[s], highs[s]), x32);
-                    const __m256i wa = _mm256_sign_epi8(w, w);
+                    const __m256i q = _mm256_or_si256(lows[s], highs[s]);
                     /* values 0-15 of the 32 take scale 2 s, 16-31 scale 2 s + 1 */
                     const __m256i sv = _mm256_shuffle_epi8(
                         sc8, _mm256_blend_epi32(lane16(2 * s), lane16(2 * s + 1), 0xf0));
@@ -801,14 +803,19 @@ static inline __attribute__((always_inline)) void int_row(
                         const __m256i xv =
                             _mm256_loadu_si256((const __m256i *)(xq + i * cols + kk));
                         sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, w)), sv));
+                            _mm256_maddubs_epi16(q, xv), sv));
                     }
                 }
             }
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scs));
             const float dw = half_to_float(rd16(p + 208));
-            for (int i = 0; i < NX; i++)
+            for (int i = 0; i < NX; i++) {
+                const __m256i xsum = _mm256_loadu_si256((const __m256i *)(bs + i * (cols / 16) + k / 16));
+                const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(xsum, sc16), 5);
                 acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[i * nb + b]),
-                                         _mm256_cvtepi32_ps(sum[i]), acc[i]);
+                                         _mm256_cvtepi32_ps(_mm256_sub_epi32(sum[i], corr)),
+                                         acc[i]);
+            }
         }
         break;
     }
@@ -861,10 +868,13 @@ static int int_matmul(const float *x, int64_t m, int64_t ldx, const uint8_t *w, 
     const int64_t nb = cols / 32;
     /* One buffer: x's bytes [m, cols], then scales and sums [m, nb] each. */
     const size_t qbytes = ((size_t)(m * cols) + 63) & ~(size_t)63;
-    uint8_t *buf = malloc(qbytes + 2 * (size_t)(m * nb + 1) * sizeof(float));
+    /* Q6_K also takes x's byte sums per 16 values [m, cols / 16] (int_row). */
+    const size_t sbytes = type == T_Q6_K ? (size_t)(m * (cols / 16)) * sizeof(int16_t) : 0;
+    uint8_t *buf = malloc(qbytes + sbytes + 2 * (size_t)(m * nb + 1) * sizeof(float));
     if (buf == NULL) return -2;
     int8_t *xq = (int8_t *)buf;
-    float *xd = (float *)(buf + qbytes), *xs = xd + m * nb;
+    int16_t *bs = (int16_t *)(buf + qbytes);
+    float *xd = (float *)(buf + qbytes + sbytes), *xs = xd + m * nb;
     const int fast =
 #if defined(HAVE_INT_AVX2)
         !force_portable;
@@ -877,6 +887,11 @@ static int int_matmul(const float *x, int64_t m, int64_t ldx, const uint8_t *w, 
     else
 #endif
         quantize_x_portable(x, m, ldx, cols, xq, xd, xs, x_group(type));
+    for (int64_t g = 0; sbytes && g < m * (cols / 16); g++) {
+        int s16 = 0;
+        for (int j = 0; j < 16; j++) s16 += xq[16 * g + j];
+        bs[g] = (int16_t)s16;
+    }
     const int parallel = m * rows * cols >= (1 << 17) && rows > 1;
     int failed = 0;
     if (fast) {
@@ -896,12 +911,13 @@ static int int_matmul(const float *x, int64_t m, int64_t ldx, const uint8_t *w, 
                 const int nx = m - i < INT_ROWS ? (int)(m - i) : INT_ROWS;
                 const int8_t *qi = xq + i * cols;
                 const float *di = xd + i * nb, *si = xs + i * nb;
+                const int16_t *bi = bs + i * (cols / 16);
                 float *yi = y + i * ldy + r;
                 switch (nx) {
-                case 4: int_row(type, p, cols, qi, di, si, yi, ldy, 4); break;
-                case 3: int_row(type, p, cols, qi, di, si, yi, ldy, 3); break;
-                case 2: int_row(type, p, cols, qi, di, si, yi, ldy, 2); break;
-                default: int_row(type, p, cols, qi, di, si, yi, ldy, 1); break;
+                case 4: int_row(type, p, cols, qi, di, si, bi, yi, ldy, 4); break;
+                case 3: int_row(type, p, cols, qi, di, si, bi, yi, ldy, 3); break;
+                case 2: int_row(type, p, cols, qi, di, si, bi, yi, ldy, 2); break;
+                default: int_row(type, p, cols, qi, di, si, bi, yi, ldy, 1); break;
                 }
             }
         }
