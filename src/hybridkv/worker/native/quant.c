@@ -374,8 +374,8 @@ static inline void hsum4(v8 a, v8 b, v8 c, v8 d, float *out) {
    Q5_1, Q4_K, Q5_K) go through x's exact float sums per 32.
    The signed types (Q4_0, Q5_0, Q8_0, Q6_K) take |w| as the unsigned operand of the
    byte products and x with w's sign (AVX2's maddubs multiplies unsigned by signed bytes).
-   The error against float activations is sum over blocks of (max |x| in the block / 254)
-   times sum |d q| over the block's weights (d q: the weight without its min), plus float
+   The error against float activations is sum over x groups of (max |x| in the group / 254)
+   times sum |d q| over the group's weights (d q: the weight without its min), plus float
    rounding; linear/quant.py states and the tests check it. */
 
 #ifndef INT_PREFETCH
@@ -402,15 +402,7 @@ static inline void scales_mins_k4(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]
     }
 }
 
-/* One 32-value x block: its scale d (0 for zeros; NaN where x holds a NaN or an infinity,
-   so those reach y as with float activations) and sum; q[j] = round(v[j] / d). */
-static inline void finish_block(float amax, float sum, float *d, float *id, float *s) {
-    const float dd = amax / 127.f;
-    *id = dd != 0.f && isfinite(dd) ? 1.f / dd : 0.f;
-    *d = isfinite(sum) ? dd : NAN;
-    *s = sum;
-}
-
+#if defined(__AVX2__)
 /* Q4_K / Q5_K's twelve scale bytes as scales_mins_k4 reads them, by 32-bit words: bytes
    0-7 the eight 6-bit scales, 8-15 the eight mins (a dozen integer operations where the
    byte loop took ~40, a K-quant decode's largest cost after the dot products). */
@@ -422,7 +414,6 @@ static inline __m128i scales_mins_k4_v(const uint8_t *s) {
     return _mm_set_epi32((int)mn_hi, (int)(b & m6), (int)sc_hi, (int)(a & m6));
 }
 
-#if defined(__AVX2__)
 /* The byte shuffle that copies 16-bit lane j (of each 128-bit half) to all its lanes. */
 static inline __m256i lane16(int j) { return _mm256_set1_epi16((short)((2 * j + 1) << 8 | 2 * j)); }
 #endif
@@ -434,9 +425,10 @@ static inline int x_group(int type) {
     return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K ? 8 : 1;
 }
 
-/* A group of g 32-value blocks' scale from their largest |x| and sums: every block gets
-   d = amax / 127 (NaN for all of them where any block holds a NaN or an infinity) and
-   its own sum; *id the reciprocal that rounds them. */
+/* A group of g 32-value x blocks' scale from their largest |x| and sums: every block
+   gets d = amax / 127 (0 for zeros; NaN for all of them where any block holds a NaN or an
+   infinity, so those reach y as with float activations) and its own sum; returns the
+   reciprocal that rounds them (q = round(x / d)), 0 where d is 0 or not finite. */
 static inline float finish_group(const float *amax, const float *sum, int g, float *d,
                                  float *s) {
     float mx = 0.f;
@@ -445,7 +437,7 @@ static inline float finish_group(const float *amax, const float *sum, int g, flo
         mx = fmaxf(mx, amax[j]);
         finite &= isfinite(sum[j]) != 0;
     }
-    const float dd = mx / 127.f; /* as finish_block */
+    const float dd = mx / 127.f;
     for (int j = 0; j < g; j++) {
         d[j] = finite ? dd : NAN;
         s[j] = sum[j];
