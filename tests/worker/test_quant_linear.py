@@ -311,8 +311,6 @@ def test_8bit_activations_rows_do_not_depend_on_their_batch(qtype: int, path: st
     dot the same instructions): a row's result is bit for bit the same alone, in any batch
     and on 1-3 threads, and hkv_quant_gemm_int8 (the native decode layers' call) gives the
     operator path's bytes, plain and gated (gate and up products, then gated_rows)."""
-    import ctypes
-
     from hybridkv.worker.linear import cpu as cpu_linear
 
     values, _ = ql.block_shape(qtype)
@@ -325,9 +323,6 @@ def test_8bit_activations_rows_do_not_depend_on_their_batch(qtype: int, path: st
     before = torch.get_num_threads()
     lib = ql.library()
     fn = lib.hkv_quant_gemm_int8
-    fn.restype = ctypes.c_int
-    ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [ptr, i64, i64, ptr, i64, c_int, i64, i64, ptr, i64, c_int, ptr]
 
     def gemm_int8(xs: torch.Tensor, n: int, mode: int) -> torch.Tensor:
         out = torch.empty(xs.shape[0], n)

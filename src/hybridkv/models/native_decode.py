@@ -151,13 +151,16 @@ class NativeDecode:
         self.int8_ready = all(
             quant_linear.int8_capable(mat.type)
             for L in structs for mat in (*L.qkv[:L.n_qkv], L.o, *L.gate_up[:L.n_gate_up], L.down))
+        # The product's address per activations (float or 8-bit), the setting read per step.
+        self.matmuls = {True: quant_linear.gemm_address(True),
+                        False: quant_linear.gemm_address(False) if self.int8_ready else 0}
         lib = library()
         attention = native.load("paged_attention").hkv_paged_attention
         ops = cpu_ops.library()
         self.max_rows = MAX_ROWS
         self.kernels = Kernels(_address(ops.hkv_rms_norm_f32), _address(ops.hkv_rope_f32),
                                _address(ops.hkv_write_kv_f32), _address(attention),
-                               quant_linear.gemm_address())
+                               self.matmuls[quant_linear.FLOAT_ACTIVATIONS])
         self.scratch = torch.empty(int(lib.hkv_decode_scratch(self.layers, len(structs),
                                                                 self.max_rows, self.hidden)),
                                    dtype=torch.float32)
@@ -301,7 +304,7 @@ class NativeDecode:
             step.keep += [cos, sin]
             cos_ptrs[j], sin_ptrs[j] = cos.data_ptr(), sin.data_ptr()
         out = h.contiguous().clone()
-        self.kernels.matmul = quant_linear.gemm_address()  # float or 8-bit activations
+        self.kernels.matmul = self.matmuls[quant_linear.FLOAT_ACTIVATIONS]
         rc = self._run(self.layers, len(self.names), step.groups, ctypes.byref(self.kernels),
                        cos_ptrs, sin_ptrs, out.data_ptr(), m, self.hidden,
                        self.scratch.data_ptr(), torch.get_num_threads())

@@ -82,6 +82,10 @@ LARGE_M = 128
 FLOAT_ACTIVATIONS = os.environ.get("HYBRIDKV_QUANT_FLOAT_ACTIVATIONS", "1") != "0"
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+# x, m, ldx, w, ldw, type, n, cols, y, ldy, mode, u: quant_gemm.c's hkv_quant_gemm and
+# quant.c's hkv_quant_gemm_int8
+_GEMM_SIGNATURE: list[Any] = [_PTR, _I64, _I64, _PTR, _I64, _INT, _I64, _I64, _PTR, _I64,
+                              _INT, _PTR]
 _SIGNATURES: dict[str, list[Any]] = {
     "hkv_quant_dequantize": [_PTR, _I64, _INT, _I64, _PTR, _I64, _PTR, _I64],
     "hkv_quant_matmul": [_PTR, _I64, _I64, _PTR, _I64, _INT, _I64, _I64, _PTR, _I64],
@@ -89,6 +93,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "hkv_quant_float_activations": [_INT],
     "hkv_quant_int8_rows": [_INT],
     "hkv_quant_int8_capable": [_INT],
+    "hkv_quant_gemm_int8": _GEMM_SIGNATURE,
 }
 _lib: ctypes.CDLL | None = None
 _unavailable: str | None = None
@@ -134,11 +139,8 @@ def set_float_activations(on: bool) -> bool:
     return was
 
 
-_GEMM_SIGNATURE: list[Any] = [_PTR, _I64, _I64, _PTR, _I64, _INT, _I64, _I64, _PTR, _I64,
-                              _INT, _PTR]
 _GATED_SIGNATURE: list[Any] = [_PTR, _I64, _PTR, _I64, _I64, _I64, _INT, _PTR, _I64]
 _GEMM_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30})
-_INT8_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
 
 
 def _gemm() -> Any:
@@ -151,11 +153,11 @@ def takes_gemm(qtype: int, cols: int) -> bool:
     return int(qtype) in _GEMM_TYPES and cols % 32 == 0 and cols > 0 and _gemm() is not None
 
 
-def gemm_address() -> int:
-    """The batch-invariant kernel's address for the current activations (native decode
-    calls it from C: quant_gemm.c's, or quant.c's hkv_quant_gemm_int8 with 8-bit
-    activations on); 0: not built."""
-    if not FLOAT_ACTIVATIONS:
+def gemm_address(float_activations: bool | None = None) -> int:
+    """The batch-invariant kernel's address for float activations or 8-bit ones (default:
+    the current setting), which native decode calls from C: quant_gemm.c's, or quant.c's
+    hkv_quant_gemm_int8; 0: not built."""
+    if not (FLOAT_ACTIVATIONS if float_activations is None else float_activations):
         if not available():
             return 0
         return int(ctypes.cast(library().hkv_quant_gemm_int8, ctypes.c_void_p).value or 0)
@@ -172,8 +174,7 @@ def int8_x_block(qtype: int) -> int:
 def int8_capable(qtype: int) -> bool:
     """Whether `qtype` rows take 8-bit activations (at every row count) where they are on:
     the quantized types, on a CPU with AVX2."""
-    return int(qtype) in _INT8_TYPES and available() and \
-        bool(library().hkv_quant_int8_capable(int(qtype)))
+    return available() and bool(library().hkv_quant_int8_capable(int(qtype)))
 
 
 def gated_rows(gate: torch.Tensor, up: torch.Tensor, mode: int) -> torch.Tensor:
