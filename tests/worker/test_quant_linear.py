@@ -314,7 +314,8 @@ def test_8bit_activations_rows_do_not_depend_on_their_batch(qtype: int, path: st
     from hybridkv.worker.linear import cpu as cpu_linear
 
     values, _ = ql.block_shape(qtype)
-    cols = 512 if values == 256 else 320
+    # nine K-quant blocks: one full group of k_group's eight partial sums and one short
+    cols = 9 * 256 if values == 256 else 320
     rows = 2 * 67
     raw = weights(qtype, rows, cols, seed=12)
     data = as_tensor(raw)

@@ -684,9 +684,140 @@ static inline __attribute__((always_inline)) void int_block32(
     }
 }
 
+/* Eight floats summed in the one order the panels (quant_panels.h) repeat lane by lane:
+   ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7)). */
+static inline float tree8(__m256 p) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(p), _mm256_extractf128_ps(p, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+/* The K-quants' one order, which every kernel keeps so a result never depends on which
+   kernel, how many x rows or threads computed it. Per 256-value block kb: its exact
+   integer sum T (each sub-block's byte dot times its integer scale, in int32) and
+   A[kb % 8] = fma(xd, dw * T, A[kb % 8]) in block order (x's scale xd, the weight's dw);
+   for Q4_K/Q5_K the min terms M[s] = fma(dmin * min_s, x's sum over sub-block s, M[s]),
+   also in block order. The output is tree8(A) - tree8(M). Eight partial sums keep both
+   kernels vectorized: int_row's lanes are A's eight (blocks) and M's eight (sub-blocks),
+   the panels' lanes are eight outputs, each with its own A and M. Every multiply that
+   meets an add is an explicit fma, so the compiler's contraction cannot make two kernels
+   differ. k_group folds int_row's blocks kb0 .. kb0 + n - 1 (n <= 8; S[j], dw[j],
+   xd[i][j] block kb0 + j's) into A; lanes past n stay as they are. */
+static inline __attribute__((always_inline)) void k_group(
+    __m256i S[8][INT_ROWS], const float *dw, float xd[INT_ROWS][8], int n, __m256 *A,
+    const int NX) {
+    const __m256 dwv = _mm256_loadu_ps(dw);
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+        _mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    const __m256i z = _mm256_setzero_si256();
+    for (int i = 0; i < NX; i++) {
+        /* block j's eight lanes summed into lane j (exact: any order) */
+        const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(S[0][i], n > 1 ? S[1][i] : z),
+                                            _mm256_hadd_epi32(n > 2 ? S[2][i] : z,
+                                                              n > 3 ? S[3][i] : z));
+        const __m256i b = _mm256_hadd_epi32(
+            _mm256_hadd_epi32(n > 4 ? S[4][i] : z, n > 5 ? S[5][i] : z),
+            _mm256_hadd_epi32(n > 6 ? S[6][i] : z, n > 7 ? S[7][i] : z));
+        const __m256i t = _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                                           _mm256_permute2x128_si256(a, b, 0x31));
+        const __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps(xd[i]),
+                                         _mm256_mul_ps(dwv, _mm256_cvtepi32_ps(t)), A[i]);
+        A[i] = _mm256_blendv_ps(A[i], v, keep);
+    }
+}
+
+/* One Q4_K/Q5_K block (p) against x's 256 values from k: sum[i] gets x row i's
+   sub-block byte dots times their integer scales (int32 lanes; their total is the block's
+   T); returns dmin times the eight mins. */
+static inline __attribute__((always_inline)) __m256 k45_block(
+    const uint8_t *p, const int five, int64_t k, int64_t cols, const int8_t *xq,
+    __m256i *sum, const int NX) {
+    const float dmin = half_to_float(rd16(p + 2));
+    const uint8_t *qh = p + 16, *q = p + (five ? 48 : 16);
+    const __m128i sm = scales_mins_k4_v(p + 4);
+    const __m256 mv = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+    /* the eight scales as 16-bit lanes, in both halves (shuffled to each one) */
+    const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+    const __m256i hv = five ? _mm256_loadu_si256((const __m256i *)qh)
+                            : _mm256_setzero_si256();
+    /* x's 256 values share one scale (x_group): the sub-blocks' integer sums,
+       each times its integer scale, add up in int32 (at most 8 x 2 x 31 x 127 x 63
+       a lane), one conversion and one scaling a block. */
+    for (int i = 0; i < NX; i++) sum[i] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int s = 0; s < 8; s += 2) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 * s));
+        __m256i lo, hi;
+        k_subblock_codes(v, hv, s, five, &lo, &hi);
+        const __m256i s0 = _mm256_shuffle_epi8(sc, lane16(s));
+        const __m256i s1 = _mm256_shuffle_epi8(sc, lane16(s + 1));
+        for (int i = 0; i < NX; i++) {
+            const int8_t *xi = xq + i * cols + k + 32 * s;
+            const __m256i t0 = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xi)), s0);
+            const __m256i t1 = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xi + 32))),
+                s1);
+            sum[i] = _mm256_add_epi32(sum[i], _mm256_add_epi32(t0, t1));
+        }
+    }
+    return mv;
+}
+
+/* One Q6_K block (p) against x's 256 values from k: as k45_block, the codes' 32 taken
+   back. The codes are unsigned bytes (0..63: value + 32), so no sign juggling per 32
+   values; the 32 in each is taken back once a block, from x's sums per 16 (bs) times
+   the 16 scales: sum (q - 32) x = sum q x - 32 sum x, exactly in int32. */
+static inline __attribute__((always_inline)) void q6k_block(
+    const uint8_t *p, int64_t k, int64_t cols, const int8_t *xq, const int16_t *bs,
+    __m256i *sum, const int NX) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3);
+    const uint8_t *ql = p, *qh = p + 128;
+    const int8_t *scs = (const int8_t *)(p + 192);
+    /* at most 8 x 2 x 63 x 127 x 128 a lane */
+    for (int i = 0; i < NX; i++) sum[i] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++) {
+        /* this half's eight int8 scales as 16-bit lanes, in both 128-bit halves */
+        const __m256i sc8 = _mm256_broadcastsi128_si256(
+            _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(scs + 8 * h))));
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+        const __m256i lows[4] = {
+            _mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+            _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+            _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+        const __m256i highs[4] = {
+            _mm256_slli_epi16(_mm256_and_si256(hb, three), 4),
+            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4),
+            _mm256_and_si256(hb, _mm256_set1_epi8(0x30)),
+            _mm256_and_si256(_mm256_srli_epi16(hb, 2), _mm256_set1_epi8(0x30))};
+#pragma GCC unroll 4
+        for (int s = 0; s < 4; s++) {
+            const __m256i q = _mm256_or_si256(lows[s], highs[s]);
+            /* values 0-15 of the 32 take scale 2 s, 16-31 scale 2 s + 1 */
+            const __m256i sv = _mm256_shuffle_epi8(
+                sc8, _mm256_blend_epi32(lane16(2 * s), lane16(2 * s + 1), 0xf0));
+            const int64_t kk = k + 128 * h + 32 * s;
+            for (int i = 0; i < NX; i++) {
+                const __m256i xv =
+                    _mm256_loadu_si256((const __m256i *)(xq + i * cols + kk));
+                sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(q, xv), sv));
+            }
+        }
+    }
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scs));
+    for (int i = 0; i < NX; i++) {
+        const __m256i xsum = _mm256_loadu_si256((const __m256i *)(bs + i * (cols / 16) + k / 16));
+        const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(xsum, sc16), 5);
+        sum[i] = _mm256_sub_epi32(sum[i], corr);
+    }
+}
+
 /* y_i = W row . x_i for the NX x rows: q, d, s as quantize_x wrote them (row strides
-   cols, nb). Two sets of accumulators take alternate blocks (or halves of a K-quant
-   block): with one x row a single chain of FMAs would bound the speed. */
+   cols, nb). Two sets of accumulators take alternate blocks: with one x row a single
+   chain of FMAs would bound the speed (the K-quants keep k_group's order instead). */
 static inline __attribute__((always_inline)) void int_row(
     int type, const uint8_t *p, int64_t cols, const int8_t *xq, const float *xd,
     const float *xs, const int16_t *bs, float *y, int64_t ldy, const int NX) {
@@ -697,7 +828,10 @@ static inline __attribute__((always_inline)) void int_row(
         acc[i] = acc2[i] = _mm256_setzero_ps();
         off[i] = 0.f;
     }
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    /* the K-quants (k_group): acc is A, acc2 M; a group of eight blocks' sums waits here */
+    __m256i S8[8][INT_ROWS];
+    float dw8[8] = {0}, xd8[INT_ROWS][8] = {{0}};
+    const int64_t nkb = cols / 256;
 #define LOOP32(T, SIZE)                                                                   \
     do {                                                                                  \
         int64_t b = 0;                                                                    \
@@ -715,104 +849,40 @@ static inline __attribute__((always_inline)) void int_row(
     case T_Q5_1: LOOP32(T_Q5_1, 24); break;
 #undef LOOP32
     case T_Q4_K:
-    case T_Q5_K: {
-        const int five = type == T_Q5_K;
-        const int64_t size = five ? 176 : 144;
-        for (int64_t k = 0, b = 0; k < cols; k += 256, b += 8, p += size) {
-            const float dw = half_to_float(rd16(p)), dmin = half_to_float(rd16(p + 2));
-            const uint8_t *qh = p + 16, *q = p + (five ? 48 : 16);
-            const __m128i sm = scales_mins_k4_v(p + 4);
-            const __m256 mv = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(
-                _mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
-            /* the eight scales as 16-bit lanes, in both halves (shuffled to each one) */
-            const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
-            const __m256i hv = five ? _mm256_loadu_si256((const __m256i *)qh)
-                                    : _mm256_setzero_si256();
-            /* x's 256 values share one scale (x_group): the sub-blocks' integer sums,
-               each times its integer scale, add up in int32 (at most 8 x 2 x 31 x 127 x 63
-               a lane), one conversion and one scaling a block. */
-            __m256i sum[INT_ROWS];
-            for (int i = 0; i < NX; i++) sum[i] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-            for (int s = 0; s < 8; s += 2) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 * s));
-                __m256i lo, hi;
-                k_subblock_codes(v, hv, s, five, &lo, &hi);
-                const __m256i s0 = _mm256_shuffle_epi8(sc, lane16(s));
-                const __m256i s1 = _mm256_shuffle_epi8(sc, lane16(s + 1));
-                for (int i = 0; i < NX; i++) {
-                    const int8_t *xi = xq + i * cols + k + 32 * s;
-                    const __m256i t0 = _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xi)), s0);
-                    const __m256i t1 = _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xi + 32))),
-                        s1);
-                    sum[i] = _mm256_add_epi32(sum[i], _mm256_add_epi32(t0, t1));
-                }
-            }
-            for (int i = 0; i < NX; i++) {
-                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[i * nb + b]),
-                                         _mm256_cvtepi32_ps(sum[i]), acc[i]);
-                acc2[i] = _mm256_fnmadd_ps(mv, _mm256_loadu_ps(xs + i * nb + b), acc2[i]);
-            }
-        }
-        break;
-    }
+    case T_Q5_K:
     case T_Q6_K: {
-        /* The codes as unsigned bytes (0..63: value + 32), so no sign juggling per 32
-           values; the 32 in each is taken back once a block, from x's sums per 16 (bs)
-           times the 16 scales: sum (q - 32) x = sum q x - 32 sum x, exactly in int32. */
-        const __m256i three = _mm256_set1_epi8(3);
-        for (int64_t k = 0, b = 0; k < cols; k += 256, b += 8, p += 210) {
-            const uint8_t *ql = p, *qh = p + 128;
-            const int8_t *scs = (const int8_t *)(p + 192);
-            __m256i sum[INT_ROWS]; /* at most 8 x 2 x 63 x 127 x 128 a lane */
-            for (int i = 0; i < NX; i++) sum[i] = _mm256_setzero_si256();
-            for (int h = 0; h < 2; h++) {
-                /* this half's eight int8 scales as 16-bit lanes, in both 128-bit halves */
-                const __m256i sc8 = _mm256_broadcastsi128_si256(
-                    _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(scs + 8 * h))));
-                const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
-                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
-                const __m256i lows[4] = {
-                    _mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
-                    _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                    _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
-                const __m256i highs[4] = {
-                    _mm256_slli_epi16(_mm256_and_si256(hb, three), 4),
-                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), three), 4),
-                    _mm256_and_si256(hb, _mm256_set1_epi8(0x30)),
-                    _mm256_and_si256(_mm256_srli_epi16(hb, 2), _mm256_set1_epi8(0x30))};
-#pragma GCC unroll 4
-                for (int s = 0; s < 4; s++) {
-                    const __m256i q = _mm256_or_si256(lows[s], highs[s]);
-                    /* values 0-15 of the 32 take scale 2 s, 16-31 scale 2 s + 1 */
-                    const __m256i sv = _mm256_shuffle_epi8(
-                        sc8, _mm256_blend_epi32(lane16(2 * s), lane16(2 * s + 1), 0xf0));
-                    const int64_t kk = k + 128 * h + 32 * s;
-                    for (int i = 0; i < NX; i++) {
-                        const __m256i xv =
-                            _mm256_loadu_si256((const __m256i *)(xq + i * cols + kk));
-                        sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(q, xv), sv));
-                    }
-                }
-            }
-            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scs));
-            const float dw = half_to_float(rd16(p + 208));
-            for (int i = 0; i < NX; i++) {
-                const __m256i xsum = _mm256_loadu_si256((const __m256i *)(bs + i * (cols / 16) + k / 16));
-                const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(xsum, sc16), 5);
-                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[i * nb + b]),
-                                         _mm256_cvtepi32_ps(_mm256_sub_epi32(sum[i], corr)),
-                                         acc[i]);
-            }
-        }
+        const int five = type == T_Q5_K;
+#define K_LOOP(Q6, SIZE)                                                                  \
+    for (int64_t kb = 0; kb < nkb; kb++, p += (SIZE)) {                                   \
+        const int j = (int)(kb & 7);                                                      \
+        const int64_t k = 256 * kb, b = 8 * kb;                                           \
+        if (Q6) {                                                                         \
+            q6k_block(p, k, cols, xq, bs, S8[j], NX);                                     \
+            dw8[j] = half_to_float(rd16(p + 208));                                        \
+        } else {                                                                          \
+            const __m256 mv = k45_block(p, five, k, cols, xq, S8[j], NX);                 \
+            dw8[j] = half_to_float(rd16(p));                                              \
+            for (int i = 0; i < NX; i++)                                                  \
+                acc2[i] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + i * nb + b), acc2[i]); \
+        }                                                                                 \
+        for (int i = 0; i < NX; i++) xd8[i][j] = xd[i * nb + b];                          \
+        if (j == 7 || kb + 1 == nkb) k_group(S8, dw8, xd8, j + 1, acc, NX);               \
+    }
+        if (type == T_Q6_K)
+            K_LOOP(1, 210)
+        else if (five)
+            K_LOOP(0, 176)
+        else
+            K_LOOP(0, 144)
+#undef K_LOOP
         break;
     }
     default:
         break;
+    }
+    if (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) {
+        for (int i = 0; i < NX; i++) y[i * ldy] = tree8(acc[i]) - tree8(acc2[i]);
+        return;
     }
     for (int i = 0; i < NX; i++) {
         float t[4];
@@ -821,6 +891,8 @@ static inline __attribute__((always_inline)) void int_row(
         y[i * ldy] = t[0] + off[i];
     }
 }
+
+#include "quant_panels.h"
 #endif
 
 static int int_type(int type) {
@@ -886,6 +958,11 @@ static int int_matmul(const float *x, int64_t m, int64_t ldx, const uint8_t *w, 
     }
     const int parallel = m * rows * cols >= (1 << 17) && rows > 1;
     int failed = 0;
+#if defined(HAVE_INT_AVX2)
+    if (fast && m >= PANEL_MIN_ROWS && x_group(type) == 8) {
+        panel_matmul(type, xq, xd, xs, bs, m, w, ldw, rows, cols, y, ldy, parallel, &failed);
+    } else
+#endif
     if (fast) {
 #if defined(HAVE_INT_AVX2)
         /* The weight row INT_PREFETCH bytes ahead is fetched while this one is read
