@@ -46,9 +46,10 @@ LENGTHS = (41, 75, 100)  # none a multiple of 16 (see the module docstring)
 ARCHS = ["llama", "qwen3", "qwen3_swa", "mistral", "gemma2", "gemma3", "gpt_oss",
          "llama4_text", "nemotron_h", "bamba", "granitemoehybrid", "jamba", "falcon_h1",
          "qwen3_next", "gemma3n", "gemma4_text", "lfm2", "mamba",
-         "recurrent_gemma", "kimi_linear", "dots3_note", "qwen4_exp"]
+         "recurrent_gemma", "kimi_linear", "dots3_note", "qwen4_exp", "deepseek_v4"]
 FILL_ARCHS = ["llama", "gemma3", "llama4_text", "nemotron_h", "qwen3_next", "gemma3n"]
-DISK_ARCHS = ["qwen3_swa", "jamba"]
+# Jamba: a Mamba state; DeepSeek-V4: compressed entries, indexer keys, compressor states.
+DISK_ARCHS = ["qwen3_swa", "jamba", "deepseek_v4"]
 
 
 def make_prompts(seed: int, lengths: tuple[int, ...] = LENGTHS) -> list[list[int]]:

@@ -74,9 +74,9 @@ def check_equal_with_drafts(model_dir: Path, prompts: list[list[int]] = PROMPTS,
 # (KV sharing: gemma3n in test_with_int8_pages_an_offload_tier_and_fast_prefill.)
 ATTENTION = ["llama", "qwen3_swa", "gemma3", "llama4_text"]
 # Mamba2 + attention, Mamba1 alone, a short convolution, Gated DeltaNet, RG-LRU beside
-# sliding windows, lightning attention, RWKV, mLSTM.
+# sliding windows, lightning attention, RWKV, mLSTM, DeepSeek-V4's compressor states.
 STATE = ["nemotron_h", "mamba", "lfm2", "qwen3_5_text", "recurrent_gemma", "minimax", "rwkv",
-         "xlstm"]
+         "xlstm", "deepseek_v4"]
 
 
 @pytest.mark.parametrize("name", ATTENTION)

@@ -36,6 +36,8 @@ ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
 
 
 PERTURB_CONSTANTS = {"gemma3n", "gemma4_text"}
+# Per architecture, what to set after the noise that it cannot give (integer tables).
+INIT_HOOKS: dict[str, Any] = {}
 
 
 def build_tiny_model(name: str, out_dir: Path, **extra: Any) -> Path:
@@ -57,6 +59,9 @@ def build_tiny_model(name: str, out_dir: Path, **extra: Any) -> Path:
             for tensor in model.state_dict().values():
                 if tensor.is_floating_point() and bool((tensor == tensor.flatten()[0]).all()):
                     tensor.add_(0.1 * torch.randn(tensor.shape, generator=gen))
+    if name in INIT_HOOKS:
+        with torch.no_grad():
+            INIT_HOOKS[name](model)
     model.generation_config.eos_token_id = None
     model.save_pretrained(out_dir)
     return out_dir
@@ -551,3 +556,33 @@ ARCHS["inkling2"] = ("Inkling2TextConfig", "Inkling2ForCausalLM", dict(
     mlp_gate_softcap=0.5, mlp_up_softcap=1.0, final_logit_softcapping=2.0,
     unpadded_vocab_size=250))
 PERTURB_CONSTANTS.add("inkling2")
+
+# DeepSeek-V4: a sliding layer, then CSA (entries per 4 tokens, the indexer's top 4 of them;
+# 2 heads of 16), HCA (per 8 tokens) and CSA again, window 16, RoPE on half of each head;
+# hash-routed MoE on the first two layers (a random token -> experts table), top-2 of 4 with
+# a correction bias after; 2 hyper-connection streams. Sinks, position biases, norm scales
+# and the hyper-connections' constants get noise.
+ARCHS["deepseek_v4"] = ("DeepseekV4Config", "DeepseekV4ForCausalLM", dict(
+    num_hidden_layers=4, num_key_value_heads=1, q_lora_rank=32, partial_rotary_factor=0.5,
+    layer_types=["sliding_attention", "compressed_sparse_attention",
+                 "heavily_compressed_attention", "compressed_sparse_attention"],
+    mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    sliding_window=16, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16,
+    index_topk=4, hc_mult=2, n_routed_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=32, intermediate_size=32))
+PERTURB_CONSTANTS.add("deepseek_v4")
+
+
+def _v4_hash_tables(model: Any) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(2)
+    for layer in model.model.layers:
+        gate = layer.mlp.gate
+        if hasattr(gate, "tid2eid"):
+            gate.tid2eid.copy_(torch.randint(0, gate.num_experts, gate.tid2eid.shape,
+                                             generator=gen))
+
+
+INIT_HOOKS["deepseek_v4"] = _v4_hash_tables

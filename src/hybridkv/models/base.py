@@ -48,6 +48,9 @@ class CausalLM(nn.Module):
     # kv_cache_dtype values a family's attention cannot read, with why: refused at load in
     # one line (engine/build.py), not at a request's first step.
     refused_cache_dtypes: ClassVar[dict[str, str]] = {}
+    # Name endings of checkpoint tensors the family keeps as integers (lookup tables); every
+    # other tensor must be floating point.
+    integer_weights: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg: TextConfig, layers: Iterable[nn.Module], *,
                  norm_offset: float = 0.0, embed_scale: float | None = None,

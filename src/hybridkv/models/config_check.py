@@ -43,6 +43,7 @@ DERIVED_FIELDS: dict[tuple[str, str], Any] = {
     ("zaya", "intermediate_size"): None,  # every layer is MoE
     ("qwen4_exp_text", "intermediate_size"): None,  # every layer is MoE
     ("inkling2_text", "intermediate_size"): None,  # every layer is MoE (moe_intermediate_size)
+    ("deepseek_v4", "intermediate_size"): None,  # every layer is MoE (moe_intermediate_size)
     # ModernBERT-Decoder's window is half of its encoder's `local_attention`.
     ("modernbert-decoder", "sliding_window"):
         lambda cfg: int(cfg["local_attention"]) // 2 if cfg.get("local_attention") else None,

@@ -73,6 +73,7 @@ MODELS: dict[str, str] = {
     "qwen4_exp_text": "hybridkv.models.qwen4_exp:Qwen4ExpForCausalLM",
     "inkling_text": "hybridkv.models.inkling:InklingForCausalLM",
     "inkling2_text": "hybridkv.models.inkling2:Inkling2ForCausalLM",
+    "deepseek_v4": "hybridkv.models.deepseek_v4:DeepseekV4ForCausalLM",
 }
 
 

@@ -4,7 +4,7 @@
     group view    [num_large_pages, blocks_per_page, block_bytes]   (padding left out)
     layer view    [num_large_pages, blocks_per_page, 2, block_size, num_kv_heads, head_size]
                   (K-only pages: no K/V dimension; MLA: [..., block_size, latent];
-                  indexer keys: [..., entries_per_block, head_size])
+                  indexer keys and compressed entries: [..., entries_per_block, head_size])
     quantized     the same, uint8, with each row's bytes (values and their scales, see
                   kv/spec.py) as the last dimension instead of head_size
 
@@ -24,7 +24,13 @@ import torch
 
 from hybridkv.connector.canonical import group_blocks
 from hybridkv.kv.plan import KVCacheConfig
-from hybridkv.kv.spec import KEY_GROUP, AttentionSpec, IndexerKeySpec, MambaSpec
+from hybridkv.kv.spec import (
+    KEY_GROUP,
+    AttentionSpec,
+    CompressedAttentionSpec,
+    IndexerKeySpec,
+    MambaSpec,
+)
 
 TORCH_DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -75,10 +81,11 @@ def allocate_kv_caches(config: KVCacheConfig, device: torch.device | str
             if isinstance(spec, AttentionSpec) and spec.latent:
                 # One latent per token, no K/V halves: [pages, per_page, block, head_size].
                 views[name] = pages.unflatten(2, (spec.block_size, row))
-            elif isinstance(spec, IndexerKeySpec):
-                # One key per entry: [pages, per_page, entries_per_block, head_size].
+            elif isinstance(spec, (IndexerKeySpec, CompressedAttentionSpec)):
+                # One key (one K=V row of all KV heads) per entry: [pages, per_page,
+                # entries_per_block, heads x head_size].
                 keys = blocks[:, :, offset:offset + page_bytes].view(torch_dtype(spec.dtype))
-                views[name] = keys.unflatten(2, (spec.entries_per_block, spec.head_size))
+                views[name] = keys.unflatten(2, (spec.entries_per_block, -1))
             elif isinstance(spec, AttentionSpec) and spec.keys_only:
                 # Raw keys only (K and V are derived from them): [pages, per_page, block,
                 # Hk, D].

@@ -71,7 +71,10 @@ def weight_files(model_dir: Path) -> list[Path]:
     raise ValueError(f"{model_dir}: missing model.safetensors (or its sharded index)")
 
 
-def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(model_dir: Path, integer: tuple[str, ...] = ()
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors; integer ones only where their names end with one of
+    `integer` (a family's tables, e.g. DeepSeek-V4's token -> experts map)."""
     files = weight_files(model_dir)
     for file in files:
         if not file.is_file():
@@ -82,7 +85,7 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 names = list(f.keys())  # noqa: SIM118  (safe_open is not a mapping)
                 for name in names:
                     tensor = f.get_tensor(name)
-                    if not tensor.is_floating_point():
+                    if not tensor.is_floating_point() and not name.endswith(integer):
                         raise ValueError(f"{file}: tensor {name!r} is {tensor.dtype}; the "
                                          f"engine loads floating-point weights only")
                     yield name, tensor
@@ -138,7 +141,7 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: torch.devic
         check_config(config, str(path / "config.json"), for_model=True)
     model = build_model(config)  # an unsupported architecture is refused here
     model.to(dtype=dtype)
-    model.load_weights(iter_weights(path))  # type: ignore[operator]
+    model.load_weights(iter_weights(path, integer=getattr(model, "integer_weights", ())))
     model.to(device)
     model.eval()
     if linear_kernel is not None:
