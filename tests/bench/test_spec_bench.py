@@ -65,3 +65,22 @@ def test_text_workloads_take_distinct_excerpts():
     copies = workloads["copy"]
     assert len(copies) == 3 and len(set(copies)) == 3
     assert all(c.startswith("Repeat the following text exactly") for c in copies)
+
+
+def test_bench_spec_with_8bit_activations_on_the_real_gguf(capsys):
+    """8-bit activations in both runs (each row's bytes do not depend on its batch, so the
+    scored drafts keep the tokens of speculation off on the real SmolLM2 GGUF)."""
+    from hybridkv.models.sources import real_model_path
+
+    try:
+        model = str(real_model_path("smollm2-135m-instruct"))
+    except ValueError as e:
+        pytest.skip(str(e))
+    assert main(["bench", "spec", model, "--max-tokens", "16", "--rounds", "1",
+                 "--max-model-len", "1024", "--kv-cache-memory", "64MiB",
+                 "--quant-activations", "int8", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["quant_activations"] == "int8"
+    check(result, {"copy", "edit", "prose"})
+    copy = result["workloads"]["copy"]
+    assert 0 < copy["num_accepted_tokens"] <= copy["num_draft_tokens"]

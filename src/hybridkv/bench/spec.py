@@ -129,11 +129,13 @@ def run_workload(llm: Any, prompts: list[Any], max_tokens: int, rounds: int) -> 
 
 def bench_spec(model: str, *, spec: dict[str, Any], max_tokens: int, batch: int,
                rounds: int, threads: int | None, max_model_len: int,
-               kv_cache_memory: str | None, file: str | None) -> dict[str, Any]:
+               kv_cache_memory: str | None, file: str | None,
+               activations: str = "float32") -> dict[str, Any]:
     from hybridkv.engine.llm import LLM
 
     options: dict[str, Any] = dict(max_model_len=max_model_len, threads=threads,
-                                   max_num_seqs=batch, max_num_batched_tokens=2048)
+                                   max_num_seqs=batch, max_num_batched_tokens=2048,
+                                   quant_activations=activations)
     if kv_cache_memory is not None:
         options["kv_cache_memory"] = kv_cache_memory
     runs: dict[str, dict[str, WorkloadRun]] = {}
@@ -161,12 +163,14 @@ def bench_spec(model: str, *, spec: dict[str, Any], max_tokens: int, batch: int,
             "num_accepted_tokens": on.num_accepted_tokens,
             "same_tokens": on.tokens == off.tokens}
     return {"model": model, "speculative_config": spec, "prompts": kind, "batch": batch,
-            "max_tokens": max_tokens, "rounds": rounds, "workloads": workloads}
+            "max_tokens": max_tokens, "rounds": rounds, "quant_activations": activations,
+            "workloads": workloads}
 
 
 def format_table(result: dict[str, Any]) -> str:
     lines = [f"{result['model']}: batch {result['batch']}, {result['max_tokens']} greedy "
-             f"tokens per request, median of {result['rounds']} rounds, {result['prompts']}",
+             f"tokens per request, median of {result['rounds']} rounds, {result['prompts']}, "
+             f"{result.get('quant_activations', 'float32')} activations",
              f"speculative_config {json.dumps(result['speculative_config'])}",
              f"{'workload':10} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>7} "
              f"{'accepted / drafts':>18} {'same tokens':>12}"]
@@ -194,6 +198,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the engines' max_model_len (default 2048)")
     parser.add_argument("--kv-cache-memory", default=None,
                         help="KV cache bytes or a size (default: the engine's)")
+    parser.add_argument("--quant-activations", choices=["float32", "int8"], default="float32",
+                        help="GGUF models: activations of the quantized products in float32 "
+                             "(default) or 8 bits (llama.cpp's arithmetic), both runs alike")
     parser.add_argument("--file", default=None,
                         help="the text to copy and edit (default: the GPL-3.0 text)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -203,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
     result = bench_spec(args.model, spec=args.speculative_config, max_tokens=args.max_tokens,
                         batch=args.batch, rounds=args.rounds, threads=args.threads,
                         max_model_len=args.max_model_len,
-                        kv_cache_memory=args.kv_cache_memory, file=args.file)
+                        kv_cache_memory=args.kv_cache_memory, file=args.file,
+                        activations=args.quant_activations)
     print(json.dumps(result) if args.json else format_table(result))
     return 0
 
