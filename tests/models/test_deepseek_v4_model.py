@@ -1,6 +1,6 @@
 """DeepSeek-V4 in the engine beyond the model matrix (tests/models/test_against_transformers.py
-runs it in every engine mode): its CSA indexer's ties broken as transformers breaks them,
-however a prompt is chunked, cached or recomputed; prefixes served from the CPU and disk
+runs it in every engine mode; its CSA indexer's ties with the other indexers' in
+tests/models/test_indexed_attention.py): prefixes served from the CPU and disk
 tiers (compressed entries, indexer keys, the CSA compressor's checkpoint, all moved as
 blocks) giving transformers' tokens and logits; and what it refuses at load."""
 
@@ -18,7 +18,6 @@ from tests.models.test_against_transformers import (  # noqa: E402
     NUM_NEW,
     PROMPT_LENS,
     check,
-    check_with_preemption,
     hf_reference,
     run,
 )
@@ -28,40 +27,6 @@ from tests.models.tiny import build_tiny_model  # noqa: E402
 def prompts_of(seed: int, lengths=PROMPT_LENS) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(4, 256, (n,), generator=gen).tolist() for n in lengths]
-
-
-@pytest.fixture(scope="module")
-def all_scores_tie(tmp_path_factory):
-    """The tiny model with its indexers' key norms at zero: every indexer key, so every
-    score, is 0, and which entries a query reads is decided by ties alone."""
-    model_dir = build_tiny_model("deepseek_v4", tmp_path_factory.mktemp("v4_ties"))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            indexer = getattr(layer.self_attn.compressor, "indexer", None)
-            if indexer is not None:
-                indexer.kv_norm.weight.zero_()
-    hf.save_pretrained(model_dir)
-    prompts = prompts_of(1234)
-    return ("deepseek_v4", model_dir, prompts, *hf_reference(model_dir, prompts))
-
-
-def test_ties_broken_as_transformers_breaks_them(all_scores_tie):
-    _, model_dir, prompts, tokens, logits = all_scores_tie
-    llm, outs = run(model_dir, prompts)
-    check(llm, outs, tokens, logits)
-    # Chunks of 9: a prompt's queries still score rows of the whole prompt's entries.
-    llm, outs = run(model_dir, prompts, max_num_batched_tokens=9)
-    check(llm, outs, tokens, logits)
-    llm, first = run(model_dir, prompts[:1])
-    again = llm.generate(prompts[:1], SamplingParams(max_tokens=NUM_NEW))
-    check(llm, again, tokens[:1], logits[:1])
-    assert llm.engine.kv_manager.stats.num_hit_tokens == (len(prompts[0]) - 1) // 16 * 16
-
-
-def test_ties_under_preemption(all_scores_tie):
-    # Recomputed outputs score rows of (p + 1) // rate entries, as when generated.
-    check_with_preemption(all_scores_tie)
 
 
 @pytest.fixture(scope="module")

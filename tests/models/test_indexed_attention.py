@@ -133,9 +133,18 @@ def zero_qwen4_keys(hf) -> None:
             layer.self_attn.indexer.k_layernorm.weight.fill_(-1.0)
 
 
+def zero_v4_keys(hf) -> None:
+    # DeepSeek-V4's CSA indexers: their key norms' scales at zero.
+    for layer in hf.model.layers:
+        indexer = getattr(layer.self_attn.compressor, "indexer", None)
+        if indexer is not None:
+            indexer.kv_norm.weight.zero_()
+
+
 @pytest.fixture(scope="module", params=[("dots3_note", zero_dots3_keys),
-                                        ("qwen4_exp", zero_qwen4_keys)],
-                ids=["dots3_note", "qwen4_exp"])
+                                        ("qwen4_exp", zero_qwen4_keys),
+                                        ("deepseek_v4", zero_v4_keys)],
+                ids=["dots3_note", "qwen4_exp", "deepseek_v4"])
 def all_scores_tie(request, tmp_path_factory):
     """A tiny model whose indexers score every key 0: which positions a query reads is
     decided by ties alone."""
@@ -155,7 +164,7 @@ def test_ties_broken_as_transformers_breaks_them(all_scores_tie):
     llm, outs = run(model_dir, prompts)
     check(llm, outs, tokens, logits)
     # Prompts split over chunks of 9: a query's row is the same (dots3_note: as long as the
-    # prompt; Qwen4-Exp: its complete blocks).
+    # prompt; Qwen4-Exp: its complete blocks; DeepSeek-V4: the whole prompt's entries).
     llm, outs = run(model_dir, prompts, max_num_batched_tokens=9)
     check(llm, outs, tokens, logits)
     llm, first = run(model_dir, prompts[:1])
@@ -166,7 +175,8 @@ def test_ties_broken_as_transformers_breaks_them(all_scores_tie):
 
 def test_ties_under_preemption(all_scores_tie):
     # Recomputed requests: their outputs' rows are what they were when generated
-    # (dots3_note: p + 1 positions, not the length of prompt + outputs).
+    # (dots3_note: p + 1 positions, not the length of prompt + outputs; DeepSeek-V4:
+    # (p + 1) // rate entries).
     check_with_preemption(all_scores_tie)
 
 
