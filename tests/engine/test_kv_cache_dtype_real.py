@@ -1,11 +1,15 @@
 """int8 and q4 KV pages on the real models (GGUF files installed from PyPI): the first
 step's logits on SmolLM2-135M-Instruct stay within a stated bound of float32 pages (int8:
 measured 0.32 on logits of magnitude ~40; q4: 1.29 of ~30); with float32, int8 and q4
-pages, prefix hits (device and CPU tier), chunked prefill and batching change no token of
-eight ordinary requests on SmolLM2 and Gemma 3 270M (batch invariance). Accuracy over a
-long text is `hybridkv bench kv-quant`'s (docs/benchmarks.md)."""
+pages, prefix hits (device, CPU and disk tier), chunked prefill and batching change no token
+of eight ordinary requests on SmolLM2 and Gemma 3 270M, from their GGUF files and from the
+float32 directories transformers writes from them (batch invariance, on the quantized and the
+float linear kernels). Accuracy over a long text is `hybridkv bench kv-quant`'s
+(docs/benchmarks.md)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -29,12 +33,44 @@ def _engine(**options) -> LLM:
     return _model_engine(NAME, **options)
 
 
-def _model_engine(name: str, **options) -> LLM:
+def real_model_path_or_skip(name: str):
     try:
-        real_model_path(name)
+        return real_model_path(name)
     except ValueError as e:
         pytest.skip(str(e))
+
+
+def _model_engine(name: str, **options) -> LLM:
+    if not Path(name).is_dir():  # a real model's short name, not a float32 directory
+        real_model_path_or_skip(name)
     return LLM(name, **{"kv_cache_memory": "64MiB", "max_model_len": 512, **options})
+
+
+def _float32_directory(name: str, root) -> str:
+    """The real model's GGUF dequantized by transformers and saved as a float32 Hugging Face
+    directory (what a user who converts the file, or vLLM's CPU build, reads)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    path = real_model_path_or_skip(name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.hf_quantizer = None  # plain float32 weights, no GGUF quantization config
+    del model.config.quantization_config
+    model.save_pretrained(root)
+    transformers.AutoTokenizer.from_pretrained(
+        str(path.parent), gguf_file=path.name).save_pretrained(root)
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def float32_dirs(tmp_path_factory):
+    made: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in made:
+            made[name] = _float32_directory(name, tmp_path_factory.mktemp(name))
+        return made[name]
+    return get
 
 
 def _reference_and_quantized(prompt: str, kv_cache_dtype: str):
@@ -82,16 +118,22 @@ def _one_by_one(llm: LLM, prompts: list[str]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma-3-270m"])
+@pytest.mark.parametrize("weights", ["gguf", "float32"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "q4"])
-def test_caching_changes_no_token(name, kv_cache_dtype):
-    """Prefix hits (from the device and from the CPU tier), chunked prefill and batching
-    give every request the tokens it gets alone without caching: with float32, int8 and q4
-    pages a token's K/V bytes do not depend on how its step was made (docs/engine.md)."""
+def test_caching_changes_no_token(name, weights, kv_cache_dtype, float32_dirs, tmp_path):
+    """Prefix hits (from the device, the CPU tier and, in a fresh engine, the disk tier),
+    chunked prefill and batching give every request the tokens it gets alone without
+    caching: with float32, int8 and q4 pages a token's K/V bytes do not depend on how its
+    step was made (docs/engine.md)."""
+    if weights == "float32":
+        name = float32_dirs(name)
     prompts = [SYSTEM + q for q in QUESTIONS]
     options = {"kv_cache_dtype": kv_cache_dtype, "max_model_len": 256}
     alone = _one_by_one(_model_engine(name, enable_prefix_caching=False, **options), prompts)
 
-    cached = _model_engine(name, kv_offload_cpu="64MiB", **options)
+    disk = f"{tmp_path / 'kv'}:64MiB"
+    cached = _model_engine(name, kv_offload_cpu="64MiB", kv_offload_disk=disk,
+                           kv_offload_store="fill", **options)
     outs = [cached.generate([p], GREEDY)[0] for p in prompts]
     assert sum(o.num_cached_tokens for o in outs[1:]) >= 7 * 32  # the system prompt's blocks
     assert [o.token_ids for o in outs] == alone
@@ -100,6 +142,13 @@ def test_caching_changes_no_token(name, kv_cache_dtype):
     again = [cached.generate([p], GREEDY)[0] for p in prompts]
     assert sum(o.cached_tokens_by_tier["cpu"] for o in again) > 0
     assert [o.token_ids for o in again] == alone
+    cached.close()
+    # Another process's view: only the disk tier, all eight requests in one batch.
+    fresh = _model_engine(name, kv_offload_disk=disk, **options)
+    from_disk = fresh.generate(prompts, GREEDY)
+    assert sum(o.cached_tokens_by_tier["disk"] for o in from_disk) >= 8 * 32
+    assert [o.token_ids for o in from_disk] == alone
+    fresh.close()
 
     chunked = _model_engine(name, enable_prefix_caching=False, max_num_batched_tokens=7,
                             **options)
