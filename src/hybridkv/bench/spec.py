@@ -16,6 +16,13 @@ on / off; the greedy tokens of both runs are compared, and the drafts scored and
 reported. Models without a tokenizer get token-id prompts of the same shape (a random
 "file", its copy asked for by position only). Run it pinned and alone: `taskset -c 0
 hybridkv bench spec MODEL --threads 1`.
+
+Beside llama-server: for a GGUF model at batch 1, when llama.cpp's binaries are there
+(`shared/bench/peer-llamacpp/setup.sh`), the same token-id prompts go to llama-server on the
+same file, the same threads and cores (the affinity is inherited), without speculation and
+with each `--llama-spec-types` entry (`--spec-type ngram-simple` ...), its own
+`predicted_per_second` per request, median of the rounds after a warm-up; its greedy tokens
+with speculation are compared with its own without.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import statistics
 import time
@@ -127,10 +135,73 @@ def run_workload(llm: Any, prompts: list[Any], max_tokens: int, rounds: int) -> 
     return WorkloadRun(tokens, statistics.median(rates), drafts, accepted)
 
 
+DEFAULT_LLAMA_SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod")
+
+
+def llama_server_runs(binary: Path, model: str, prompts: dict[str, list[list[int]]], *,
+                      types: list[str], max_tokens: int, rounds: int, threads: int,
+                      ctx: int) -> dict[str, Any]:
+    """Per llama-server `--spec-type` ("none": without speculation), per workload: the median
+    decode tok/s, the drafts made and kept, and whether the greedy tokens equal its own run
+    without speculation."""
+    from hybridkv.bench.peer_llama_server import LlamaServer
+
+    runs: dict[str, dict[str, Any]] = {}
+    for kind in ["none", *types]:
+        extra = [] if kind == "none" else ["--spec-type", kind]
+        per: dict[str, Any] = {}
+        with LlamaServer(binary, model, threads=threads, ctx=ctx, extra=extra) as server:
+            for w, ps in prompts.items():
+                rates, tokens, drafts, accepted = [], [], 0, 0
+                for round_index in range(rounds + 1):  # round 0 warms up
+                    outs = [server.complete(p, max_tokens) for p in ps]
+                    if round_index:
+                        rates.append(statistics.median(o.decode_tok_s for o in outs))
+                        tokens = [o.tokens for o in outs]
+                        drafts += sum(o.num_draft_tokens for o in outs)
+                        accepted += sum(o.num_accepted_tokens for o in outs)
+                per[w] = {"decode_tok_s": statistics.median(rates), "tokens": tokens,
+                          "num_draft_tokens": drafts, "num_accepted_tokens": accepted}
+        runs[kind] = per
+    out: dict[str, Any] = {}
+    for kind, per in runs.items():
+        out[kind] = {}
+        for w, r in per.items():
+            base = runs["none"][w]["decode_tok_s"]
+            out[kind][w] = {
+                "decode_tok_s": r["decode_tok_s"],
+                "ratio": r["decode_tok_s"] / base if base else None,
+                "num_draft_tokens": r["num_draft_tokens"],
+                "num_accepted_tokens": r["num_accepted_tokens"],
+                "same_tokens": r["tokens"] == runs["none"][w]["tokens"]}
+    return out
+
+
+def _llama_peer(model: str, batch: int, llama_bin: Path | None) -> tuple[Path | None, str]:
+    """(llama-server's path and the GGUF file) when the peer can run, else (None, why not)."""
+    from hybridkv.bench.gguf import DEFAULT_LLAMA_BIN
+    from hybridkv.models.sources import resolve_model
+
+    try:
+        source = resolve_model(model)
+    except ValueError as e:
+        return None, str(e)
+    if not source.is_gguf:
+        return None, "the model is not a GGUF file"
+    if batch != 1:
+        return None, "it runs at batch 1 (one llama-server slot)"
+    binary = (llama_bin or DEFAULT_LLAMA_BIN) / "llama-server"
+    if not binary.is_file():
+        return None, (f"no llama-server in {binary.parent}: run "
+                      f"shared/bench/peer-llamacpp/setup.sh, or pass --llama-bin")
+    return binary, str(source.path)
+
+
 def bench_spec(model: str, *, spec: dict[str, Any], max_tokens: int, batch: int,
                rounds: int, threads: int | None, max_model_len: int,
                kv_cache_memory: str | None, file: str | None,
-               activations: str = "float32") -> dict[str, Any]:
+               activations: str = "float32", llama_bin: Path | None = None,
+               llama_spec_types: list[str] | None = None) -> dict[str, Any]:
     from hybridkv.engine.llm import LLM
 
     options: dict[str, Any] = dict(max_model_len=max_model_len, threads=threads,
@@ -140,14 +211,19 @@ def bench_spec(model: str, *, spec: dict[str, Any], max_tokens: int, batch: int,
         options["kv_cache_memory"] = kv_cache_memory
     runs: dict[str, dict[str, WorkloadRun]] = {}
     kind = ""
+    id_prompts: dict[str, list[list[int]]] = {}
     for name, extra in (("off", {}), ("on", {"speculative_config": spec})):
         llm = LLM(model, **options, **extra)
         if llm.engine.tokenizer is not None:
             messages = text_workloads(_text(file), batch)
             prompts = {w: _render(llm, model, m) for w, m in messages.items()}
+            tokenizer = llm.engine.tokenizer
+            id_prompts = {w: [p if isinstance(p, list) else list(tokenizer.encode(p).ids)
+                              for p in ps] for w, ps in prompts.items()}
             kind = "text"
         else:
             prompts = dict(token_workloads(llm.engine.vocab_size, batch))
+            id_prompts = dict(prompts)
             kind = "token ids (the model has no tokenizer)"
         runs[name] = {w: run_workload(llm, p, max_tokens, rounds) for w, p in prompts.items()}
         llm.close()
@@ -162,9 +238,20 @@ def bench_spec(model: str, *, spec: dict[str, Any], max_tokens: int, batch: int,
             "num_draft_tokens": on.num_draft_tokens,
             "num_accepted_tokens": on.num_accepted_tokens,
             "same_tokens": on.tokens == off.tokens}
-    return {"model": model, "speculative_config": spec, "prompts": kind, "batch": batch,
-            "max_tokens": max_tokens, "rounds": rounds, "quant_activations": activations,
-            "workloads": workloads}
+    result = {"model": model, "speculative_config": spec, "prompts": kind, "batch": batch,
+              "max_tokens": max_tokens, "rounds": rounds, "quant_activations": activations,
+              "workloads": workloads}
+    if llama_spec_types is not None:
+        binary, detail = _llama_peer(model, batch, llama_bin)  # detail: the file, or why not
+        if binary is None:
+            result["llama_server_skipped"] = detail
+        else:
+            count = threads or len(os.sched_getaffinity(0))
+            result["llama_server"] = llama_server_runs(
+                binary, detail, id_prompts, types=llama_spec_types, max_tokens=max_tokens,
+                rounds=rounds, threads=count, ctx=max_model_len)
+            result["llama_server_threads"] = count
+    return result
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -179,6 +266,15 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"{name:10} {w['off_decode_tok_s']:10.1f} {w['on_decode_tok_s']:10.1f} "
                      f"{ratio:>7} {w['num_accepted_tokens']:>8} / {w['num_draft_tokens']:<7}"
                      f" {'yes' if w['same_tokens'] else 'NO':>12}")
+    if "llama_server_skipped" in result:
+        lines.append(f"llama-server not run: {result['llama_server_skipped']}")
+    for kind, per in (result.get("llama_server") or {}).items():
+        for name, w in per.items():
+            ratio = f"{w['ratio']:.2f}x" if w["ratio"] is not None else "-"
+            same = "yes" if w["same_tokens"] else "NO"
+            lines.append(f"llama-server {kind:13} {name:6} {w['decode_tok_s']:8.1f} tok/s "
+                         f"{ratio:>7} (vs its none) {w['num_accepted_tokens']:>6} / "
+                         f"{w['num_draft_tokens']:<6} {same:>4}")
     return "\n".join(lines)
 
 
@@ -203,7 +299,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default) or 8 bits (llama.cpp's arithmetic), both runs alike")
     parser.add_argument("--file", default=None,
                         help="the text to copy and edit (default: the GPL-3.0 text)")
+    parser.add_argument("--llama-bin", type=Path, default=None,
+                        help="llama.cpp's build/bin, for llama-server beside hybridkv on a "
+                             "GGUF file at batch 1 (default: where setup.sh builds it)")
+    parser.add_argument("--llama-spec-types", type=_spec_types,
+                        default=list(DEFAULT_LLAMA_SPEC_TYPES),
+                        help="llama-server --spec-type values to measure, comma-separated "
+                             f"(default {','.join(DEFAULT_LLAMA_SPEC_TYPES)})")
+    parser.add_argument("--no-llama", action="store_true",
+                        help="do not run llama-server beside hybridkv")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _spec_types(text: str) -> list[str]:
+    types = [t.strip() for t in text.split(",") if t.strip()]
+    if not types or any(t == "none" for t in types):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected llama-server --spec-type values such as ngram-simple,"
+            f"ngram-mod (without speculation is always measured)")
+    return types
 
 
 def run(args: argparse.Namespace) -> int:
@@ -211,7 +325,8 @@ def run(args: argparse.Namespace) -> int:
                         batch=args.batch, rounds=args.rounds, threads=args.threads,
                         max_model_len=args.max_model_len,
                         kv_cache_memory=args.kv_cache_memory, file=args.file,
-                        activations=args.quant_activations)
+                        activations=args.quant_activations, llama_bin=args.llama_bin,
+                        llama_spec_types=None if args.no_llama else args.llama_spec_types)
     print(json.dumps(result) if args.json else format_table(result))
     return 0
 
