@@ -52,6 +52,7 @@ def test_bench_spec_with_text_prompts_prints_a_table(tmp_path, capsys):
     # (A random model's answer copies nothing: drafts may never be proposed.)
     check(result, {"copy", "edit", "prose"}, drafts=False)
     assert result["prompts"] == "text"
+    assert result["llama_server_skipped"] == "the model is not a GGUF file"
     assert main(["bench", "spec", model, "--max-tokens", "4", "--rounds", "1",
                  "--max-model-len", "1024", "--kv-cache-memory", "16MiB"]) == 0
     table = capsys.readouterr().out
@@ -78,9 +79,39 @@ def test_bench_spec_with_8bit_activations_on_the_real_gguf(capsys):
         pytest.skip(str(e))
     assert main(["bench", "spec", model, "--max-tokens", "16", "--rounds", "1",
                  "--max-model-len", "1024", "--kv-cache-memory", "64MiB",
-                 "--quant-activations", "int8", "--json"]) == 0
+                 "--quant-activations", "int8", "--no-llama", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["quant_activations"] == "int8"
     check(result, {"copy", "edit", "prose"})
     copy = result["workloads"]["copy"]
     assert 0 < copy["num_accepted_tokens"] <= copy["num_draft_tokens"]
+
+
+def test_bench_spec_beside_llama_server_on_the_real_gguf(capsys):
+    """The same token-id prompts to llama-server on the same file, without speculation and
+    with `--spec-type ngram-simple`; without its binaries, one line says how to build them."""
+    from hybridkv.bench.gguf import DEFAULT_LLAMA_BIN
+    from hybridkv.models.sources import real_model_path
+
+    try:
+        model = str(real_model_path("smollm2-135m-instruct"))
+    except ValueError as e:
+        pytest.skip(str(e))
+    assert main(["bench", "spec", model, "--max-tokens", "8", "--rounds", "1",
+                 "--max-model-len", "1024", "--kv-cache-memory", "64MiB", "--threads", "1",
+                 "--llama-spec-types", "ngram-simple", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    if not (DEFAULT_LLAMA_BIN / "llama-server").is_file():
+        assert "setup.sh" in result["llama_server_skipped"]
+        return
+    peer = result["llama_server"]
+    assert set(peer) == {"none", "ngram-simple"}
+    for per in peer.values():
+        assert set(per) == {"copy", "edit", "prose"}
+        assert all(w["decode_tok_s"] > 0 for w in per.values())
+    assert all(w["ratio"] == 1.0 for w in peer["none"].values())
+
+
+def test_bench_spec_refuses_none_among_llama_spec_types(capsys):
+    assert main(["bench", "spec", "x", "--llama-spec-types", "none"]) == 2
+    assert "without speculation is always measured" in capsys.readouterr().err
