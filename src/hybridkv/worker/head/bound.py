@@ -100,7 +100,7 @@ class HeadBound:
                 return cls(t["packed"], t["scales"], vocab, cols, t["wnorm"],
                            None if exact else t["dnorm"], t["wblock"],
                            None if exact else t["dblock"], exact_logits)
-        packed = torch.zeros((groups, nb, GROUP, BLOCK), dtype=torch.int8)
+        packed = torch.full((groups, nb, GROUP, BLOCK), -128, dtype=torch.int8)  # 0 + 128
         scales = torch.zeros((groups, nb, GROUP), dtype=torch.float16)
         wnorm = torch.empty(vocab, dtype=torch.float32)
         dnorm = torch.empty(vocab, dtype=torch.float32)
@@ -175,8 +175,9 @@ class HeadBound:
     def _approx(self, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         n, width = q.shape[0], self.groups * GROUP
         out = torch.empty((n, width), dtype=torch.float32)
-        _matmul()(self.packed.data_ptr(), self.scales.data_ptr(), self.groups, self.cols,
-                  q.data_ptr(), d.data_ptr(), n, out.data_ptr(), width)
+        if _matmul()(self.packed.data_ptr(), self.scales.data_ptr(), self.groups, self.cols,
+                     q.data_ptr(), d.data_ptr(), n, out.data_ptr(), width) != 0:
+            raise MemoryError("the LM head's pre-pass could not allocate its buffers")
         return out
 
     def error_terms(self, x: torch.Tensor, approx_x: torch.Tensor | None = None
@@ -331,10 +332,12 @@ def quantized_x(x: torch.Tensor) -> torch.Tensor:
 
 def pack_rows(q: torch.Tensor) -> torch.Tensor:
     """int8 [8 g, cols] -> [g, cols / 32, 8, 32]: per group of 8 rows and 32-value block,
-    8 chunks of the 8 rows' values 4j..4j+3 (the kernel's layout)."""
+    8 chunks of the 8 rows' values 4j..4j+3, each as the byte w + 128 (the kernel's
+    layout: its unsigned operand)."""
     rows, cols = q.shape
     return (q.view(rows // GROUP, GROUP, cols // BLOCK, BLOCK // 4, 4)
-            .permute(0, 2, 3, 1, 4).reshape(rows // GROUP, cols // BLOCK, GROUP, BLOCK))
+            .permute(0, 2, 3, 1, 4).reshape(rows // GROUP, cols // BLOCK, GROUP, BLOCK)
+            ^ -128)
 
 
 def available() -> bool:
@@ -375,4 +378,4 @@ def _select() -> Callable[..., int]:
 
 
 def _matmul() -> Callable[..., int]:
-    return _function("hkv_head_i8_matmul", _MATMUL_ARGS)
+    return _function("hkv_head_i8_matmul", _MATMUL_ARGS, ctypes.c_int)

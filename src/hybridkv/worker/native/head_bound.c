@@ -215,7 +215,8 @@ int hkv_head_prepare(const float *x, int64_t n, int64_t cols, float rounding, in
    262k x 640 head at 32 rows ~2x faster than a blocked float GEMM.
 
    Layout (worker/head/bound.py: pack_rows): group g holds tokens 8g..8g+7; per 32-value
-   block b, 8 chunks of 32 bytes, chunk j = the 8 tokens' values 4j..4j+3 in token order;
+   block b, 8 chunks of 32 bytes, chunk j = the 8 tokens' values 4j..4j+3 in token order,
+   each stored as the unsigned byte w + 128 (VNNI's u8 x s8 product takes it as it is);
    scales[g][b][t] the token's block scale, an IEEE half (a batch-1 step reads the copy
    once, bound by memory bandwidth: float scales would add 12% to its bytes). x: int8
    values xq[i][cols] and float block scales xd[i][nb]. y[i][8g + t] = sum_b scales *
@@ -227,33 +228,59 @@ int hkv_head_prepare(const float *x, int64_t n, int64_t cols, float rounding, in
 static inline int32_t rd_i32(const int8_t *p) { int32_t v; __builtin_memcpy(&v, p, 4); return v; }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* Group g's sums for NX rows of x. With VNNI the packed bytes, w + 128 as unsigned, go
+   straight into the u8 x s8 product with x's four values broadcast: one instruction per
+   four values of 8 tokens and x row, where w's sign moved onto x took two more; the 128
+   sum(x) this adds (x128[i][b], per block and x row: the same for every token) comes off
+   in int32, so the block sums are the same integers either way. */
 static inline __attribute__((always_inline)) void i8_group(
     const int8_t *w, const uint16_t *sc, int64_t nb, const int8_t *xq, int64_t cols,
-    const float *xd, float *y, int64_t ldy, const int NX) {
+    const float *xd, const int32_t *x128, float *y, int64_t ldy, const int NX) {
     __m256 accf[8];
     for (int i = 0; i < NX; i++) accf[i] = _mm256_setzero_ps();
 #if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
-    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1), high = _mm256_set1_epi8((char)0x80);
+    (void)x128;
 #endif
     for (int64_t b = 0; b < nb; b++) {
         __m256i acc[8];
         for (int i = 0; i < NX; i++) acc[i] = _mm256_setzero_si256();
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        /* CH independent sums per x row (integers: any order gives the same), so that
+           with few rows the products do not wait on one another's latency */
+        const int CH = NX >= 6 ? 1 : NX >= 3 ? 2 : 4;
+        __m256i part[3][8];
+        for (int c = 0; c + 1 < CH; c++)
+            for (int i = 0; i < NX; i++) part[c][i] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
             const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (b * 8 + j) * 32));
-            const __m256i wa = _mm256_sign_epi8(wv, wv);
+            const int c = j % CH;
             for (int i = 0; i < NX; i++) {
-                /* |w| times x with w's sign: u8 x s8 pairs, at most 2 127 127 < 2^15 */
                 const __m256i xb = _mm256_set1_epi32(rd_i32(xq + i * cols + 32 * b + 4 * j));
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-                /* The same four products summed into int32 in one instruction (exact, as
-                   the pairs above are). */
-                acc[i] = _mm256_dpbusd_epi32(acc[i], wa, _mm256_sign_epi8(xb, wv));
-#else
-                acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xb, wv)), ones));
-#endif
+                if (c == 0) acc[i] = _mm256_dpbusd_epi32(acc[i], wv, xb);
+                else part[c - 1][i] = _mm256_dpbusd_epi32(part[c - 1][i], wv, xb);
             }
         }
+        for (int c = 0; c + 1 < CH; c++)
+            for (int i = 0; i < NX; i++) acc[i] = _mm256_add_epi32(acc[i], part[c][i]);
+#else
+        for (int j = 0; j < 8; j++) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (b * 8 + j) * 32));
+            /* w itself (signed), its magnitude times x with w's sign: u8 x s8 pairs, at
+               most 2 127 127 < 2^15, where w + 128 would saturate the int16 pairs */
+            const __m256i ws = _mm256_xor_si256(wv, high);
+            const __m256i wa = _mm256_sign_epi8(ws, ws);
+            for (int i = 0; i < NX; i++) {
+                const __m256i xb = _mm256_set1_epi32(rd_i32(xq + i * cols + 32 * b + 4 * j));
+                acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xb, ws)), ones));
+            }
+        }
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        for (int i = 0; i < NX; i++)
+            acc[i] = _mm256_sub_epi32(acc[i], _mm256_set1_epi32(x128[i * nb + b]));
+#endif
         const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + b * 8)));
         for (int i = 0; i < NX; i++)
             accf[i] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(xd[i * nb + b])),
@@ -264,6 +291,50 @@ static inline __attribute__((always_inline)) void i8_group(
 #define HAVE_I8_AVX2 1
 #endif
 
+#if defined(HAVE_I8_AVX2) && defined(__AVX512F__) && defined(__AVX512VNNI__)
+/* i8_group for groups g and g + 1 at once (w, sc: group g's; g + 1's follow them), on
+   512-bit registers: each x broadcast feeds 16 tokens. Lane for lane the same integers
+   and the same float operations as i8_group, so the same values. */
+static inline __attribute__((always_inline)) void i8_pair(
+    const int8_t *w, const uint16_t *sc, int64_t nb, const int8_t *xq, int64_t cols,
+    const float *xd, const int32_t *x128, float *y, int64_t ldy, const int NX) {
+    const int8_t *w1 = w + nb * 256;
+    const uint16_t *sc1 = sc + nb * 8;
+    const int CH = NX >= 4 ? 1 : 2;
+    __m512 accf[8];
+    for (int i = 0; i < NX; i++) accf[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i acc[8], part[8];
+        for (int i = 0; i < NX; i++) acc[i] = part[i] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            const int64_t at = (b * 8 + j) * 32;
+            const __m512i wv = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + at))),
+                _mm256_loadu_si256((const __m256i *)(w1 + at)), 1);
+            for (int i = 0; i < NX; i++) {
+                const __m512i xb = _mm512_set1_epi32(rd_i32(xq + i * cols + 32 * b + 4 * j));
+                if (CH == 1 || j % 2 == 0) acc[i] = _mm512_dpbusd_epi32(acc[i], wv, xb);
+                else part[i] = _mm512_dpbusd_epi32(part[i], wv, xb);
+            }
+        }
+        const __m512 s = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(sc + b * 8))),
+            _mm_loadu_si128((const __m128i *)(sc1 + b * 8)), 1));
+        for (int i = 0; i < NX; i++) {
+            const __m512i t = _mm512_sub_epi32(_mm512_add_epi32(acc[i], part[i]),
+                                               _mm512_set1_epi32(x128[i * nb + b]));
+            accf[i] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(xd[i * nb + b])),
+                                      _mm512_cvtepi32_ps(t), accf[i]);
+        }
+    }
+    for (int i = 0; i < NX; i++) _mm512_storeu_ps(y + i * ldy, accf[i]);
+}
+#define HAVE_I8_PAIR 1
+#endif
+
+/* A packed byte's value: stored as w + 128 (see hkv_head_i8_matmul). */
+static inline int32_t packed_value(int8_t u) { return (int32_t)(int8_t)((uint8_t)u ^ 0x80u); }
+
 static void i8_group_portable(const int8_t *w, const uint16_t *sc, int64_t nb, const int8_t *xq,
                               int64_t cols, const float *xd, float *y, int64_t ldy, int nx) {
     for (int i = 0; i < nx; i++)
@@ -273,7 +344,7 @@ static void i8_group_portable(const int8_t *w, const uint16_t *sc, int64_t nb, c
                 int32_t sum = 0;
                 for (int j = 0; j < 8; j++)
                     for (int e = 0; e < 4; e++)
-                        sum += (int32_t)w[(b * 8 + j) * 32 + 4 * t + e] *
+                        sum += packed_value(w[(b * 8 + j) * 32 + 4 * t + e]) *
                                (int32_t)xq[i * cols + 32 * b + 4 * j + e];
                 acc += half_to_float(sc[b * 8 + t]) * xd[i * nb + b] * (float)sum;
             }
@@ -292,10 +363,19 @@ int hkv_head_i8_portable(int on) {
 #endif
 }
 
-/* y[i][0 .. 8 groups) for the m rows of x (y's row stride ldy). */
-void hkv_head_i8_matmul(const int8_t *w, const uint16_t *sc, int64_t groups, int64_t cols,
-                        const int8_t *xq, const float *xd, int64_t m, float *y, int64_t ldy) {
+/* y[i][0 .. 8 groups) for the m rows of x (y's row stride ldy). Returns 0, or -1 where its
+   scratch could not be allocated. */
+int hkv_head_i8_matmul(const int8_t *w, const uint16_t *sc, int64_t groups, int64_t cols,
+                       const int8_t *xq, const float *xd, int64_t m, float *y, int64_t ldy) {
     const int64_t nb = cols / 32;
+    /* 128 times each x block's sum: what the packed bytes' + 128 adds to its products */
+    int32_t *x128 = malloc(sizeof(int32_t) * (size_t)(m * nb + 1));
+    if (x128 == NULL) return -1;
+    for (int64_t r = 0; r < m * nb; r++) {
+        int32_t s = 0;
+        for (int t = 0; t < 32; t++) s += xq[32 * r + t];
+        x128[r] = 128 * s;
+    }
 #pragma omp parallel for schedule(static) if (groups * m >= 4096)
     for (int64_t g0 = 0; g0 < groups; g0 += PANEL_GROUPS) {
         const int64_t g1 = g0 + PANEL_GROUPS < groups ? g0 + PANEL_GROUPS : groups;
@@ -307,10 +387,24 @@ void hkv_head_i8_matmul(const int8_t *w, const uint16_t *sc, int64_t groups, int
                 const int8_t *wg = w + g * nb * 256;
                 const uint16_t *sg = sc + g * nb * 8;
                 float *yg = y + i * ldy + 8 * g;
+#if defined(HAVE_I8_PAIR)
+                if (!i8_portable && g + 1 < g1) {
+                    switch (nx) {
+#define NX_CASE(N) \
+    case N: i8_pair(wg, sg, nb, xi, cols, di, x128 + i * nb, yg, ldy, N); break;
+                    NX_CASE(1) NX_CASE(2) NX_CASE(3) NX_CASE(4)
+                    NX_CASE(5) NX_CASE(6) NX_CASE(7) NX_CASE(8)
+#undef NX_CASE
+                    }
+                    g++;
+                    continue;
+                }
+#endif
 #if defined(HAVE_I8_AVX2)
                 if (!i8_portable) {
                     switch (nx) {
-#define NX_CASE(N) case N: i8_group(wg, sg, nb, xi, cols, di, yg, ldy, N); break;
+#define NX_CASE(N) \
+    case N: i8_group(wg, sg, nb, xi, cols, di, x128 + i * nb, yg, ldy, N); break;
                     NX_CASE(1) NX_CASE(2) NX_CASE(3) NX_CASE(4)
                     NX_CASE(5) NX_CASE(6) NX_CASE(7) NX_CASE(8)
 #undef NX_CASE
@@ -322,4 +416,6 @@ void hkv_head_i8_matmul(const int8_t *w, const uint16_t *sc, int64_t groups, int
             }
         }
     }
+    free(x128);
+    return 0;
 }
