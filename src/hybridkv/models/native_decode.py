@@ -246,8 +246,13 @@ class NativeDecode:
         for meta in ctx.metadata:
             if not isinstance(meta, AttentionMetadata):
                 return False
-            if len(meta.seq_lens) != m or meta.query_start_loc[-1] != m or \
-                    meta.cache_dtype is not None or meta.key_groups:
+            if meta.query_start_loc[-1] != m or meta.cache_dtype is not None or \
+                    meta.key_groups:
+                return False
+            # Several tokens of a request: a verification step (its drafts after its last
+            # token, every row sampled) runs here too; a prompt chunk, whose rows are cut
+            # before the last layers, takes the operator path.
+            if len(meta.seq_lens) != m and ctx.sampled_ctx is not None:
                 return False
         return True
 
