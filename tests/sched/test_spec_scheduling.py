@@ -1,6 +1,6 @@
 """The scheduler with drafts, against a real KVCacheManager and a fake model (no torch):
 drafts as extra scheduled tokens, computed tokens after acceptance (replayed on state
-groups), the back-off after misses, and the cap on drafting requests with state groups."""
+groups), the back-off after misses, the draft length following acceptance, and the cap on drafting requests with state groups."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from hybridkv.sched.scheduler import (
     DRAFT_TOKENS_PER_STEP,
     Scheduler,
     SchedulerConfig,
+    draft_limit,
     drafts_per_request,
 )
 from hybridkv.sched.spec import SpeculativeConfig
@@ -109,6 +110,25 @@ def test_misses_pause_drafting_longer_each_time_and_a_hit_resets():
     drafts = out.scheduled_spec_decode_tokens["a"]
     s.update_from_output(out, {"a": 1}, {"a": drafts[:1]})
     assert req.draft_backoff == req.draft_pause == 0
+
+
+def test_the_draft_length_follows_what_was_kept():
+    # One past the drafts kept after a rejection; one more after a step that kept all.
+    assert [draft_limit(8, 8, kept) for kept in (0, 3, 7, 8)] == [1, 4, 8, 9]
+    assert draft_limit(4, 2, 2) == 5  # fewer drafts than the limit, all kept
+    assert draft_limit(0, 4, 4) == 0  # no limit yet: none after a step that kept all
+    s = make(full())
+    s.add_request(request("a", max_tokens=40))
+    s.update_from_output(s.schedule(), {"a": 1})
+    out = s.schedule()
+    assert out.scheduled_spec_decode_tokens["a"] == [2, 3, 4]
+    s.update_from_output(out, {"a": 3}, {"a": [2]})  # ... 1 2 3: the loop goes on
+    out = s.schedule()
+    assert out.scheduled_spec_decode_tokens["a"] == [4, 1]  # 1 kept: 2 next
+    s.update_from_output(out, {"a": 2}, {"a": [4, 1]})
+    out = s.schedule()
+    assert out.scheduled_spec_decode_tokens["a"] == [3, 4, 1]  # all kept: 3 (K)
+    s.kv.check_integrity()
 
 
 def test_with_state_groups_at_most_a_share_of_requests_draft_per_step():

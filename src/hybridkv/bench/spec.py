@@ -40,7 +40,7 @@ from typing import Any
 
 from hybridkv.cli import Command, positive_int, speculative_config
 
-DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
                 "prompt_lookup_min": 2}
 EXCERPT_CHARS = 1200  # about 300 tokens of English: the text to repeat or edit
 PROSE = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "

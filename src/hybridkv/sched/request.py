@@ -63,6 +63,9 @@ class Request(KVRequest):
         # DRAFT_BACKOFF_MAX).
         self.draft_pause = 0
         self.draft_backoff = 0
+        # The most drafts it takes next (0: as many as the step allows): one past the drafts
+        # kept after a rejection, one more after a step that kept them all (scheduler.py).
+        self.draft_limit = 0
         # Tokens appended by the last step (1, or more with accepted drafts).
         self.num_new_tokens = 0
 
