@@ -4,6 +4,8 @@ and the greedy verification rule (no model)."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridkv.sched.spec import SpeculativeConfig, make_proposer
 from hybridkv.sched.spec.ngram import NgramProposer
@@ -52,6 +54,31 @@ def test_ngram_takes_the_longest_suffix_at_its_latest_occurrence():
     assert p.propose([5, 1, 2, 6, 1, 2, 8, 5, 1, 2], 1) == [6]
     assert p.propose([1, 2, 3], 3) == []  # nothing repeats
     assert p.propose([4], 2) == []
+
+
+def _brute_force(tokens: list[int], min_n: int, max_n: int, num: int) -> list[int]:
+    """Every n-gram size from the longest, every earlier start from the latest."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[len(tokens) - n:]:
+                seq = list(tokens)
+                at = start + n
+                out = []
+                while len(out) < num:  # past the end the drafts continue themselves
+                    seq.append(seq[at])
+                    out.append(seq[at])
+                    at += 1
+                return out
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40), st.integers(1, 4), st.integers(0, 3),
+       st.integers(1, 6))
+def test_ngram_matches_a_brute_force_search(tokens, min_n, extra, num):
+    max_n = min_n + extra
+    want = _brute_force(tokens, min_n, max_n, num) if len(tokens) > min_n else []
+    assert NgramProposer(min_n, max_n).propose(tokens, num) == want
 
 
 def test_ngram_continues_a_loop_past_the_end_of_the_tokens():

@@ -1,6 +1,7 @@
 """The scheduler with drafts, against a real KVCacheManager and a fake model (no torch):
 drafts as extra scheduled tokens, computed tokens after acceptance (replayed on state
-groups), the back-off after misses, the draft length following acceptance, and the cap on drafting requests with state groups."""
+groups), the back-off after misses, the draft length following acceptance, and the cap
+on drafting requests with state groups."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from hybridkv.sched.scheduler import (
     drafts_per_request,
 )
 from hybridkv.sched.spec import SpeculativeConfig
+from hybridkv.sched.spec.config import MAX_SPECULATIVE_TOKENS
 from tests.kv.toy import full, mamba, toy_config
 
 SPEC = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
@@ -32,13 +34,18 @@ def make(*specs, max_seqs=8):
                                      max_model_len=64, speculative=SPEC), kv)
 
 
-def request(rid, prompt=LOOP, max_tokens=20):
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), hash_block_size=4)
+def request(rid, prompt=LOOP, max_tokens=20, draft_limit=None):
+    """`draft_limit`: the request's as after steps that kept all their drafts (it starts
+    at one: test_a_request_starts_at_one_draft_and_doubles_while_all_are_kept)."""
+    req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), hash_block_size=4)
+    if draft_limit is not None:
+        req.draft_limit = draft_limit
+    return req
 
 
 def test_drafts_are_scheduled_tokens_and_acceptance_sets_computed_tokens():
     s = make(full())
-    s.add_request(request("a"))
+    s.add_request(request("a", draft_limit=3))
     out = s.schedule()
     assert out.scheduled_spec_decode_tokens == {}  # the prompt step drafts nothing
     s.update_from_output(out, {"a": 1})
@@ -58,7 +65,7 @@ def test_drafts_are_scheduled_tokens_and_acceptance_sets_computed_tokens():
 
 def test_state_groups_replay_accepted_drafts_after_a_rejection():
     s = make(full(), mamba())
-    s.add_request(request("a"))
+    s.add_request(request("a", draft_limit=3))
     s.update_from_output(s.schedule(), {"a": 1})
     out = s.schedule()
     assert out.scheduled_spec_decode_tokens == {"a": [2, 3, 4]}
@@ -78,7 +85,7 @@ def test_state_groups_replay_accepted_drafts_after_a_rejection():
 
 def test_all_drafts_accepted_on_state_groups_needs_no_replay():
     s = make(full(), mamba())
-    s.add_request(request("a"))
+    s.add_request(request("a", draft_limit=3))
     s.update_from_output(s.schedule(), {"a": 1})
     out = s.schedule()
     s.update_from_output(out, {"a": 1}, {"a": [2, 3, 4]})
@@ -112,13 +119,28 @@ def test_misses_pause_drafting_longer_each_time_and_a_hit_resets():
     assert req.draft_backoff == req.draft_pause == 0
 
 
+def test_a_request_starts_at_one_draft_and_doubles_while_all_are_kept():
+    s = make(full())  # K = 3
+    s.add_request(request("a", prompt=[1, 2, 3, 4] * 6, max_tokens=40))
+    s.update_from_output(s.schedule(), {"a": 1})
+    lengths = []
+    for _ in range(3):
+        out = s.schedule()
+        drafts = out.scheduled_spec_decode_tokens["a"]
+        lengths.append(len(drafts))
+        s.update_from_output(out, {"a": drafts[-1] % 4 + 1}, {"a": drafts})
+    assert lengths == [1, 2, 3]  # 1, 2, then 4 capped at K
+    s.kv.check_integrity()
+
+
 def test_the_draft_length_follows_what_was_kept():
-    # One past the drafts kept after a rejection; one more after a step that kept all.
-    assert [draft_limit(8, 8, kept) for kept in (0, 3, 7, 8)] == [1, 4, 8, 9]
-    assert draft_limit(4, 2, 2) == 5  # fewer drafts than the limit, all kept
-    assert draft_limit(0, 4, 4) == 0  # no limit yet: none after a step that kept all
+    # One past the drafts kept after a rejection; twice the limit after a step that kept
+    # all (at most num_speculative_tokens' bound).
+    assert [draft_limit(8, 8, kept) for kept in (0, 3, 7, 8)] == [1, 4, 8, 16]
+    assert draft_limit(4, 2, 2) == 8  # fewer drafts than the limit, all kept
+    assert draft_limit(MAX_SPECULATIVE_TOKENS, 4, 4) == MAX_SPECULATIVE_TOKENS
     s = make(full())
-    s.add_request(request("a", max_tokens=40))
+    s.add_request(request("a", max_tokens=40, draft_limit=3))
     s.update_from_output(s.schedule(), {"a": 1})
     out = s.schedule()
     assert out.scheduled_spec_decode_tokens["a"] == [2, 3, 4]
@@ -127,7 +149,7 @@ def test_the_draft_length_follows_what_was_kept():
     assert out.scheduled_spec_decode_tokens["a"] == [4, 1]  # 1 kept: 2 next
     s.update_from_output(out, {"a": 2}, {"a": [4, 1]})
     out = s.schedule()
-    assert out.scheduled_spec_decode_tokens["a"] == [3, 4, 1]  # all kept: 3 (K)
+    assert out.scheduled_spec_decode_tokens["a"] == [3, 4, 1]  # all kept: 4, K = 3
     s.kv.check_integrity()
 
 
@@ -154,7 +176,7 @@ def test_at_large_batches_each_request_drafts_less():
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=32,
                                   max_model_len=64, speculative=spec), kv)
     for i in range(12):
-        s.add_request(request(f"r{i}"))
+        s.add_request(request(f"r{i}", draft_limit=4))
     s.update_from_output(s.schedule(), {f"r{i}": 1 for i in range(12)})
     out = s.schedule()
     # 12 running: 32 // 12 = 2 drafts each (prompt lookup would give 4).
@@ -175,7 +197,8 @@ def test_a_worker_method_reserves_draft_slots_and_takes_the_worker_drafts():
     kv = KVCacheManager(toy_config(full(), mamba(), num_pages=64), max_model_len=64)
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8,
                                   max_model_len=64, speculative=spec), kv)
-    s.add_request(request("a", prompt=[5, 6, 7]))  # nothing to look up: slots regardless
+    # nothing to look up: slots regardless
+    s.add_request(request("a", prompt=[5, 6, 7], draft_limit=3))
     out = s.schedule()
     assert out.num_draft_slots == {}  # the prompt step drafts nothing
     s.update_from_output(out, {"a": 1})

@@ -9,10 +9,11 @@ copy-heavy workload and a prose one.
 
 Each workload runs `--batch` requests at once (distinct excerpts), greedy, EOS ignored,
 `--max-tokens` tokens each, once to warm up and then `--rounds` times, on one engine with
-`--speculative-config` and one without (built in turn, so one model is in memory at a
-time). Decode tokens/s counts the tokens after each request's first one over the time
-after the step that brought the batch's first tokens (prefill is not timed). The ratio is
-on / off; the greedy tokens of both runs are compared, and the drafts scored and kept are
+`--speculative-config` and one without, both loaded, the rounds alternating between them
+(which goes first alternates too). Decode tokens/s counts the tokens after each request's
+first one over the time after the step that brought the batch's first tokens (prefill is
+not timed), median of the rounds. The ratio is the median of the rounds' on / off ratios;
+the greedy tokens of both runs are compared, and the drafts scored and kept are
 reported. Models without a tokenizer get token-id prompts of the same shape (a random
 "file", its copy asked for by position only). Run it pinned and alone: `taskset -c 0
 hybridkv bench spec MODEL --threads 1`.
@@ -104,35 +105,59 @@ def _render(llm: Any, model: str, messages: list[str]) -> list[Any]:
             for r in rendered]
 
 
-def run_workload(llm: Any, prompts: list[Any], max_tokens: int, rounds: int) -> WorkloadRun:
+def run_round(llm: Any, prompts: list[Any], max_tokens: int, tag: str
+              ) -> tuple[float, list[list[int]], int, int]:
+    """One round of a workload: (decode tokens/s, each request's output, drafts scored,
+    drafts kept)."""
     from hybridkv.sched.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     engine = llm.engine
-    rates, tokens, drafts, accepted = [], [], 0, 0
+    llm.reset_prefix_cache()  # each round prefills its prompts (not timed anyway)
+    ids = [f"spec-{tag}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, prompt, params)
+    outputs: dict[str, Any] = {}
+    started: float | None = None
+    before = 0  # tokens the requests had when the timing started
+    while engine.has_unfinished:
+        for out in engine.step():
+            outputs[out.request_id] = out
+        if started is None and len(outputs) == len(ids):
+            # Every request has its first token: from here on the steps decode.
+            started = time.perf_counter()
+            before = sum(len(o.token_ids) for o in outputs.values())
+    elapsed = time.perf_counter() - (started or time.perf_counter())
+    decoded = sum(len(outputs[r].token_ids) for r in ids) - before
+    return (decoded / elapsed if elapsed > 0 else 0.0, [outputs[r].token_ids for r in ids],
+            sum(outputs[r].num_draft_tokens for r in ids),
+            sum(outputs[r].num_accepted_tokens for r in ids))
+
+
+def run_paired(engines: dict[str, Any], prompts: list[Any], max_tokens: int, rounds: int
+               ) -> tuple[dict[str, WorkloadRun], list[float]]:
+    """The workload on each engine in turn, a warm-up round and then `rounds` timed ones,
+    alternating which goes first: each engine's run, and the on / off ratio per round."""
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    runs: dict[str, WorkloadRun] = {}
+    totals = {name: [0, 0] for name in engines}
+    ratios = []
     for round_index in range(rounds + 1):  # round 0 warms up
-        llm.reset_prefix_cache()  # each round prefills its prompts (not timed anyway)
-        ids = [f"spec-{round_index}-{i}" for i in range(len(prompts))]
-        for rid, prompt in zip(ids, prompts, strict=True):
-            engine.add_request(rid, prompt, params)
-        outputs: dict[str, Any] = {}
-        started: float | None = None
-        before = 0  # tokens the requests had when the timing started
-        while engine.has_unfinished:
-            for out in engine.step():
-                outputs[out.request_id] = out
-            if started is None and len(outputs) == len(ids):
-                # Every request has its first token: from here on the steps decode.
-                started = time.perf_counter()
-                before = sum(len(o.token_ids) for o in outputs.values())
-        elapsed = time.perf_counter() - (started or time.perf_counter())
-        decoded = sum(len(outputs[r].token_ids) for r in ids) - before
+        order = list(engines) if round_index % 2 else list(reversed(engines))
+        tokens: dict[str, list[list[int]]] = {}
+        for name in order:
+            rate, tokens[name], drafts, kept = run_round(
+                engines[name], prompts, max_tokens, f"{name}-{round_index}")
+            if round_index:
+                rates[name].append(rate)
+                totals[name][0] += drafts
+                totals[name][1] += kept
         if round_index:
-            rates.append(decoded / elapsed if elapsed > 0 else 0.0)
-            tokens = [outputs[r].token_ids for r in ids]
-            drafts += sum(outputs[r].num_draft_tokens for r in ids)
-            accepted += sum(outputs[r].num_accepted_tokens for r in ids)
-    return WorkloadRun(tokens, statistics.median(rates), drafts, accepted)
+            ratios.append(rates["on"][-1] / rates["off"][-1] if rates["off"][-1] else 0.0)
+            for name in engines:
+                runs[name] = WorkloadRun(tokens[name], statistics.median(rates[name]),
+                                         *totals[name])
+    return runs, ratios
 
 
 DEFAULT_LLAMA_SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod")
@@ -209,35 +234,37 @@ def bench_spec(model: str, *, spec: dict[str, Any], max_tokens: int, batch: int,
                                    quant_activations=activations)
     if kv_cache_memory is not None:
         options["kv_cache_memory"] = kv_cache_memory
-    runs: dict[str, dict[str, WorkloadRun]] = {}
-    kind = ""
-    id_prompts: dict[str, list[list[int]]] = {}
-    for name, extra in (("off", {}), ("on", {"speculative_config": spec})):
-        llm = LLM(model, **options, **extra)
-        if llm.engine.tokenizer is not None:
-            messages = text_workloads(_text(file), batch)
-            prompts = {w: _render(llm, model, m) for w, m in messages.items()}
-            tokenizer = llm.engine.tokenizer
-            id_prompts = {w: [p if isinstance(p, list) else list(tokenizer.encode(p).ids)
-                              for p in ps] for w, ps in prompts.items()}
-            kind = "text"
-        else:
-            prompts = dict(token_workloads(llm.engine.vocab_size, batch))
-            id_prompts = dict(prompts)
-            kind = "token ids (the model has no tokenizer)"
-        runs[name] = {w: run_workload(llm, p, max_tokens, rounds) for w, p in prompts.items()}
-        llm.close()
-        del llm
-        gc.collect()
+    # Both engines at once, the rounds alternating between them: the machine's drift
+    # (another process, the clock) falls on both alike; the ratio is the median of the
+    # rounds' ratios.
+    engines = {"off": LLM(model, **options), "on": LLM(model, **options,
+                                                       speculative_config=spec)}
+    llm = engines["off"]
+    if llm.engine.tokenizer is not None:
+        messages = text_workloads(_text(file), batch)
+        prompts = {w: _render(llm, model, m) for w, m in messages.items()}
+        tokenizer = llm.engine.tokenizer
+        id_prompts = {w: [p if isinstance(p, list) else list(tokenizer.encode(p).ids)
+                          for p in ps] for w, ps in prompts.items()}
+        kind = "text"
+    else:
+        prompts = dict(token_workloads(llm.engine.vocab_size, batch))
+        id_prompts = dict(prompts)
+        kind = "token ids (the model has no tokenizer)"
     workloads = {}
-    for w, off in runs["off"].items():
-        on = runs["on"][w]
+    for w, p in prompts.items():
+        runs, ratios = run_paired(engines, p, max_tokens, rounds)
+        off, on = runs["off"], runs["on"]
         workloads[w] = {
             "off_decode_tok_s": off.decode_tok_s, "on_decode_tok_s": on.decode_tok_s,
-            "ratio": on.decode_tok_s / off.decode_tok_s if off.decode_tok_s else None,
-            "num_draft_tokens": on.num_draft_tokens,
+            "ratio": statistics.median(ratios) if off.decode_tok_s else None,
+            "ratios": ratios, "num_draft_tokens": on.num_draft_tokens,
             "num_accepted_tokens": on.num_accepted_tokens,
             "same_tokens": on.tokens == off.tokens}
+    for engine in engines.values():
+        engine.close()
+    del engines, llm
+    gc.collect()
     result = {"model": model, "speculative_config": spec, "prompts": kind, "batch": batch,
               "max_tokens": max_tokens, "rounds": rounds, "quant_activations": activations,
               "workloads": workloads}
@@ -256,7 +283,8 @@ def bench_spec(model: str, *, spec: dict[str, Any], max_tokens: int, batch: int,
 
 def format_table(result: dict[str, Any]) -> str:
     lines = [f"{result['model']}: batch {result['batch']}, {result['max_tokens']} greedy "
-             f"tokens per request, median of {result['rounds']} rounds, {result['prompts']}, "
+             f"tokens per request, {result['rounds']} rounds alternating (ratio: median of "
+             f"theirs), {result['prompts']}, "
              f"{result.get('quant_activations', 'float32')} activations",
              f"speculative_config {json.dumps(result['speculative_config'])}",
              f"{'workload':10} {'off tok/s':>10} {'on tok/s':>10} {'ratio':>7} "

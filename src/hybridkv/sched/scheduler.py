@@ -23,6 +23,7 @@ from hybridkv.kv.shared_prompts import SharedPrompts
 from hybridkv.sched.request import Request, RequestStatus
 from hybridkv.sched.sampling import SamplingParams
 from hybridkv.sched.spec import Proposer, SpeculativeConfig, make_proposer
+from hybridkv.sched.spec.config import MAX_SPECULATIVE_TOKENS
 
 if TYPE_CHECKING:
     from hybridkv.sched.structured.manager import StepGrammars
@@ -333,7 +334,7 @@ class Scheduler:
         limit = self.kv.max_drafting_requests  # state groups keep a state per drafter
         if limit is not None and self._num_drafting >= limit:
             return 0
-        return max(0, min(req.draft_limit or self._max_drafts, self._max_drafts,
+        return max(0, min(req.draft_limit, self._max_drafts,
                           budget - num_new,
                           self.config.max_model_len - req.num_tokens - 1,
                           params.max_tokens - req.num_output_tokens - 1))
@@ -506,14 +507,13 @@ class Scheduler:
 
 def draft_limit(limit: int, num_drafts: int, num_kept: int) -> int:
     """The most drafts a request takes after a step that scored `num_drafts` of them under
-    `limit` (0: none but the step's) and kept `num_kept`: one past the drafts kept after a
-    rejection, one more than the limit when all were kept (none while there is none).
-    Every draft scored widens the step (~20% of a batch-1 step a row on Gemma 3 270M), and
-    where text stops following its context the next drafts tend to miss too; drafts that
-    keep being kept earn a longer run again."""
+    `limit` and kept `num_kept`: one past the drafts kept after a rejection, twice the
+    limit when all were kept. Every draft scored widens the step (~20% of a batch-1 step a
+    row on Gemma 3 270M), and where text stops following its context the next drafts tend
+    to miss too; drafts that keep being kept earn a longer run again, soon."""
     if num_kept < num_drafts:
         return num_kept + 1
-    return limit + 1 if limit else 0
+    return min(2 * limit, MAX_SPECULATIVE_TOKENS)
 
 
 def drafts_per_request(num_speculative_tokens: int, num_running: int) -> int:

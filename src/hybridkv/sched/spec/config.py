@@ -22,6 +22,9 @@ _NOT_HERE = {
 }
 
 
+MAX_SPECULATIVE_TOKENS = 64  # num_speculative_tokens' upper bound
+
+
 @dataclass(frozen=True, kw_only=True)
 class SpeculativeConfig:
     """How drafts are made. `ngram` (prompt lookup): the longest n-gram, between
@@ -45,7 +48,7 @@ class SpeculativeConfig:
                              f"{': ' + why if why else ' is unknown'}; accepted: "
                              f"{', '.join(METHODS)}")
         check_int("speculative_config num_speculative_tokens", self.num_speculative_tokens,
-                  low=1, high=64)
+                  low=1, high=MAX_SPECULATIVE_TOKENS)
         check_int("speculative_config prompt_lookup_min", self.prompt_lookup_min, low=1)
         check_int("speculative_config prompt_lookup_max", self.prompt_lookup_max, low=1)
         if self.method == "draft_model":

@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 # Only the latest tokens are searched: a match further back is rarely better, and the cost
 # per step stays bounded however long the request grows.
@@ -34,14 +33,26 @@ class NgramProposer:
             return []
         tokens = np.asarray(token_ids[-SEARCH_WINDOW:], dtype=np.int64)
         length = len(tokens)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            # Windows starting at 0 .. length - n - 1: every earlier occurrence, not the
-            # suffix itself. E.g. [a b a b], n = 2 -> windows ab, ba; "ab" at 0 -> [a, b].
-            windows = sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
-            if len(hits):
-                return _continue(tokens, int(hits[-1]) + n, num_tokens)
-        return []
+        # Every earlier occurrence of the suffix ends at an earlier copy of the last token:
+        # those positions alone are extended backwards, one token at a time (the prompt is
+        # scanned once per step, not once per n-gram size). E.g. [a b a b]: the copy of b
+        # at 1 matches "a b" (2 tokens) -> the tokens after it, [a, b].
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        if not len(ends):
+            return []
+        matched = np.ones(len(ends), dtype=np.int64)
+        for k in range(1, min(self.max_n, length - 1)):
+            back = ends - k
+            still = (matched == k) & (back >= 0)
+            still[still] = tokens[back[still]] == tokens[length - 1 - k]
+            if not still.any():
+                break
+            matched += still
+        n = min(self.max_n, int(matched.max()))
+        if n < self.min_n:
+            return []
+        # The longest suffix that occurred, at its latest occurrence.
+        return _continue(tokens, int(ends[np.flatnonzero(matched >= n)[-1]]) + 1, num_tokens)
 
 
 def _continue(tokens: np.ndarray, start: int, num_tokens: int) -> list[int]:
