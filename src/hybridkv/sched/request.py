@@ -63,9 +63,9 @@ class Request(KVRequest):
         # DRAFT_BACKOFF_MAX).
         self.draft_pause = 0
         self.draft_backoff = 0
-        # The most drafts it takes next: as many as a step allows at first, one past the
-        # drafts kept after a rejection, twice as many after a step that kept them all
-        # (scheduler.py: draft_limit).
+        # The most drafts it takes next: one at first, one past the drafts kept after a
+        # rejection, twice as many after a step that kept them all (scheduler.py:
+        # draft_limit).
         self.draft_limit = 1
         # Tokens appended by the last step (1, or more with accepted drafts).
         self.num_new_tokens = 0
