@@ -892,6 +892,135 @@ static inline __attribute__((always_inline)) void int_row(
     }
 }
 
+/* The 32-value types, eight weight rows at a time: one order of arithmetic for every
+   row count. Per block b and weight row j, the exact integer sum T_j of its 32 products
+   with x row i, then A_i = fma(dw * xd_b, T, A_i) in block order with the eight rows in
+   the lanes (and the min terms M_i = fma(mw, xs_b, M_i) of Q4_1 / Q5_1): y = A + M. A
+   block's scaling and conversion serve eight rows, where one row at a time paid them per
+   row and block (the kernel was compute-bound at one x row on SmolLM2's Q4_1 and spent
+   ~60% of a step again per x row). The values are decoded as unsigned bytes for the
+   products, the offset taken off in int32 through x's byte sums per block (xq_sum):
+   Q4_0 n - 8, Q5_0 q - 16, Q8_0 (with VNNI) w + 128 - 128. */
+static inline __attribute__((always_inline)) __m256i u8_codes(const int type,
+                                                              const uint8_t *p) {
+    switch (type) {
+    case T_Q8_0:
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 2)),
+                                _mm256_set1_epi8((char)0x80));
+#else
+        return _mm256_loadu_si256((const __m256i *)(p + 2)); /* signed: see rows8_dot */
+#endif
+    case T_Q4_0: return nibbles32_v(p + 2);
+    case T_Q5_0:
+        return _mm256_or_si256(nibbles32_v(p + 6),
+                               _mm256_and_si256(bits_to_ff(p + 2), _mm256_set1_epi8(0x10)));
+    case T_Q4_1: return nibbles32_v(p + 4);
+    default:
+        return _mm256_or_si256(nibbles32_v(p + 8),
+                               _mm256_and_si256(bits_to_ff(p + 4), _mm256_set1_epi8(0x10)));
+    }
+}
+
+/* What u8_codes' bytes carry over the values: T = sum codes x - offset sum x. */
+static inline int code_offset(const int type) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+    if (type == T_Q8_0) return 128;
+#endif
+    return type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0;
+}
+
+static inline __attribute__((always_inline)) __m256i rows8_dot(const int type, __m256i w,
+                                                               __m256i x) {
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__))
+    /* Q8_0 as signed bytes: w + 128 would saturate maddubs's int16 pairs */
+    if (type == T_Q8_0) return dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+#endif
+    (void)type;
+    return dot_u8s8(w, x);
+}
+
+/* Eight vectors' lane sums into the lanes of one, in order (exact: integers). */
+static inline __m256i lane_totals(const __m256i d[8]) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]),
+                                        _mm256_hadd_epi32(d[2], d[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]),
+                                        _mm256_hadd_epi32(d[6], d[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                            _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* y[i][j] for the NX x rows and the R <= 8 weight rows at p[j] (the 32-value types). */
+static inline __attribute__((always_inline)) void int_rows8(
+    const int type, const uint8_t *const *p, const int R, int64_t cols, const int8_t *xq,
+    const float *xd, const float *xs, const int32_t *xsum, float *y, int64_t ldy,
+    const int NX) {
+    const int64_t nb = cols / 32;
+    const int64_t size = type == T_Q8_0 ? 34 : type == T_Q4_0 ? 18 : type == T_Q5_0 ? 22
+                         : type == T_Q4_1 ? 20 : 24;
+    const int offset = code_offset(type), with_min = type == T_Q4_1 || type == T_Q5_1;
+    __m256 A[INT_ROWS], M[INT_ROWS];
+    for (int i = 0; i < NX; i++) A[i] = M[i] = _mm256_setzero_ps();
+    /* Each row's first four bytes of a block (its half scale, then Q4_1/Q5_1's half min)
+       in one gather; the rows past R read row 0's. */
+    int32_t at[8];
+    for (int j = 0; j < 8; j++) at[j] = (int32_t)(p[j < R ? j : 0] - p[0]);
+    const __m256i offsets = _mm256_loadu_si256((const __m256i *)at);
+    const __m256i low = _mm256_set1_epi32(0xffff);
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i w[8];
+        for (int j = 0; j < 8; j++)
+            w[j] = j < R ? u8_codes(type, p[j] + b * size) : _mm256_setzero_si256();
+        const __m256i heads = _mm256_i32gather_epi32((const int *)(p[0] + b * size),
+                                                     offsets, 1);
+        const __m256i dh = _mm256_and_si256(heads, low);
+        const __m256 dw = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(dh),
+                                                           _mm256_extracti128_si256(dh, 1)));
+        __m256 mw = _mm256_setzero_ps();
+        if (with_min) {
+            const __m256i mh = _mm256_srli_epi32(heads, 16);
+            mw = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(mh),
+                                                  _mm256_extracti128_si256(mh, 1)));
+        }
+        for (int i = 0; i < NX; i++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * cols + 32 * b));
+            __m256i d[8];
+            for (int j = 0; j < 8; j++) d[j] = rows8_dot(type, w[j], xv);
+            __m256i t = lane_totals(d);
+            if (offset) t = _mm256_sub_epi32(t, _mm256_set1_epi32(offset * xsum[i * nb + b]));
+            A[i] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(xd[i * nb + b])),
+                                   _mm256_cvtepi32_ps(t), A[i]);
+            if (with_min) M[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[i * nb + b]), M[i]);
+        }
+    }
+    for (int i = 0; i < NX; i++) {
+        float out[8];
+        _mm256_storeu_ps(out, _mm256_add_ps(A[i], M[i]));
+        for (int j = 0; j < R; j++) y[i * ldy + j] = out[j];
+    }
+}
+
+/* int_rows8 with its type and x rows known to the compiler. */
+static void rows8_call(int type, const uint8_t *const *p, int R, int64_t cols,
+                       const int8_t *xq, const float *xd, const float *xs,
+                       const int32_t *xsum, float *y, int64_t ldy, int nx) {
+#define ROWS8_NX(T)                                                                       \
+    switch (nx) {                                                                         \
+    case 4: int_rows8(T, p, R, cols, xq, xd, xs, xsum, y, ldy, 4); break;                 \
+    case 3: int_rows8(T, p, R, cols, xq, xd, xs, xsum, y, ldy, 3); break;                 \
+    case 2: int_rows8(T, p, R, cols, xq, xd, xs, xsum, y, ldy, 2); break;                 \
+    default: int_rows8(T, p, R, cols, xq, xd, xs, xsum, y, ldy, 1); break;                \
+    }
+    switch (type) {
+    case T_Q8_0: ROWS8_NX(T_Q8_0) break;
+    case T_Q4_0: ROWS8_NX(T_Q4_0) break;
+    case T_Q5_0: ROWS8_NX(T_Q5_0) break;
+    case T_Q4_1: ROWS8_NX(T_Q4_1) break;
+    default: ROWS8_NX(T_Q5_1) break;
+    }
+#undef ROWS8_NX
+}
+
 #include "quant_panels.h"
 #endif
 
@@ -963,7 +1092,41 @@ static int int_matmul(const float *x, int64_t m, int64_t ldx, const uint8_t *w, 
         panel_matmul(type, xq, xd, xs, bs, m, w, ldw, rows, cols, y, ldy, parallel, &failed);
     } else
 #endif
-    if (fast) {
+    if (fast && x_group(type) == 1) {
+#if defined(HAVE_INT_AVX2)
+        /* x's byte sums per block, for the codes' offset (int_rows8) */
+        int32_t *xsum = malloc(sizeof(int32_t) * (size_t)(m * nb + 1));
+        if (xsum == NULL) {
+            free(buf);
+            return -2;
+        }
+        for (int64_t g = 0; g < m * nb; g++) {
+            int32_t t = 0;
+            for (int j = 0; j < 32; j++) t += xq[32 * g + j];
+            xsum[g] = t;
+        }
+        int64_t bv, bb;
+        block_shape(type, &bv, &bb);
+        const int64_t rbytes = cols / bv * bb, groups = (rows + 7) / 8;
+#pragma omp parallel for schedule(static) if (parallel)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t r0 = 8 * g;
+            const int R = rows - r0 < 8 ? (int)(rows - r0) : 8;
+            const uint8_t *pr[8];
+            for (int j = 0; j < 8; j++) pr[j] = w + (r0 + (j < R ? j : 0)) * ldw;
+            /* the next group's rows are fetched while these are read */
+            for (int j = 0; j < 8 && r0 + 8 + j < rows; j++)
+                for (int64_t o = 0; o < rbytes; o += 64)
+                    __builtin_prefetch(w + (r0 + 8 + j) * ldw + o);
+            for (int64_t i = 0; i < m; i += INT_ROWS) {
+                const int nx = m - i < INT_ROWS ? (int)(m - i) : INT_ROWS;
+                rows8_call(type, pr, R, cols, xq + i * cols, xd + i * nb, xs + i * nb,
+                           xsum + i * nb, y + i * ldy + r0, ldy, nx);
+            }
+        }
+        free(xsum);
+#endif
+    } else if (fast) {
 #if defined(HAVE_INT_AVX2)
         /* The weight row INT_PREFETCH bytes ahead is fetched while this one is read
            (measured: the hardware's prefetch alone left ~25% of the bandwidth unused). */
