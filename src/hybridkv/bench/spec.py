@@ -7,7 +7,8 @@ copy-heavy workload and a prose one.
 - prose: an open-ended story, which repeats little of its prompt (drafts should cost
   nothing there: the back-off stops them).
 
-Each workload runs `--batch` requests at once (distinct excerpts), greedy, EOS ignored,
+Each workload runs `--batch` requests at once (distinct excerpts; `--batches` such batches
+one after another, tokens/s the mean of theirs), greedy, EOS ignored,
 `--max-tokens` tokens each, once to warm up and then `--rounds` times, on one engine with
 `--speculative-config` and one without, both loaded, the rounds alternating between them
 (which goes first alternates too). Decode tokens/s counts the tokens after each request's
@@ -107,8 +108,8 @@ def _render(llm: Any, model: str, messages: list[str]) -> list[Any]:
 
 def run_round(llm: Any, prompts: list[Any], max_tokens: int, tag: str
               ) -> tuple[float, list[list[int]], int, int]:
-    """One round of a workload: (decode tokens/s, each request's output, drafts scored,
-    drafts kept)."""
+    """One batch of a workload's round: (decode tokens/s, each request's output, drafts
+    scored, drafts kept)."""
     from hybridkv.sched.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -134,8 +135,21 @@ def run_round(llm: Any, prompts: list[Any], max_tokens: int, tag: str
             sum(outputs[r].num_accepted_tokens for r in ids))
 
 
-def run_paired(engines: dict[str, Any], prompts: list[Any], max_tokens: int, rounds: int
-               ) -> tuple[dict[str, WorkloadRun], list[float]]:
+def run_batches(llm: Any, batches: list[list[Any]], max_tokens: int, tag: str
+                ) -> tuple[float, list[list[int]], int, int]:
+    """A workload's round: its batches one after another; tokens/s is the mean of theirs."""
+    rates, tokens, drafts, kept = [], [], 0, 0
+    for b, prompts in enumerate(batches):
+        rate, out, d, k = run_round(llm, prompts, max_tokens, f"{tag}-{b}")
+        rates.append(rate)
+        tokens += out
+        drafts += d
+        kept += k
+    return statistics.fmean(rates), tokens, drafts, kept
+
+
+def run_paired(engines: dict[str, Any], batches: list[list[Any]], max_tokens: int,
+               rounds: int) -> tuple[dict[str, WorkloadRun], list[float]]:
     """The workload on each engine in turn, a warm-up round and then `rounds` timed ones,
     alternating which goes first: each engine's run, and the on / off ratio per round."""
     rates: dict[str, list[float]] = {name: [] for name in engines}
@@ -146,8 +160,8 @@ def run_paired(engines: dict[str, Any], prompts: list[Any], max_tokens: int, rou
         order = list(engines) if round_index % 2 else list(reversed(engines))
         tokens: dict[str, list[list[int]]] = {}
         for name in order:
-            rate, tokens[name], drafts, kept = run_round(
-                engines[name], prompts, max_tokens, f"{name}-{round_index}")
+            rate, tokens[name], drafts, kept = run_batches(
+                engines[name], batches, max_tokens, f"{name}-{round_index}")
             if round_index:
                 rates[name].append(rate)
                 totals[name][0] += drafts
@@ -226,7 +240,8 @@ def bench_spec(model: str, *, spec: dict[str, Any], max_tokens: int, batch: int,
                rounds: int, threads: int | None, max_model_len: int,
                kv_cache_memory: str | None, file: str | None,
                activations: str = "float32", llama_bin: Path | None = None,
-               llama_spec_types: list[str] | None = None) -> dict[str, Any]:
+               llama_spec_types: list[str] | None = None,
+               num_batches: int = 1) -> dict[str, Any]:
     from hybridkv.engine.llm import LLM
 
     options: dict[str, Any] = dict(max_model_len=max_model_len, threads=threads,
@@ -241,19 +256,20 @@ def bench_spec(model: str, *, spec: dict[str, Any], max_tokens: int, batch: int,
                                                        speculative_config=spec)}
     llm = engines["off"]
     if llm.engine.tokenizer is not None:
-        messages = text_workloads(_text(file), batch)
+        messages = text_workloads(_text(file), batch * num_batches)
         prompts = {w: _render(llm, model, m) for w, m in messages.items()}
         tokenizer = llm.engine.tokenizer
         id_prompts = {w: [p if isinstance(p, list) else list(tokenizer.encode(p).ids)
                           for p in ps] for w, ps in prompts.items()}
         kind = "text"
     else:
-        prompts = dict(token_workloads(llm.engine.vocab_size, batch))
+        prompts = dict(token_workloads(llm.engine.vocab_size, batch * num_batches))
         id_prompts = dict(prompts)
         kind = "token ids (the model has no tokenizer)"
     workloads = {}
     for w, p in prompts.items():
-        runs, ratios = run_paired(engines, p, max_tokens, rounds)
+        batches = [p[i:i + batch] for i in range(0, len(p), batch)]
+        runs, ratios = run_paired(engines, batches, max_tokens, rounds)
         off, on = runs["off"], runs["on"]
         workloads[w] = {
             "off_decode_tok_s": off.decode_tok_s, "on_decode_tok_s": on.decode_tok_s,
@@ -266,6 +282,7 @@ def bench_spec(model: str, *, spec: dict[str, Any], max_tokens: int, batch: int,
     del engines, llm
     gc.collect()
     result = {"model": model, "speculative_config": spec, "prompts": kind, "batch": batch,
+              "batches": num_batches,
               "max_tokens": max_tokens, "rounds": rounds, "quant_activations": activations,
               "workloads": workloads}
     if llama_spec_types is not None:
@@ -282,7 +299,8 @@ def bench_spec(model: str, *, spec: dict[str, Any], max_tokens: int, batch: int,
 
 
 def format_table(result: dict[str, Any]) -> str:
-    lines = [f"{result['model']}: batch {result['batch']}, {result['max_tokens']} greedy "
+    lines = [f"{result['model']}: batch {result['batch']} x {result.get('batches', 1)}, "
+             f"{result['max_tokens']} greedy "
              f"tokens per request, {result['rounds']} rounds alternating (ratio: median of "
              f"theirs), {result['prompts']}, "
              f"{result.get('quant_activations', 'float32')} activations",
@@ -314,6 +332,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="greedy tokens per request (default 256)")
     parser.add_argument("--batch", type=positive_int, default=1,
                         help="requests decoding at once (default 1)")
+    parser.add_argument("--batches", type=positive_int, default=1,
+                        help="batches per workload and round, one after another (distinct "
+                             "excerpts; tokens/s their mean; default 1)")
     parser.add_argument("--rounds", type=positive_int, default=3,
                         help="timed rounds per workload after a warm-up (default 3)")
     parser.add_argument("--threads", type=positive_int, default=None,
@@ -354,7 +375,8 @@ def run(args: argparse.Namespace) -> int:
                         max_model_len=args.max_model_len,
                         kv_cache_memory=args.kv_cache_memory, file=args.file,
                         activations=args.quant_activations, llama_bin=args.llama_bin,
-                        llama_spec_types=None if args.no_llama else args.llama_spec_types)
+                        llama_spec_types=None if args.no_llama else args.llama_spec_types,
+                        num_batches=args.batches)
     print(json.dumps(result) if args.json else format_table(result))
     return 0
 
