@@ -351,19 +351,6 @@ int hkv_quant_dequantize(const uint8_t *data, int64_t ldw, int type, int64_t col
     return 0;
 }
 
-/* ---- y = x W^T ---- */
-
-#if defined(__AVX2__) || defined(__AVX__)
-/* (sum a, sum b, sum c, sum d) of four 8-float vectors. */
-static inline void hsum4(v8 a, v8 b, v8 c, v8 d, float *out) {
-    const __m256 ab = _mm256_hadd_ps((__m256)a, (__m256)b);
-    const __m256 cd = _mm256_hadd_ps((__m256)c, (__m256)d);
-    const __m256 abcd = _mm256_hadd_ps(ab, cd);
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-    _mm_storeu_ps(out, s);
-}
-#endif
-
 /* ---- 8-bit activations, integer dot products ----
    Each x row is quantized once per call, in groups of 32 values (256 for the K-quants,
    llama.cpp's Q8_K: x_group): d = max |x| / 127 over the group and q = round(x / d) (so
@@ -372,8 +359,10 @@ static inline void hsum4(v8 a, v8 b, v8 c, v8 d, float *out) {
    blocks' scales, or for the K-quants each sub-block's sum times its integer scale added
    up over the whole 256-value block first; the offsets of the types with a min (Q4_1,
    Q5_1, Q4_K, Q5_K) go through x's exact float sums per 32.
-   The signed types (Q4_0, Q5_0, Q8_0, Q6_K) take |w| as the unsigned operand of the
-   byte products and x with w's sign (AVX2's maddubs multiplies unsigned by signed bytes).
+   The byte products multiply unsigned by signed bytes (AVX2's maddubs, VNNI's dpbusd):
+   the signed types' codes go in as unsigned (Q4_0 n, Q5_0 q, Q6_K q, Q8_0 w + 128 with
+   VNNI), their offset taken back through x's byte sums; Q8_0 without VNNI takes |w| and x
+   with w's sign (w + 128 would saturate maddubs's int16 pairs).
    The error against float activations is sum over x groups of (max |x| in the group / 254)
    times sum |d q| over the group's weights (d q: the weight without its min), plus float
    rounding; linear/quant.py states and the tests check it. */
@@ -644,46 +633,6 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
-/* One 32-value block b of the types with 32-value blocks into A[i] (and O[i], the min
-   terms) for the NX x rows. */
-static inline __attribute__((always_inline)) void int_block32(
-    const int type, const uint8_t *p, int64_t b, int64_t cols, const int8_t *xq,
-    const float *xd, const float *xs, __m256 *A, float *O, const int NX) {
-    const int64_t nb = cols / 32, k = 32 * b;
-    __m256i w;
-    switch (type) {
-    case T_Q8_0: w = _mm256_loadu_si256((const __m256i *)(p + 2)); break;
-    case T_Q4_0: w = _mm256_sub_epi8(nibbles32_v(p + 2), _mm256_set1_epi8(8)); break;
-    case T_Q5_0: /* q - 16: the nibble, or the nibble - 16 (0xf0 | nibble) without bit 5 */
-        w = _mm256_or_si256(nibbles32_v(p + 6),
-                            _mm256_andnot_si256(bits_to_ff(p + 2), _mm256_set1_epi8((char)0xf0)));
-        break;
-    case T_Q4_1: w = nibbles32_v(p + 4); break;
-    default:
-        w = _mm256_or_si256(nibbles32_v(p + 8),
-                            _mm256_and_si256(bits_to_ff(p + 4), _mm256_set1_epi8(0x10)));
-        break;
-    }
-    const float dw = half_to_float(rd16(p));
-    if (type == T_Q4_1 || type == T_Q5_1) { /* unsigned values, the min through x's sums */
-        const float mw = half_to_float(rd16(p + 2));
-        for (int i = 0; i < NX; i++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * cols + k));
-            A[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[i * nb + b]),
-                                   _mm256_cvtepi32_ps(dot_u8s8(w, xv)), A[i]);
-            O[i] += mw * xs[i * nb + b];
-        }
-    } else { /* signed values: |w| times x with w's sign */
-        const __m256i wa = _mm256_sign_epi8(w, w);
-        for (int i = 0; i < NX; i++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * cols + k));
-            const __m256i t = dot_u8s8(wa, _mm256_sign_epi8(xv, w));
-            A[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[i * nb + b]), _mm256_cvtepi32_ps(t),
-                                   A[i]);
-        }
-    }
-}
-
 /* Eight floats summed in the one order the panels (quant_panels.h) repeat lane by lane:
    ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7)). */
 static inline float tree8(__m256 p) {
@@ -815,43 +764,19 @@ static inline __attribute__((always_inline)) void q6k_block(
     }
 }
 
-/* y_i = W row . x_i for the NX x rows: q, d, s as quantize_x wrote them (row strides
-   cols, nb). Two sets of accumulators take alternate blocks: with one x row a single
-   chain of FMAs would bound the speed (the K-quants keep k_group's order instead). */
+/* y_i = W row . x_i for the NX x rows of a K-quant matrix (k_group's order): q, d, s, bs
+   as quantize_x wrote them (row strides cols, nb). */
 static inline __attribute__((always_inline)) void int_row(
     int type, const uint8_t *p, int64_t cols, const int8_t *xq, const float *xd,
     const float *xs, const int16_t *bs, float *y, int64_t ldy, const int NX) {
     const int64_t nb = cols / 32;
+    /* acc is A, acc2 M; a group of eight blocks' sums waits here */
     __m256 acc[INT_ROWS], acc2[INT_ROWS];
-    float off[INT_ROWS];
-    for (int i = 0; i < NX; i++) {
-        acc[i] = acc2[i] = _mm256_setzero_ps();
-        off[i] = 0.f;
-    }
-    /* the K-quants (k_group): acc is A, acc2 M; a group of eight blocks' sums waits here */
+    for (int i = 0; i < NX; i++) acc[i] = acc2[i] = _mm256_setzero_ps();
     __m256i S8[8][INT_ROWS];
     float dw8[8] = {0}, xd8[INT_ROWS][8] = {{0}};
     const int64_t nkb = cols / 256;
-#define LOOP32(T, SIZE)                                                                   \
-    do {                                                                                  \
-        int64_t b = 0;                                                                    \
-        for (; b + 2 <= nb; b += 2, p += 2 * (SIZE)) {                                    \
-            int_block32(T, p, b, cols, xq, xd, xs, acc, off, NX);                         \
-            int_block32(T, p + (SIZE), b + 1, cols, xq, xd, xs, acc2, off, NX);           \
-        }                                                                                 \
-        if (b < nb) int_block32(T, p, b, cols, xq, xd, xs, acc, off, NX);                 \
-    } while (0)
-    switch (type) {
-    case T_Q8_0: LOOP32(T_Q8_0, 34); break;
-    case T_Q4_0: LOOP32(T_Q4_0, 18); break;
-    case T_Q5_0: LOOP32(T_Q5_0, 22); break;
-    case T_Q4_1: LOOP32(T_Q4_1, 20); break;
-    case T_Q5_1: LOOP32(T_Q5_1, 24); break;
-#undef LOOP32
-    case T_Q4_K:
-    case T_Q5_K:
-    case T_Q6_K: {
-        const int five = type == T_Q5_K;
+    const int five = type == T_Q5_K;
 #define K_LOOP(Q6, SIZE)                                                                  \
     for (int64_t kb = 0; kb < nkb; kb++, p += (SIZE)) {                                   \
         const int j = (int)(kb & 7);                                                      \
@@ -868,28 +793,14 @@ static inline __attribute__((always_inline)) void int_row(
         for (int i = 0; i < NX; i++) xd8[i][j] = xd[i * nb + b];                          \
         if (j == 7 || kb + 1 == nkb) k_group(S8, dw8, xd8, j + 1, acc, NX);               \
     }
-        if (type == T_Q6_K)
-            K_LOOP(1, 210)
-        else if (five)
-            K_LOOP(0, 176)
-        else
-            K_LOOP(0, 144)
+    if (type == T_Q6_K)
+        K_LOOP(1, 210)
+    else if (five)
+        K_LOOP(0, 176)
+    else
+        K_LOOP(0, 144)
 #undef K_LOOP
-        break;
-    }
-    default:
-        break;
-    }
-    if (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) {
-        for (int i = 0; i < NX; i++) y[i * ldy] = tree8(acc[i]) - tree8(acc2[i]);
-        return;
-    }
-    for (int i = 0; i < NX; i++) {
-        float t[4];
-        hsum4(_mm256_add_ps(acc[i], acc2[i]), _mm256_setzero_ps(), _mm256_setzero_ps(),
-              _mm256_setzero_ps(), t);
-        y[i * ldy] = t[0] + off[i];
-    }
+    for (int i = 0; i < NX; i++) y[i * ldy] = tree8(acc[i]) - tree8(acc2[i]);
 }
 
 /* The 32-value types, eight weight rows at a time: one order of arithmetic for every
@@ -899,7 +810,7 @@ static inline __attribute__((always_inline)) void int_row(
    block's scaling and conversion serve eight rows, where one row at a time paid them per
    row and block (the kernel was compute-bound at one x row on SmolLM2's Q4_1 and spent
    ~60% of a step again per x row). The values are decoded as unsigned bytes for the
-   products, the offset taken off in int32 through x's byte sums per block (xq_sum):
+   products, the offset taken off in int32 through x's byte sums per block (xsum):
    Q4_0 n - 8, Q5_0 q - 16, Q8_0 (with VNNI) w + 128 - 128. */
 static inline __attribute__((always_inline)) __m256i u8_codes(const int type,
                                                               const uint8_t *p) {
