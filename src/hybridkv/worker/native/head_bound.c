@@ -371,11 +371,7 @@ int hkv_head_i8_matmul(const int8_t *w, const uint16_t *sc, int64_t groups, int6
     /* 128 times each x block's sum: what the packed bytes' + 128 adds to its products */
     int32_t *x128 = malloc(sizeof(int32_t) * (size_t)(m * nb + 1));
     if (x128 == NULL) return -1;
-    for (int64_t r = 0; r < m * nb; r++) {
-        int32_t s = 0;
-        for (int t = 0; t < 32; t++) s += xq[32 * r + t];
-        x128[r] = 128 * s;
-    }
+    block_byte_sums(xq, m * nb, 128, x128);
 #pragma omp parallel for schedule(static) if (groups * m >= 4096)
     for (int64_t g0 = 0; g0 < groups; g0 += PANEL_GROUPS) {
         const int64_t g1 = g0 + PANEL_GROUPS < groups ? g0 + PANEL_GROUPS : groups;
@@ -387,31 +383,30 @@ int hkv_head_i8_matmul(const int8_t *w, const uint16_t *sc, int64_t groups, int6
                 const int8_t *wg = w + g * nb * 256;
                 const uint16_t *sg = sc + g * nb * 8;
                 float *yg = y + i * ldy + 8 * g;
+/* KERNEL with this tile's x rows known to the compiler */
+#define NX_CASE(KERNEL, N) \
+    case N: KERNEL(wg, sg, nb, xi, cols, di, x128 + i * nb, yg, ldy, N); break;
+#define NX_SWITCH(KERNEL)                                                  \
+    switch (nx) {                                                          \
+        NX_CASE(KERNEL, 1) NX_CASE(KERNEL, 2) NX_CASE(KERNEL, 3)           \
+        NX_CASE(KERNEL, 4) NX_CASE(KERNEL, 5) NX_CASE(KERNEL, 6)           \
+        NX_CASE(KERNEL, 7) NX_CASE(KERNEL, 8)                              \
+    }
 #if defined(HAVE_I8_PAIR)
                 if (!i8_portable && g + 1 < g1) {
-                    switch (nx) {
-#define NX_CASE(N) \
-    case N: i8_pair(wg, sg, nb, xi, cols, di, x128 + i * nb, yg, ldy, N); break;
-                    NX_CASE(1) NX_CASE(2) NX_CASE(3) NX_CASE(4)
-                    NX_CASE(5) NX_CASE(6) NX_CASE(7) NX_CASE(8)
-#undef NX_CASE
-                    }
+                    NX_SWITCH(i8_pair)
                     g++;
                     continue;
                 }
 #endif
 #if defined(HAVE_I8_AVX2)
                 if (!i8_portable) {
-                    switch (nx) {
-#define NX_CASE(N) \
-    case N: i8_group(wg, sg, nb, xi, cols, di, x128 + i * nb, yg, ldy, N); break;
-                    NX_CASE(1) NX_CASE(2) NX_CASE(3) NX_CASE(4)
-                    NX_CASE(5) NX_CASE(6) NX_CASE(7) NX_CASE(8)
-#undef NX_CASE
-                    }
+                    NX_SWITCH(i8_group)
                     continue;
                 }
 #endif
+#undef NX_SWITCH
+#undef NX_CASE
                 i8_group_portable(wg, sg, nb, xi, cols, di, yg, ldy, nx);
             }
         }

@@ -1011,11 +1011,7 @@ static int int_matmul(const float *x, int64_t m, int64_t ldx, const uint8_t *w, 
             free(buf);
             return -2;
         }
-        for (int64_t g = 0; g < m * nb; g++) {
-            int32_t t = 0;
-            for (int j = 0; j < 32; j++) t += xq[32 * g + j];
-            xsum[g] = t;
-        }
+        block_byte_sums(xq, m * nb, 1, xsum);
         int64_t bv, bb;
         block_shape(type, &bv, &bb);
         const int64_t rbytes = cols / bv * bb, groups = (rows + 7) / 8;

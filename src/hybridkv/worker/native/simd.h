@@ -89,4 +89,15 @@ typedef float v4 __attribute__((vector_size(16)));
 static inline v16 load16(const float *p) { v16 x; memcpy(&x, p, sizeof x); return x; }
 static inline void store16(float *p, v16 x) { memcpy(p, &x, sizeof x); }
 
+/* out[b] = times * (sum of q's 32 bytes of block b), for `blocks` blocks: what codes stored
+   with an offset (unsigned bytes into u8 x s8 products) add to each block's products. */
+static inline void block_byte_sums(const int8_t *q, int64_t blocks, int32_t times,
+                                   int32_t *out) {
+    for (int64_t b = 0; b < blocks; b++) {
+        int32_t t = 0;
+        for (int j = 0; j < 32; j++) t += q[32 * b + j];
+        out[b] = times * t;
+    }
+}
+
 #endif
