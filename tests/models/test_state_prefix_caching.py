@@ -81,3 +81,45 @@ def test_checkpoint_interval_and_chunked_prefill(model_dir):
     [second] = cached.generate(other, GREEDY)
     assert cached.engine.kv_manager.stats.num_hit_tokens - before == 64
     assert second.token_ids == plain.generate(other, GREEDY)[0].token_ids
+
+
+def _generate(llm, prompt, **options):
+    """One request through the engine's own API (LLM.generate names no part points)."""
+    llm.engine.add_request("part", prompt, GREEDY, **options)
+    while llm.engine.has_unfinished:
+        for out in llm.engine.step():
+            if out.finished:
+                return out
+    raise AssertionError("no output")
+
+
+def test_a_prompt_parting_at_a_named_part_point_resumes_there(model_dir):
+    """A chat's next turn that replaces the last message parts where it began, inside
+    what the turn before computed (not at a checkpoint of its own): a part point named
+    there saves one, rounded down to a block, and the later prompt hits it."""
+    cached, plain = engines(model_dir, mamba_checkpoint_tail=1)
+    history, last = tokens(7, 70), tokens(8, 30)  # the last message starts at 70
+    stats = cached.engine.kv_manager.stats
+    first = _generate(cached, history + last, part_points=[70])
+    assert first.token_ids == plain.generate(history + last, GREEDY)[0].token_ids
+    branch = history + tokens(9, 25)
+    before = stats.num_hit_tokens
+    out = _generate(cached, branch)
+    assert stats.num_hit_tokens - before == 64  # 70 rounded down to a block of 16
+    assert out.token_ids == plain.generate(branch, GREEDY)[0].token_ids
+
+    # Without it the state was saved at the prompt's end only, past where they part.
+    again, _ = engines(model_dir, mamba_checkpoint_tail=1)
+    _generate(again, history + last)
+    before = again.engine.kv_manager.stats.num_hit_tokens
+    _generate(again, branch)
+    assert again.engine.kv_manager.stats.num_hit_tokens - before < 64
+
+
+def test_part_points_outside_the_prompt_are_refused_in_one_line(model_dir):
+    cached, _ = engines(model_dir)
+    for bad in ([0], [40], [1, 2, 3, 4, 5], ["3"], [True]):
+        with pytest.raises(ValueError, match=r"part_points must be at most 4 prompt "
+                                             r"positions in \[1, 39\]"):
+            cached.engine.add_request("bad", tokens(1, 40), GREEDY, part_points=bad)
+    assert not cached.engine.has_unfinished

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from hybridkv.sched.structured.manager import StructuredOutputManager
 
 # Every tier a request's prompt can come from, in outputs even when unused.
+# Part points one request may name (each takes a state block while it is cached).
+MAX_PART_POINTS = 4
 NO_CACHED_TOKENS = {"device": 0, "cpu": 0, "disk": 0, "remote": 0}
 ACCEPTED_PROMPTS = "a string or a list of token ids (ints)"
 
@@ -122,8 +124,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | Mapping[str, Any] | None = None, *,
-                    priority: int = 0) -> None:
+                    priority: int = 0, part_points: Sequence[int] = ()) -> None:
         """Validate and queue a request; a bad one raises ValueError and changes nothing.
+        `part_points`: prompt positions where later prompts are expected to part from
+        this one (the server passes where a chat's last messages start); with prefix
+        caching, state layers save a checkpoint at each (rounded down to a block), so that
+        a prompt parting there resumes from it (at most MAX_PART_POINTS).
         With `n` > 1 its samples are engine requests of their own ("{id}#{i}") whose outputs
         carry the request's id and their `index`; the first computes the prompt, the others
         wait until it has, and then reuse its blocks through the prefix cache."""
@@ -148,18 +154,28 @@ class LLMEngine:
         if bad:
             raise ValueError(f"request {request_id}: logit_bias names token {bad[0]}, outside "
                              f"the vocabulary [0, {self.vocab_size})")
+        points = list(part_points)
+        if len(points) > MAX_PART_POINTS or \
+                any(isinstance(p, bool) or not isinstance(p, int) or not 0 < p < len(token_ids)
+                    for p in points):
+            raise ValueError(f"request {request_id}: part_points must be at most "
+                             f"{MAX_PART_POINTS} prompt positions in [1, "
+                             f"{len(token_ids) - 1}], got {points[:8]}")
+        points = sorted(set(points))
         if params.structured_output is not None and self.structured is None:
             raise ValueError(f"request {request_id}: structured_output needs the model's "
                              f"tokenizer, and this model has none")
         if params.n == 1:
-            self._queue(self._request(request_id, token_ids, params, priority))
+            self._queue(self._request(request_id, token_ids, params, priority,
+                                      tuple(points)))
             return
         ids = [f"{request_id}#{i}" for i in range(params.n)]
         taken = next((i for i in ids if i in self._params or i in self._samples), None)
         if taken is not None:
             raise ValueError(f"request id {taken!r} (a sample of {request_id!r}) is already "
                              f"in use")
-        requests = [self._request(rid, token_ids, params.for_sample(i), priority)
+        requests = [self._request(rid, token_ids, params.for_sample(i), priority,
+                                  tuple(points))
                     for i, rid in enumerate(ids)]
         self._samples[request_id] = ids
         for i, rid in enumerate(ids):
@@ -172,11 +188,12 @@ class LLMEngine:
         return len(self._samples.get(request_id, [request_id]))
 
     def _request(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                 priority: int) -> Request:
+                 priority: int, part_points: tuple[int, ...] = ()) -> Request:
         request = Request(request_id, token_ids, params,
                           hash_block_size=self.plan.config.hash_block_size,
                           eos_token_ids=self.eos_token_ids, arrival_index=self._next_index,
-                          priority=priority, block_hasher=self.kv_manager.block_hasher)
+                          priority=priority, block_hasher=self.kv_manager.block_hasher,
+                          part_points=part_points)
         self._next_index += 1
         self._params[request_id] = params
         if params.structured_output is not None:

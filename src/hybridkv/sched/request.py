@@ -35,13 +35,17 @@ class Request(KVRequest):
                  sampling_params: SamplingParams, *, hash_block_size: int,
                  eos_token_ids: Sequence[int] = (), arrival_index: int = 0,
                  priority: int = 0, cache_salt: str | None = None,
-                 block_hasher: BlockHasher | None = None) -> None:
+                 block_hasher: BlockHasher | None = None,
+                 part_points: Sequence[int] = ()) -> None:
         super().__init__(request_id, prompt_token_ids, hash_block_size=hash_block_size,
                          cache_salt=cache_salt, block_hasher=block_hasher)
         self.sampling_params = sampling_params
         self.eos_token_ids = tuple(eos_token_ids)
         self.arrival_index = arrival_index
         self.priority = priority
+        # Prompt positions where later requests are expected to part from this one (a
+        # chat's last message starts there): state layers save a checkpoint at each.
+        self.part_points = tuple(part_points)
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.num_tokens_at_preemption = 0  # computed tokens when last preempted

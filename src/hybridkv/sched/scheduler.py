@@ -275,6 +275,9 @@ class Scheduler:
                 num_new = budget
             if self._waiting_prompts is not None:
                 self._checkpoint_where_waiting_leave(req, hit.num_computed_tokens)
+            for position in req.part_points:  # where later prompts are expected to part
+                if position > hit.num_computed_tokens:
+                    self.kv.want_checkpoint(req, position)
             new = self.kv.allocate_slots(req, num_new, hit.num_computed_tokens, hit.blocks)
             if new is None and connector is not None:
                 connector.request_not_admitted(req)

@@ -150,7 +150,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                         max_model_len=engine.max_model_len, chat_template=chat_template,
                         chars_per_token=max_chars_per_token(engine.tokenizer)
                         if engine.tokenizer is not None else None,
-                        thinks=reasoning_enabled(config.reasoning_parser, template))
+                        thinks=reasoning_enabled(config.reasoning_parser, template),
+                        saves_part_points=engine.kv_manager.saves_branch_points)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -132,8 +132,8 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
         self._thread.start()
 
-    async def add(self, request_id: str, token_ids: Sequence[int],
-                  params: SamplingParams) -> RequestStream:
+    async def add(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
+                  part_points: Sequence[int] = ()) -> RequestStream:
         """Queue a request; a bad one raises the engine's ValueError, a full queue
         QueueFullError, a dead engine EngineDeadError."""
         if not self.alive:
@@ -146,7 +146,8 @@ class AsyncEngine:
         done: asyncio.Future[None] = self._loop.create_future()
         self._streams[request_id] = stream
         self._num_pending_adds += 1
-        self._commands.put(("add", request_id, list(token_ids), params, done))
+        self._commands.put(("add", request_id, list(token_ids), params, tuple(part_points),
+                            done))
         try:
             await done
         except asyncio.CancelledError:  # the client left; the thread may still add it
@@ -262,9 +263,9 @@ class AsyncEngine:
     def _apply(self, command: tuple[Any, ...]) -> None:
         kind = command[0]
         if kind == "add":
-            _, rid, token_ids, params, done = command
+            _, rid, token_ids, params, part_points, done = command
             try:
-                self.engine.add_request(rid, token_ids, params)
+                self.engine.add_request(rid, token_ids, params, part_points=part_points)
             except ValueError as e:
                 self._call_soon(_settle, done, e)
                 return

@@ -188,7 +188,8 @@ async def create_chat_completion(state: ServerState, body: p.ChatCompletionReque
     if spec is not None:
         await compile_or_400(state.engine.engine, spec, spec_param)
     base_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await state.submit(base_id, [prompt], [params])
+    points = await state.part_points(body.messages, prompt, use)
+    streams = await state.submit(base_id, [prompt], [params], points)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return streaming(state, streams, chat_chunks(state, body, base_id, streams,

@@ -72,6 +72,9 @@ class ServerState:
     chars_per_token: int | None = None
     # Whether replies are split into reasoning and content (server/reasoning.py).
     thinks: bool = False
+    # Whether state layers save checkpoints where prompts part (chats then name their
+    # last messages' starts: `part_points`).
+    saves_part_points: bool = False
 
     # ------------------------------------------------------------ checks
     def check_model(self, model: str | None) -> None:
@@ -120,6 +123,33 @@ class ServerState:
             return text, self.encode(text, param, add_special_tokens=False)
 
         return await asyncio.to_thread(render_and_encode)
+
+    async def part_points(self, messages: list[p.ChatMessage], prompt: Sequence[int],
+                          use: ToolUse | None = None, param: str = "messages") -> list[int]:
+        """Where the chat's last two messages start in `prompt`, its tokens: a later turn
+        parts there when it edits or replaces the last message (a branch) or regenerates
+        the answer before it, and a model with state layers then resumes from a checkpoint
+        saved there (engine.add_request's `part_points`) instead of the last one before.
+        Each is the longest common prefix of `prompt` with the earlier messages rendered
+        and tokenized alone; only for models whose state layers save such checkpoints."""
+        if not self.saves_part_points or len(messages) < 2:
+            return []
+
+        def find() -> list[int]:
+            points = []
+            for k in range(len(messages) - 1, max(0, len(messages) - 3), -1):
+                try:
+                    ids = self.encode(self.render_chat(messages[:k], False, use, param),
+                                      param, add_special_tokens=False)
+                except APIError:  # a template that cannot end there: no point
+                    continue
+                n = next((i for i, (a, b) in enumerate(zip(ids, prompt, strict=False))
+                          if a != b), min(len(ids), len(prompt)))
+                if 0 < n < len(prompt):
+                    points.append(n)
+            return points
+
+        return await asyncio.to_thread(find)
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         return await asyncio.to_thread(self.decode, token_ids)
@@ -173,13 +203,16 @@ class ServerState:
             [rest] = await self.tokenize([text[len(earlier.text):]], job.messages_param,
                                          add_special_tokens=False)
             prompt = [*earlier.token_ids, *rest]
+        points = await self.part_points(messages, prompt, use, job.messages_param)
         return await self.start(base_id, [*context, *prompt], job, use=use,
                                 prompt_text=None if context else text,
-                                inside=self.thinks and starts_inside(text))
+                                inside=self.thinks and starts_inside(text),
+                                part_points=[len(context) + n for n in points])
 
     async def start(self, base_id: str, prompt: list[int], job: ChatJob, *,
                     use: ToolUse = NO_TOOLS, inside: bool = False,
-                    prompt_text: str | None = None) -> ChatTurn:
+                    prompt_text: str | None = None,
+                    part_points: Sequence[int] = ()) -> ChatTurn:
         """Queue one reply to `prompt`: a constrained tool_choice turned into the reply's
         grammar, the sampling values checked, the grammar compiled; every failure a 400
         before anything is queued."""
@@ -196,19 +229,21 @@ class ServerState:
                                 "structured_output": spec}, job.names)
         if spec is not None:
             await compile_or_400(self.engine.engine, spec, spec_param)
-        streams = await self.submit(base_id, [prompt], [params])
+        streams = await self.submit(base_id, [prompt], [params], part_points)
         # A reply held to a grammar (a forced call, a schema) has no room to think.
         thinks = self.thinks and spec is None
         return ChatTurn(streams=streams, prompt=prompt, prompt_text=prompt_text, use=use,
                         thinks=thinks, inside=thinks and inside)
 
     async def submit(self, base_id: str, prompts: list[list[int]],
-                     params: list[SamplingParams]) -> list[RequestStream]:
-        """Queue one engine request per prompt, all or none."""
+                     params: list[SamplingParams],
+                     part_points: Sequence[int] = ()) -> list[RequestStream]:
+        """Queue one engine request per prompt, all or none (`part_points`: of a single
+        chat prompt, see `part_points`)."""
         streams: list[RequestStream] = []
         try:
             for i, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
-                streams.append(await self.engine.add(f"{base_id}-{i}", ids, sp))
+                streams.append(await self.engine.add(f"{base_id}-{i}", ids, sp, part_points))
         except BaseException as e:
             for stream in streams:
                 self.engine.abort(stream.request_id)
