@@ -112,6 +112,17 @@ def _tensor_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
     out = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if config.tie_word_embeddings:
         out.pop("lm_head.weight", None)
+    shared = shape.config.get("num_kv_shared_layers", 0)
+    if shared:
+        # Released Gemma 3n checkpoints keep K/V projections in the layers that read another
+        # layer's KV (llama.cpp requires them); transformers' model no longer builds them.
+        layers = shape.config["num_hidden_layers"]
+        donor = f"model.layers.{layers - shared - 1}.self_attn."
+        for name, dims in list(out.items()):
+            if name.startswith(donor) and name.endswith(("k_proj.weight", "v_proj.weight",
+                                                          "k_norm.weight")):
+                for i in range(layers - shared, layers):
+                    out[f"model.layers.{i}.self_attn." + name.removeprefix(donor)] = dims
     if shape.mtp_from_layer is not None:
         hidden = shape.config["hidden_size"]
         prefix = f"model.layers.{shape.mtp_from_layer}."

@@ -120,6 +120,18 @@ class _Fixups:
     # (regex on the parameter's name, file tensor name as a template of its groups) for
     # tensors llama.cpp's table has no entry for (it writes them by hand).
     names: tuple[tuple[str, str], ...] = ()
+    # (file tensor name, config) -> whether the tensor is one the model never reads, left in
+    # the file (as llama.cpp leaves it, "unused tensor").
+    unused: Callable[[str, dict[str, Any]], bool] = lambda name, cfg: False
+
+
+def _shared_kv_projection(name: str, config: dict[str, Any]) -> bool:
+    """K/V projections of a layer that reads another layer's KV: released Gemma 3n
+    checkpoints carry them in every layer, and the converter writes them."""
+    shared = int(config.get("num_kv_shared_layers") or 0)
+    layer = _layer(name)
+    return shared > 0 and layer >= int(config["num_hidden_layers"]) - shared and \
+        name.endswith((".attn_k.weight", ".attn_v.weight", ".attn_k_norm.weight"))
 
 
 def _tiled_to_grouped(num_k_heads: int, num_v_heads: int, head_dim: int) -> np.ndarray:
@@ -227,7 +239,8 @@ _FIXUPS: dict[str, _Fixups] = {
         (r"^model\.altup_projections\.\d+\.weight$", "model.altup_projections.weight"),
         (r"^model\.altup_unembed_projections\.\d+\.weight$",
          "model.altup_unembed_projections.weight"),
-        (r"\.altup\.correct_output_scale$", ".altup.correct_output_scale.weight"))),
+        (r"\.altup\.correct_output_scale$", ".altup.correct_output_scale.weight")),
+        unused=_shared_kv_projection),
     # Gemma 4: the layer scalar and the stacked experts written as weights; the router's
     # input scale and per-expert output scale as `.scale` tensors beside the router and the
     # experts' down projection.
@@ -452,6 +465,8 @@ def load_gguf_weights(model: CausalLM, header: GGUFHeader, config: dict[str, Any
                 mtp.append(info)  # the nextn block after the model's layers
                 continue
             elif info.name not in names:
+                if fixups.unused(info.name, config):
+                    continue
                 raise ValueError(f"{header.path}: tensor {info.name!r} has no place in "
                                  f"{config['model_type']}")
             # A tied parameter seen under its other name is skipped.
