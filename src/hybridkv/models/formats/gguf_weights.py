@@ -60,25 +60,13 @@ from hybridkv.models.formats.gguf_config import ARCHS
 from hybridkv.models.formats.gguf_file import GGUFHeader, TensorInfo
 from hybridkv.models.formats.quantized_experts import QuantizedStackedExperts
 from hybridkv.models.registry import build_model
+from hybridkv.models.weights import no_init
 from hybridkv.worker.linear import quant as quant_linear
 from hybridkv.worker.linear.quant import QuantizedWeight
 from hybridkv.worker.linear.quantized import QuantizedEmbedding, QuantizedLinear
 
 # Tensors llama.cpp files may carry that the engine computes itself.
 _DERIVED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
-
-
-@contextlib.contextmanager
-def _no_init() -> Iterator[None]:
-    """Build a model without initialising the weights it is about to be given: a float32
-    copy of a quantized model's matrices is never written, so its pages are never used."""
-    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
-    nn.Linear.reset_parameters = lambda self: None  # type: ignore[method-assign]
-    nn.Embedding.reset_parameters = lambda self: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved  # type: ignore[method-assign]
 
 
 Transform = Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]
@@ -608,7 +596,7 @@ def _tie_head(model: CausalLM, config: dict[str, Any]) -> None:
 def build_gguf_model(header: GGUFHeader, config: dict[str, Any], *,
                      dequantize: bool) -> CausalLM:
     """The model of a GGUF file on the CPU, float32 activations, weights loaded."""
-    with _no_init(), warnings.catch_warnings():
+    with no_init(), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         model = build_model(config)
     mtp = load_gguf_weights(model, header, config, dequantize=dequantize)

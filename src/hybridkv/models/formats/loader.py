@@ -16,6 +16,7 @@ from hybridkv.models.config_check import check_config
 from hybridkv.models.formats.gguf_file import GGUFHeader
 from hybridkv.models.layer_mix import SUPPORTED_MODEL_TYPES
 from hybridkv.models.registry import build_model
+from hybridkv.models.weights import no_init
 from hybridkv.worker.cpu_malloc import release_free_memory
 from hybridkv.worker.linear.layers import choose_kernel, fuse_linears
 
@@ -139,7 +140,8 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype, device: torch.devic
     text = config.get("text_config") or config
     if (text.get("model_type") or config.get("model_type")) in SUPPORTED_MODEL_TYPES:
         check_config(config, str(path / "config.json"), for_model=True)
-    model = build_model(config)  # an unsupported architecture is refused here
+    with no_init():
+        model = build_model(config)  # an unsupported architecture is refused here
     model.to(dtype=dtype)
     model.load_weights(iter_weights(path, integer=getattr(model, "integer_weights", ())))
     model.to(device)
