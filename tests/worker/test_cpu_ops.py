@@ -132,6 +132,69 @@ def test_a_mamba2_decode_step_in_c_equals_the_torch_mixer(groups, conv_bias, mon
     assert not cpu_ops.decode_states_take(conv0, ssm0.double())
 
 
+@pytest.mark.parametrize("k_heads,v_heads", [(2, 2), (2, 4), (1, 3)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_gated_deltanet_decode_step_in_c_equals_the_torch_mixer(k_heads, v_heads, threads,
+                                                                  monkeypatch):
+    """One Gated DeltaNet decode step of rows scattered over pages and slots in one C call
+    (conv from its state and silu, q/k L2-normalised, the gated delta rule) against the
+    mixer's torch code: the output and both states of those rows, the other states untouched;
+    q|k|v read strided out of one wider tensor; the bytes the same at 1, 2 and 3 threads (each
+    head one thread's; the step is big enough to split)."""
+    from types import SimpleNamespace
+
+    from hybridkv.models.layers.gated_deltanet import GatedDeltaNet
+
+    torch.manual_seed(k_heads + 10 * v_heads)
+    cfg = {"hidden_size": 32, "linear_num_key_heads": k_heads, "linear_num_value_heads":
+           v_heads, "linear_key_head_dim": 32, "linear_value_head_dim": 48,
+           "linear_conv_kernel_dim": 4}
+    mixer = GatedDeltaNet(cfg, 0)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.normal_()
+    channels = mixer.conv1d.in_channels
+    pages, slots = 3, 4
+    conv0 = torch.randn(pages, slots, channels, 3)
+    ssm0 = torch.randn(pages, slots, v_heads, 32, 48)
+    meta = SimpleNamespace(state_pages=[2, 0, 1], state_slots=[1, 3, 1])
+    rows = [0, 1, 2]
+    mixed = torch.randn(3, channels + 5)[:, 2:channels + 2]  # a strided view
+    beta = torch.sigmoid(torch.randn(3, v_heads))
+    g = -torch.rand(3, v_heads) * 2
+
+    def run(native):
+        mixer.native_ops = native
+        states = (conv0.clone(), ssm0.clone())
+        with torch.no_grad():
+            out = mixer._decode_batch(mixed, beta, g, meta, rows, states)
+        return out, states
+
+    out_ref, (conv_ref, ssm_ref) = run(False)
+    calls = counted(monkeypatch, "gdn_decode")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, (conv, ssm) = run(True)
+        again, _ = run(True)
+    finally:
+        torch.set_num_threads(saved)
+    assert calls, "the C step did not run"
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(conv, conv_ref, rtol=0, atol=0)
+    torch.testing.assert_close(ssm, ssm_ref, rtol=1e-5, atol=1e-5)
+    torch.set_num_threads(1)
+    try:
+        single, _ = run(True)
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(out, again) and torch.equal(out, single)
+    untouched = torch.ones(pages, slots, dtype=torch.bool)
+    untouched[meta.state_pages, meta.state_slots] = False
+    assert torch.equal(conv[untouched], conv0[untouched])
+    assert torch.equal(ssm[untouched], ssm0[untouched])
+
+
 def mamba2_mixer(head_dim, groups, heads=4, size=16, conv_bias=True):
     from hybridkv.models.layers.mamba2 import Mamba2Mixer
 

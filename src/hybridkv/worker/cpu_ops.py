@@ -30,6 +30,8 @@ _SIGNATURES: dict[str, list[Any]] = {
                               _PTR],
     "hkv_mamba2_scan_f32": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _I64,
                             _PTR, _I64, _PTR, _PTR, _PTR, _F32, _PTR, _I64, _PTR, _PTR, _PTR],
+    "hkv_gdn_decode_f32": [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR,
+                           _I64, _I64, _I64, _I64, _PTR, _PTR],
     "hkv_causal_conv_f32": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, ctypes.c_int,
                             _PTR, _I64, _PTR, _PTR, _PTR],
 }
@@ -134,6 +136,31 @@ def mamba2_decode(conv_states: torch.Tensor, ssm_states: torch.Tensor, pages: to
         dt.stride(0), dt_bias.data_ptr(), a.data_ptr(), skip.data_ptr(), heads, head_dim, size,
         groups, y.data_ptr(), work.data_ptr())
     return y
+
+
+def gdn_decode(conv_states: torch.Tensor, ssm_states: torch.Tensor, pages: torch.Tensor,
+               slots: torch.Tensor, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
+               weight: torch.Tensor, k_heads: int) -> torch.Tensor:
+    """One Gated DeltaNet decode step of rows (pages[r], slots[r]) as
+    models/layers/gated_deltanet.py's torch code computes it (the conv from its state and
+    silu, q and k L2-normalised, q by 1/sqrt(k_dim), the gated delta rule), in one C call,
+    both states updated in place (decode_states_take: delta states [pages, slots, Hv, Dk,
+    Dv]): mixed [R, 2 Hk Dk + Hv Dv] rows q|k|v (unit stride), beta and g [R, Hv], weight
+    [C, 1, kernel] (no bias). Returns [R, Hv, Dv] float32."""
+    rows, channels = mixed.shape
+    _, _, v_heads, k_dim, v_dim = ssm_states.shape
+    kernel = weight.shape[-1]
+    weight = weight.reshape(channels, kernel).float().contiguous()
+    beta, g = beta.float().contiguous(), g.float().contiguous()
+    conv_at = (pages * conv_states.stride(0) + slots * conv_states.stride(1)).to(torch.int64)
+    ssm_at = (pages * ssm_states.stride(0) + slots * ssm_states.stride(1)).to(torch.int64)
+    out = torch.empty((rows, v_heads, v_dim), dtype=torch.float32)
+    work = torch.empty(rows * channels)
+    library().hkv_gdn_decode_f32(
+        conv_states.data_ptr(), conv_at.data_ptr(), ssm_states.data_ptr(), ssm_at.data_ptr(),
+        rows, mixed.data_ptr(), mixed.stride(0), weight.data_ptr(), kernel, beta.data_ptr(),
+        g.data_ptr(), k_heads, v_heads, k_dim, v_dim, out.data_ptr(), work.data_ptr())
+    return out
 
 
 def _checkpoints(save_at: dict[int, torch.Tensor], tokens: int, first: int

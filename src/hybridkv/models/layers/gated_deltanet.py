@@ -29,6 +29,7 @@ from hybridkv.models.layers.state import (
     request_states,
     state_places,
 )
+from hybridkv.worker import cpu_ops
 from hybridkv.worker.forward_context import ForwardContext
 from hybridkv.worker.state import StateMetadata
 
@@ -47,7 +48,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.beta_scale = beta_scale
         self.name = f"model.layers.{layer}.mamba"
-        self.native_ops = False  # the causal conv in C (state.causal_conv)
+        self.native_ops = False  # the causal conv and decode steps in C (cpu_ops.py)
         hidden = int(cfg["hidden_size"])
         self.num_k_heads = int(cfg["linear_num_key_heads"])
         self.num_v_heads = int(cfg["linear_num_value_heads"])
@@ -67,6 +68,7 @@ class GatedDeltaNet(nn.Module):
         self.eps = float(cfg.get("rms_norm_eps", 1e-6)) if norm_eps is None else norm_eps
         self.out_proj = nn.Linear(self.value_size, hidden, bias=False)
         self.act = activation(str(cfg.get("hidden_act", "silu")))
+        self.silu = str(cfg.get("hidden_act", "silu")) == "silu"  # the C step's activation
 
     def _split(self, qkvz: torch.Tensor, ba: torch.Tensor
                ) -> tuple[torch.Tensor, ...]:
@@ -125,6 +127,11 @@ class GatedDeltaNet(nn.Module):
         [R, v_heads, v_dim]."""
         conv_states, ssm_states = states
         pages, slots = state_places(meta, rows, mixed.device)
+        if self.native_ops and self.silu and self.conv1d.bias is None and \
+                cpu_ops.takes(mixed) and cpu_ops.decode_states_take(conv_states, ssm_states):
+            # The whole step below in one C call, both states updated in place.
+            return cpu_ops.gdn_decode(conv_states, ssm_states, pages, slots, mixed, beta, g,
+                                      self.conv1d.weight, self.num_k_heads)
         q, k, v = self._qkv(self.act(conv_step(mixed, conv_states, pages, slots,
                                                self.conv1d)))
         s = ssm_states[pages, slots].float() * g.exp()[:, :, None, None]  # [R, vh, kd, vd]

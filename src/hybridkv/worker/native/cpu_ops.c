@@ -321,3 +321,85 @@ void hkv_causal_conv_f32(const float *x, int64_t x_stride, int64_t tokens, int64
     }
 #undef WIN
 }
+
+/* One Gated DeltaNet decode step of `rows` requests, from the projection's q|k|v rows to the
+   recurrence's output (before the gated norm), each request's conv and delta-rule states
+   updated in place:
+       conv[c]  = sum_j w[c, j] win[j, c], then silu; the conv state shifts in (no bias)
+       q, k     = conv's first two key_size blocks per key head, L2-normalised
+                  (x rsqrt(|x|^2 + 1e-6)), q also by 1/sqrt(k_dim); v = the value block
+       S        = S exp(g[r, h]);  delta = (v - S^T k) beta[r, h];  S += k delta^T
+       out[r,h] = S^T q                       (value head h reads key head h / per)
+   Row r's conv state [channels, kernel - 1] sits at conv_states + conv_offsets[r], its delta
+   state [v_heads, k_dim, v_dim] at ssm_states + ssm_offsets[r]; beta and g are [rows,
+   v_heads] contiguous. The torch code (models/layers/gated_deltanet.py) gathers the states,
+   builds three state-sized temporaries and scatters them back, ~15 ops a layer. Here each
+   state is read twice and written once, the heads split over the threads (each head one
+   thread's, so the bytes do not depend on the thread count). work: rows * channels floats. */
+static void gdn_head(float *restrict s, const float *restrict q, const float *restrict k,
+                     const float *restrict v, float decay, float beta, int64_t k_dim,
+                     int64_t v_dim, float *restrict o) {
+    float mem[v_dim];
+    for (int64_t j = 0; j < v_dim; j++) mem[j] = 0.f;
+    for (int64_t i = 0; i < k_dim; i++) {
+        const float *restrict row = s + i * v_dim;
+        const float ki = k[i];
+#pragma omp simd
+        for (int64_t j = 0; j < v_dim; j++) mem[j] += row[j] * ki;
+    }
+    for (int64_t j = 0; j < v_dim; j++) {
+        mem[j] = (v[j] - mem[j] * decay) * beta; /* delta */
+        o[j] = 0.f;
+    }
+    for (int64_t i = 0; i < k_dim; i++) {
+        float *restrict row = s + i * v_dim;
+        const float ki = k[i], qi = q[i];
+#pragma omp simd
+        for (int64_t j = 0; j < v_dim; j++) {
+            const float x = row[j] * decay + ki * mem[j];
+            row[j] = x;
+            o[j] += x * qi;
+        }
+    }
+}
+
+void hkv_gdn_decode_f32(float *conv_states, const int64_t *conv_offsets, float *ssm_states,
+                        const int64_t *ssm_offsets, int64_t rows, const float *mixed,
+                        int64_t mixed_stride, const float *weight, int64_t kernel,
+                        const float *beta, const float *g, int64_t k_heads, int64_t v_heads,
+                        int64_t k_dim, int64_t v_dim, float *out, float *work) {
+    const int64_t keep = kernel - 1, key_size = k_heads * k_dim;
+    const int64_t channels = 2 * key_size + v_heads * v_dim, per = v_heads / k_heads;
+    const float scale = 1.f / sqrtf((float)k_dim);
+    for (int64_t r = 0; r < rows; r++) {
+        float *cs = conv_states + conv_offsets[r];
+        const float *in = mixed + r * mixed_stride;
+        float *x = work + r * channels;
+        for (int64_t c = 0; c < channels; c++) {
+            float *win = cs + c * keep;
+            const float *w = weight + c * kernel;
+            float acc = 0.f;
+            for (int64_t j = 0; j < keep; j++) acc += w[j] * win[j];
+            acc += w[keep] * in[c];
+            for (int64_t j = 0; j + 1 < keep; j++) win[j] = win[j + 1];
+            if (keep > 0) win[keep - 1] = in[c];
+            x[c] = gated_act(acc, 1.f, 1);
+        }
+        for (int64_t h = 0; h < 2 * k_heads; h++) { /* q heads, then k heads */
+            float *head = x + h * k_dim, sq = 0.f;
+            for (int64_t i = 0; i < k_dim; i++) sq += head[i] * head[i];
+            const float norm = 1.f / sqrtf(sq + 1e-6f) * (h < k_heads ? scale : 1.f);
+            for (int64_t i = 0; i < k_dim; i++) head[i] *= norm;
+        }
+    }
+    const int64_t size = k_dim * v_dim, work_items = rows * v_heads;
+#pragma omp parallel for schedule(static) if (work_items * size >= 8192)
+    for (int64_t item = 0; item < work_items; item++) {
+        const int64_t r = item / v_heads, h = item % v_heads, kh = h / per;
+        const float *x = work + r * channels;
+        gdn_head(ssm_states + ssm_offsets[r] + h * size, x + kh * k_dim,
+                 x + key_size + kh * k_dim, x + 2 * key_size + h * v_dim,
+                 expf(g[r * v_heads + h]), beta[r * v_heads + h], k_dim, v_dim,
+                 out + (r * v_heads + h) * v_dim);
+    }
+}
