@@ -96,7 +96,7 @@ def test_gemma3n_with_kv_projections_in_its_kv_reading_layers(gemma_files, tmp_p
     outs = [LLM(str(path), max_model_len=64, kv_cache_memory="4MiB").generate(prompts, greedy)
             for path in (gemma_files["gemma3n"], full)]
     assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
-    # A KV projection in a layer that writes its own KV is still the model's.
+    # A tensor the model has no place for is still refused.
     bad = _copy(gemma_files["gemma3n"], tmp_path / "extra.gguf",
                 add={"blk.2.attn_zz.weight": "blk.2.attn_k.weight"})
     assert "attn_zz" in _refused(bad)

@@ -163,31 +163,27 @@ def test_a_gated_deltanet_decode_step_in_c_equals_the_torch_mixer(k_heads, v_hea
     beta = torch.sigmoid(torch.randn(3, v_heads))
     g = -torch.rand(3, v_heads) * 2
 
-    def run(native):
+    def run(native, at_threads=None):
         mixer.native_ops = native
         states = (conv0.clone(), ssm0.clone())
-        with torch.no_grad():
-            out = mixer._decode_batch(mixed, beta, g, meta, rows, states)
+        saved = torch.get_num_threads()
+        torch.set_num_threads(at_threads or saved)
+        try:
+            with torch.no_grad():
+                out = mixer._decode_batch(mixed, beta, g, meta, rows, states)
+        finally:
+            torch.set_num_threads(saved)
         return out, states
 
     out_ref, (conv_ref, ssm_ref) = run(False)
     calls = counted(monkeypatch, "gdn_decode")
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out, (conv, ssm) = run(True)
-        again, _ = run(True)
-    finally:
-        torch.set_num_threads(saved)
+    out, (conv, ssm) = run(True, threads)
+    again, _ = run(True, threads)
+    single, _ = run(True, 1)
     assert calls, "the C step did not run"
     torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(conv, conv_ref, rtol=0, atol=0)
     torch.testing.assert_close(ssm, ssm_ref, rtol=1e-5, atol=1e-5)
-    torch.set_num_threads(1)
-    try:
-        single, _ = run(True)
-    finally:
-        torch.set_num_threads(saved)
     assert torch.equal(out, again) and torch.equal(out, single)
     untouched = torch.ones(pages, slots, dtype=torch.bool)
     untouched[meta.state_pages, meta.state_slots] = False

@@ -108,18 +108,6 @@ class _Fixups:
     # (regex on the parameter's name, file tensor name as a template of its groups) for
     # tensors llama.cpp's table has no entry for (it writes them by hand).
     names: tuple[tuple[str, str], ...] = ()
-    # (file tensor name, config) -> whether the tensor is one the model never reads, left in
-    # the file (as llama.cpp leaves it, "unused tensor").
-    unused: Callable[[str, dict[str, Any]], bool] = lambda name, cfg: False
-
-
-def _shared_kv_projection(name: str, config: dict[str, Any]) -> bool:
-    """K/V projections of a layer that reads another layer's KV: released Gemma 3n
-    checkpoints carry them in every layer, and the converter writes them."""
-    shared = int(config.get("num_kv_shared_layers") or 0)
-    layer = _layer(name)
-    return shared > 0 and layer >= int(config["num_hidden_layers"]) - shared and \
-        name.endswith((".attn_k.weight", ".attn_v.weight", ".attn_k_norm.weight"))
 
 
 def _tiled_to_grouped(num_k_heads: int, num_v_heads: int, head_dim: int) -> np.ndarray:
@@ -227,8 +215,7 @@ _FIXUPS: dict[str, _Fixups] = {
         (r"^model\.altup_projections\.\d+\.weight$", "model.altup_projections.weight"),
         (r"^model\.altup_unembed_projections\.\d+\.weight$",
          "model.altup_unembed_projections.weight"),
-        (r"\.altup\.correct_output_scale$", ".altup.correct_output_scale.weight")),
-        unused=_shared_kv_projection),
+        (r"\.altup\.correct_output_scale$", ".altup.correct_output_scale.weight"))),
     # Gemma 4: the layer scalar and the stacked experts written as weights; the router's
     # input scale and per-expert output scale as `.scale` tensors beside the router and the
     # experts' down projection.
@@ -414,6 +401,15 @@ def _module(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return model.get_submodule(parent), attr
 
 
+def _reads_other_kv(model: CausalLM, name: str) -> bool:
+    """K/V tensors of a layer that reads another layer's KV (released Gemma 3n checkpoints
+    carry them, and the converter writes them): left in the file unread, as llama.cpp leaves
+    them; the file-name twin of the checkpoint names in CausalLM.unused_weights."""
+    return _layer(name) in getattr(getattr(model, "cfg", None), "kv_targets", ()) and \
+        name.endswith((".attn_k.weight", ".attn_v.weight", ".attn_k_norm.weight",
+                       ".attn_v_norm.weight"))
+
+
 def _layer(name: str) -> int:
     """The layer of a `blk.N.*` tensor name; -1 for the others."""
     head, _, rest = name.partition(".")
@@ -453,7 +449,7 @@ def load_gguf_weights(model: CausalLM, header: GGUFHeader, config: dict[str, Any
                 mtp.append(info)  # the nextn block after the model's layers
                 continue
             elif info.name not in names:
-                if fixups.unused(info.name, config):
+                if _reads_other_kv(model, info.name):
                     continue
                 raise ValueError(f"{header.path}: tensor {info.name!r} has no place in "
                                  f"{config['model_type']}")

@@ -68,7 +68,6 @@ class GatedDeltaNet(nn.Module):
         self.eps = float(cfg.get("rms_norm_eps", 1e-6)) if norm_eps is None else norm_eps
         self.out_proj = nn.Linear(self.value_size, hidden, bias=False)
         self.act = activation(str(cfg.get("hidden_act", "silu")))
-        self.silu = str(cfg.get("hidden_act", "silu")) == "silu"  # the C step's activation
 
     def _split(self, qkvz: torch.Tensor, ba: torch.Tensor
                ) -> tuple[torch.Tensor, ...]:
@@ -127,7 +126,7 @@ class GatedDeltaNet(nn.Module):
         [R, v_heads, v_dim]."""
         conv_states, ssm_states = states
         pages, slots = state_places(meta, rows, mixed.device)
-        if self.native_ops and self.silu and self.conv1d.bias is None and \
+        if self.native_ops and self.act is nn.functional.silu and self.conv1d.bias is None and \
                 cpu_ops.takes(mixed) and cpu_ops.decode_states_take(conv_states, ssm_states):
             # The whole step below in one C call, both states updated in place.
             return cpu_ops.gdn_decode(conv_states, ssm_states, pages, slots, mixed, beta, g,

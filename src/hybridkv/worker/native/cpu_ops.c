@@ -87,6 +87,26 @@ void hkv_write_kv_f32(const float *k, int64_t k_stride0, int64_t k_stride1, cons
 /* softplus as torch computes it: the input itself past 20. */
 static inline float softplus(float v) { return v > 20.f ? v : log1pf(expf(v)); }
 
+/* One token of a depthwise causal conv from its state, then silu: out[c] = silu(bias[c] +
+   sum_j w[c, j] win[j, c]) (win: the state's kernel - 1 inputs, then in[c]; bias may be
+   NULL), the token shifted into the state [channels, kernel - 1]. The decode steps' conv. */
+static void conv_token_silu(float *cs, const float *in, const float *weight, const float *bias,
+                            int64_t kernel, int64_t channels, float *out) {
+    const int64_t keep = kernel - 1;
+    for (int64_t c = 0; c < channels; c++) {
+        float *win = cs + c * keep;
+        const float *w = weight + c * kernel;
+        float acc = bias != NULL ? bias[c] : 0.f;
+        for (int64_t j = 0; j < keep; j++) acc += w[j] * win[j];
+        acc += w[keep] * in[c];
+        for (int64_t j = 0; j + 1 < keep; j++) win[j] = win[j + 1];
+        if (keep > 0) win[keep - 1] = in[c];
+        out[c] = acc;
+    }
+#pragma omp simd
+    for (int64_t c = 0; c < channels; c++) out[c] = gated_act(out[c], 1.f, 1);
+}
+
 /* One Mamba-2 decode step of `rows` requests, from the in-projection's rows to y, each
    request's conv and SSM states updated in place:
        conv[c]        = bias[c] + sum_j w[c, j] win[j, c]   (win: the state's kernel - 1
@@ -107,22 +127,10 @@ void hkv_mamba2_decode_f32(float *conv_states, const int64_t *conv_offsets, floa
                            int64_t dt_stride, const float *dt_bias, const float *a,
                            const float *skip, int64_t heads, int64_t head_dim,
                            int64_t state_size, int64_t groups, float *y, float *work) {
-    const int64_t keep = kernel - 1, per = heads / groups, inner = heads * head_dim;
+    const int64_t per = heads / groups, inner = heads * head_dim;
     for (int64_t r = 0; r < rows; r++) {
-        float *cs = conv_states + conv_offsets[r];
-        const float *in = xbc + r * xbc_stride;
-        for (int64_t c = 0; c < channels; c++) {
-            float *win = cs + c * keep;
-            const float *w = weight + c * kernel;
-            float acc = bias != NULL ? bias[c] : 0.f;
-            for (int64_t j = 0; j < keep; j++) acc += w[j] * win[j];
-            acc += w[keep] * in[c];
-            for (int64_t j = 0; j + 1 < keep; j++) win[j] = win[j + 1];
-            if (keep > 0) win[keep - 1] = in[c];
-            work[c] = acc;
-        }
-#pragma omp simd
-        for (int64_t c = 0; c < channels; c++) work[c] = gated_act(work[c], 1.f, 1);
+        conv_token_silu(conv_states + conv_offsets[r], xbc + r * xbc_stride, weight, bias,
+                        kernel, channels, work);
         const float *x = work, *b = work + inner, *cc = work + inner + groups * state_size;
         float *st = ssm_states + ssm_offsets[r];
         for (int64_t h = 0; h < heads; h++) {
@@ -368,23 +376,13 @@ void hkv_gdn_decode_f32(float *conv_states, const int64_t *conv_offsets, float *
                         int64_t mixed_stride, const float *weight, int64_t kernel,
                         const float *beta, const float *g, int64_t k_heads, int64_t v_heads,
                         int64_t k_dim, int64_t v_dim, float *out, float *work) {
-    const int64_t keep = kernel - 1, key_size = k_heads * k_dim;
+    const int64_t key_size = k_heads * k_dim;
     const int64_t channels = 2 * key_size + v_heads * v_dim, per = v_heads / k_heads;
     const float scale = 1.f / sqrtf((float)k_dim);
     for (int64_t r = 0; r < rows; r++) {
-        float *cs = conv_states + conv_offsets[r];
-        const float *in = mixed + r * mixed_stride;
         float *x = work + r * channels;
-        for (int64_t c = 0; c < channels; c++) {
-            float *win = cs + c * keep;
-            const float *w = weight + c * kernel;
-            float acc = 0.f;
-            for (int64_t j = 0; j < keep; j++) acc += w[j] * win[j];
-            acc += w[keep] * in[c];
-            for (int64_t j = 0; j + 1 < keep; j++) win[j] = win[j + 1];
-            if (keep > 0) win[keep - 1] = in[c];
-            x[c] = gated_act(acc, 1.f, 1);
-        }
+        conv_token_silu(conv_states + conv_offsets[r], mixed + r * mixed_stride, weight, NULL,
+                        kernel, channels, x);
         for (int64_t h = 0; h < 2 * k_heads; h++) { /* q heads, then k heads */
             float *head = x + h * k_dim, sq = 0.f;
             for (int64_t i = 0; i < k_dim; i++) sq += head[i] * head[i];
