@@ -191,6 +191,89 @@ def test_a_gated_deltanet_decode_step_in_c_equals_the_torch_mixer(k_heads, v_hea
     assert torch.equal(ssm[untouched], ssm0[untouched])
 
 
+@pytest.mark.parametrize("beta_scale", [1.0, 2.0])
+def test_gated_deltanet_gates_and_output_norm_in_c_equal_torchs(beta_scale, monkeypatch):
+    """The gates beta = sigmoid(b) * scale, g = -exp(A_log) softplus(a + dt_bias) (inputs
+    past softplus's threshold of 20 included) and the gated per-head norm in one C call
+    each against the mixer's torch formulas, on z read out of a wider projection."""
+    from hybridkv.models.layers.gated_deltanet import GatedDeltaNet
+
+    torch.manual_seed(3)
+    cfg = {"hidden_size": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+           "linear_key_head_dim": 16, "linear_value_head_dim": 24}
+    mixer = GatedDeltaNet(cfg, 0, beta_scale=beta_scale)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.normal_()
+    b, a = torch.randn(7, 4) * 4, torch.randn(7, 4) * 12  # some a + dt_bias past 20
+    out = torch.randn(7, 4, 24)
+    z = torch.randn(7, 4 * 24 + 8)[:, 8:].unflatten(-1, (4, 24))  # rows strided
+
+    def run(native):
+        mixer.native_ops = native
+        with torch.no_grad():
+            return (*mixer._gates(b, a), mixer._output(out, z, torch.float32))
+
+    ref = run(False)
+    gates, norms = counted(monkeypatch, "gdn_gates"), counted(monkeypatch, "gated_head_norm")
+    ours = run(True)
+    assert gates and norms, "the C calls did not run"
+    for got, want in zip(ours, ref, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_attention_output_gate_in_c_equals_torchs():
+    """out * sigmoid(gate) with the gate read per head out of q_proj's output (each head's q,
+    then its gate), large and small gates included, in place."""
+    torch.manual_seed(4)
+    q_out = torch.randn(5, 3, 2 * 16) * 8
+    gate = q_out.chunk(2, -1)[1]
+    out = torch.randn(5, 3 * 16)
+    want = out * torch.sigmoid(gate.flatten(1))
+    got = cpu_ops.sigmoid_gate(out.clone(), gate)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_short_conv_decode_step_in_c_equals_the_torch_mixer(bias, monkeypatch):
+    """LFM2's short conv over a batch of two single-token steps scattered over pages and
+    slots and a 3-token prompt of a fresh request: the C step for the first two (C *
+    conv(B * x), the conv from its state) against the mixer's torch code, the outputs and
+    the states; other states untouched."""
+    from types import SimpleNamespace
+
+    from hybridkv.models.layers.short_conv import ShortConv
+    from hybridkv.worker.state import StateMetadata
+
+    torch.manual_seed(5)
+    mixer = ShortConv(16, 3, 0, bias=bias)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.normal_()
+    states0 = torch.randn(3, 4, 16, 2)
+    meta = StateMetadata(query_start_loc=[0, 1, 2, 5], state_pages=[2, 0, 1],
+                         state_slots=[1, 3, 2], has_initial_state=[True, True, False],
+                         init_from=[None, None, None], checkpoints=[[], [], []])
+    h = torch.randn(5, 16)
+
+    def run(native):
+        mixer.native_ops = native
+        states = states0.clone()
+        ctx = SimpleNamespace(state=lambda name: (meta, (states,)))
+        with torch.no_grad():
+            return mixer(h, torch.arange(5), ctx), states
+
+    out_ref, states_ref = run(False)
+    calls = counted(monkeypatch, "short_conv_decode")
+    out, states = run(True)
+    assert calls, "the C step did not run"
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(states, states_ref, rtol=0, atol=0)
+    untouched = torch.ones(3, 4, dtype=torch.bool)
+    untouched[meta.state_pages, meta.state_slots] = False
+    assert torch.equal(states[untouched], states0[untouched])
+
+
 def mamba2_mixer(head_dim, groups, heads=4, size=16, conv_bias=True):
     from hybridkv.models.layers.mamba2 import Mamba2Mixer
 

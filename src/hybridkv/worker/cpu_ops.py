@@ -32,6 +32,10 @@ _SIGNATURES: dict[str, list[Any]] = {
                             _PTR, _I64, _PTR, _PTR, _PTR, _F32, _PTR, _I64, _PTR, _PTR, _PTR],
     "hkv_gdn_decode_f32": [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR,
                            _I64, _I64, _I64, _I64, _PTR, _PTR],
+    "hkv_gdn_gates_f32": [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _F32, _PTR, _PTR],
+    "hkv_gated_head_norm_f32": [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _F32, _PTR],
+    "hkv_sigmoid_gate_f32": [_PTR, _PTR, _I64, _I64, _I64, _I64, _I64],
+    "hkv_short_conv_decode_f32": [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR],
     "hkv_causal_conv_f32": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, ctypes.c_int,
                             _PTR, _I64, _PTR, _PTR, _PTR],
 }
@@ -161,6 +165,75 @@ def gdn_decode(conv_states: torch.Tensor, ssm_states: torch.Tensor, pages: torch
         rows, mixed.data_ptr(), mixed.stride(0), weight.data_ptr(), kernel, beta.data_ptr(),
         g.data_ptr(), k_heads, v_heads, k_dim, v_dim, out.data_ptr(), work.data_ptr())
     return out
+
+
+def gdn_gates(b: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, a_neg: torch.Tensor,
+              beta_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's (beta, g), each [T, heads] float32, from b and a [T, heads] rows
+    (unit stride): beta = sigmoid(b) * beta_scale, g = a_neg * softplus(a + dt_bias), a_neg
+    = -exp(A_log) (float32, contiguous)."""
+    rows, heads = b.shape
+    beta = torch.empty((rows, heads), dtype=torch.float32)
+    g = torch.empty((rows, heads), dtype=torch.float32)
+    library().hkv_gdn_gates_f32(b.data_ptr(), b.stride(0), a.data_ptr(), a.stride(0), rows,
+                                heads, dt_bias.data_ptr(), a_neg.data_ptr(), beta_scale,
+                                beta.data_ptr(), g.data_ptr())
+    return beta, g
+
+
+def gated_head_norm(out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> torch.Tensor:
+    """Gated DeltaNet's output norm, weight * (out / rms(out)) * silu(z) per value head:
+    out [T, heads, dim] contiguous, z [T, heads, dim] with unit strides inside a row,
+    weight [dim] float32 contiguous. Returns [T, heads * dim] float32."""
+    rows, heads, dim = out.shape
+    y = torch.empty((rows, heads * dim), dtype=torch.float32)
+    library().hkv_gated_head_norm_f32(out.data_ptr(), z.data_ptr(), z.stride(0), rows, heads,
+                                      dim, weight.data_ptr(), eps, y.data_ptr())
+    return y
+
+
+def gated_head_norm_takes(out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether gated_head_norm takes these tensors."""
+    return all(takes(t) for t in (out, z, weight)) and out.dim() == z.dim() == 3 and \
+        out.is_contiguous() and weight.is_contiguous() and \
+        z.stride(1) == z.shape[2] and out.shape == z.shape
+
+
+def sigmoid_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """out [T, H D] (contiguous) times sigmoid(gate [T, H, D], unit stride along D), in
+    place; returns out."""
+    rows, heads, dim = gate.shape
+    library().hkv_sigmoid_gate_f32(out.data_ptr(), gate.data_ptr(), gate.stride(0),
+                                   gate.stride(1), rows, heads, dim)
+    return out
+
+
+def conv_states_take(conv_states: torch.Tensor) -> bool:
+    """Whether short_conv_decode takes these states: float32 on the CPU, [pages, slots, C,
+    kernel - 1] with each (page, slot) state contiguous."""
+    return conv_states.dtype == torch.float32 and conv_states.device.type == "cpu" and \
+        conv_states.dim() == 4 and conv_states.stride()[2:] == (conv_states.shape[3], 1)
+
+
+def short_conv_decode(conv_states: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor,
+                      bcx: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """One LFM2 short-conv decode step of rows (pages[r], slots[r]) as
+    models/layers/short_conv.py computes it (C * conv(B * x), the conv from its state), in
+    one C call, the states updated in place (conv_states_take): bcx [R, 3 C] rows B | C | x
+    (unit stride), weight [C, 1, kernel]. Returns [R, C] float32."""
+    rows = bcx.shape[0]
+    channels, kernel = weight.shape[0], weight.shape[-1]
+    weight = weight.reshape(channels, kernel).float().contiguous()
+    bias = None if bias is None else bias.float().contiguous()
+    conv_at = (pages * conv_states.stride(0) + slots * conv_states.stride(1)).to(torch.int64)
+    y = torch.empty((rows, channels), dtype=torch.float32)
+    library().hkv_short_conv_decode_f32(
+        conv_states.data_ptr(), conv_at.data_ptr(), rows, bcx.data_ptr(), bcx.stride(0),
+        weight.data_ptr(), None if bias is None else bias.data_ptr(), kernel, channels,
+        y.data_ptr())
+    return y
 
 
 def _checkpoints(save_at: dict[int, torch.Tensor], tokens: int, first: int

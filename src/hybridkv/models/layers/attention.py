@@ -29,6 +29,7 @@ from torch import nn
 from hybridkv.models.layers.norms import RMSNorm, rms_normalize
 from hybridkv.models.layers.rotary import Rotary
 from hybridkv.models.text_config import TextConfig
+from hybridkv.worker import cpu_ops
 from hybridkv.worker.attention.backend import AttentionParams
 from hybridkv.worker.forward_context import ForwardContext
 from hybridkv.worker.linear.layers import Linear
@@ -87,6 +88,7 @@ class Attention(nn.Module):
             s.qk_norm and not reads_shared_kv) else None
         self.sinks = nn.Parameter(torch.zeros(s.num_heads)) if s.sinks else None
         self.has_k, self.has_v = self.k_proj is not None, self.v_proj is not None
+        self.native_ops = False  # the output gate in C (worker/cpu_ops.py)
         self.qkv: Linear | None = None  # set by fuse_linears
         # K-only pages: the layer whose norms and RoPE turn the raw keys into K and V (this
         # one, or for a KV-sharing layer its target's: see `read_keys_of`).
@@ -198,7 +200,12 @@ class Attention(nn.Module):
         """The attention's output [T, Hq, D] -> [T, hidden]."""
         out = out.flatten(1)
         if gate is not None:
-            out = out * torch.sigmoid(gate.flatten(1))
+            if self.native_ops and out.is_contiguous() and cpu_ops.takes(out) and \
+                    cpu_ops.takes(gate) and gate.dim() == 3:
+                # The C call models/native_decode.py makes (the same bytes there).
+                out = cpu_ops.sigmoid_gate(out, gate)
+            else:
+                out = out * torch.sigmoid(gate.flatten(1))
         return self.o_proj(out)  # type: ignore[no-any-return]
 
     @property

@@ -87,10 +87,7 @@ class GatedDeltaNet(nn.Module):
         meta, states = ctx.state(self.name)
         q, k, v, z, b, a = self._split(self.in_proj_qkvz(h), self.in_proj_ba(h))
         mixed = torch.cat([q, k, v], dim=-1)
-        beta = torch.sigmoid(b.float())
-        if self.beta_scale != 1.0:
-            beta = beta * self.beta_scale
-        g = -self.A_log.float().exp() * nn.functional.softplus(a.float() + self.dt_bias)
+        beta, g = self._gates(b, a)
         out = torch.empty(h.shape[0], self.num_v_heads, self.v_dim, device=h.device)
         batched = meta.plain_steps  # single-token steps: all at once
         if batched:
@@ -103,10 +100,27 @@ class GatedDeltaNet(nn.Module):
                                            conv_state, state, saves)
         return self._output(out, z, h.dtype)
 
+    def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(beta, g) [T, v_heads] float32 from the b and a projections [T, v_heads]."""
+        a_neg = -self.A_log.float().exp()
+        if self.native_ops and b.dim() == a.dim() == 2 and all(
+                cpu_ops.takes(t) for t in (b, a, self.dt_bias)) and self.dt_bias.is_contiguous():
+            # One C call, the one models/native_decode.py makes (the same bytes there).
+            return cpu_ops.gdn_gates(b, a, self.dt_bias, a_neg, self.beta_scale)
+        beta = torch.sigmoid(b.float())
+        if self.beta_scale != 1.0:
+            beta = beta * self.beta_scale
+        return beta, a_neg * nn.functional.softplus(a.float() + self.dt_bias)
+
     def _output(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The recurrence's out [T, v_heads, v_dim] through the gated norm and out_proj."""
+        weight = self.norm.weight
+        if self.native_ops and dtype == torch.float32 and \
+                cpu_ops.gated_head_norm_takes(out, z, weight):
+            return self.out_proj(  # type: ignore[no-any-return]
+                cpu_ops.gated_head_norm(out, z, weight, self.eps))
         return self.out_proj(  # type: ignore[no-any-return]
-            gated_head_norm(out, z, self.norm.weight, self.eps, dtype))
+            gated_head_norm(out, z, weight, self.eps, dtype))
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [L, conv_dim] after the conv -> q, k [L, v_heads, k_dim] (L2-normalised, q also

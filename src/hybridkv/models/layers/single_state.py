@@ -3,22 +3,23 @@ a linear-attention matrix): the one-tensor counterpart of `state.request_states`
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 
 from hybridkv.worker.state import StateMetadata
 
 
-def request_single_states(meta: StateMetadata, states: torch.Tensor
+def request_single_states(meta: StateMetadata, states: torch.Tensor,
+                          skip: Collection[int] = ()
                           ) -> Iterator[tuple[int, int, torch.Tensor,
                                               list[tuple[int, torch.Tensor]]]]:
-    """Per request with tokens this step: (start, end, its live state made ready,
-    checkpoints to fill as (offset, state)). The live state is restored from a prefix-hit
-    checkpoint, zeroed for a fresh start, or left to continue."""
+    """Per request with tokens this step, but those in `skip`: (start, end, its live state
+    made ready, checkpoints to fill as (offset, state)). The live state is restored from a
+    prefix-hit checkpoint, zeroed for a fresh start, or left to continue."""
     for r in range(len(meta.state_pages)):
         start, end = meta.query_start_loc[r], meta.query_start_loc[r + 1]
-        if start == end:
+        if start == end or r in skip:
             continue
         state = states[meta.state_pages[r], meta.state_slots[r]]
         source = meta.init_from[r]

@@ -401,3 +401,76 @@ void hkv_gdn_decode_f32(float *conv_states, const int64_t *conv_offsets, float *
                  out + (r * v_heads + h) * v_dim);
     }
 }
+
+/* sigmoid(x) from exp(-|x|), as gated_act's SiLU takes it (no overflow at either end). */
+static inline float sigmoid(float x) {
+    const float e = exp_nonpositive(-fabsf(x));
+    return (x >= 0.f ? 1.f : e) / (1.f + e);
+}
+
+/* A Gated DeltaNet step's gates from its b and a projections, rows [rows, heads] (strides
+   ldb, lda): beta = sigmoid(b) * beta_scale, g = a_neg * softplus(a + dt_bias) (a_neg:
+   -exp(A_log), computed once). Both out [rows, heads] contiguous. */
+void hkv_gdn_gates_f32(const float *b, int64_t ldb, const float *a, int64_t lda, int64_t rows,
+                       int64_t heads, const float *dt_bias, const float *a_neg,
+                       float beta_scale, float *beta, float *g) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            beta[r * heads + h] = sigmoid(b[r * ldb + h]) * beta_scale;
+            g[r * heads + h] = a_neg[h] * softplus(a[r * lda + h] + dt_bias[h]);
+        }
+}
+
+/* Gated DeltaNet's output norm per value head: y = w * (o / rms(o)) * silu(z), o [rows,
+   heads, dim] contiguous, z rows of ldz floats (heads * dim used), y [rows, heads * dim]. */
+void hkv_gated_head_norm_f32(const float *o, const float *z, int64_t ldz, int64_t rows,
+                             int64_t heads, int64_t dim, const float *w, float eps, float *y) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            const float *row = o + (r * heads + h) * dim, *zr = z + r * ldz + h * dim;
+            float *dst = y + (r * heads + h) * dim;
+            float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t d = 0; d < dim; d++) ss += row[d] * row[d];
+            const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+            for (int64_t d = 0; d < dim; d++)
+                dst[d] = gated_act(zr[d], w[d] * (row[d] * inv), 1);
+        }
+}
+
+/* Attention's output gate (Qwen3-Next, Qwen3.5): out[r, h, :] *= sigmoid(gate[r, h, :]),
+   out [rows, heads * dim] contiguous, gate heads `gs1` and rows `gs0` floats apart. */
+void hkv_sigmoid_gate_f32(float *out, const float *gate, int64_t gs0, int64_t gs1,
+                          int64_t rows, int64_t heads, int64_t dim) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            float *o = out + (r * heads + h) * dim;
+            const float *gt = gate + r * gs0 + h * gs1;
+            for (int64_t d = 0; d < dim; d++) o[d] *= sigmoid(gt[d]);
+        }
+}
+
+/* One LFM2 short-conv decode step of `rows` requests from the in-projection's rows
+   bcx [rows, 3 * channels] (B | C | x, row stride ld): y[r, c] = C[c] * (bias[c] +
+   sum_j w[c, j] win[j, c]) over the window of the state's kernel - 1 inputs then B[c] x[c],
+   the state [channels, kernel - 1] at conv_states + conv_offsets[r] shifted in place. */
+void hkv_short_conv_decode_f32(float *conv_states, const int64_t *conv_offsets, int64_t rows,
+                               const float *bcx, int64_t ld, const float *weight,
+                               const float *bias, int64_t kernel, int64_t channels, float *y) {
+    const int64_t keep = kernel - 1;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *b = bcx + r * ld, *cc = b + channels, *x = b + 2 * channels;
+        float *cs = conv_states + conv_offsets[r], *yr = y + r * channels;
+        for (int64_t c = 0; c < channels; c++) {
+            float *win = cs + c * keep;
+            const float *w = weight + c * kernel, in = b[c] * x[c];
+            float acc = bias != NULL ? bias[c] : 0.f;
+            for (int64_t j = 0; j < keep; j++) acc += w[j] * win[j];
+            acc += w[keep] * in;
+            for (int64_t j = 0; j + 1 < keep; j++) win[j] = win[j + 1];
+            if (keep > 0) win[keep - 1] = in;
+            yr[c] = cc[c] * acc;
+        }
+    }
+}
