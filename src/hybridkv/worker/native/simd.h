@@ -77,8 +77,18 @@ static inline float gated_act(float x, float u, int mode) {
    quantized weights runs (quant_gemm.c, decode_layers.c), so a row's activation is the same
    bits on every path. */
 static inline void gated_row(const float *g, const float *u, int64_t n, int mode, float *out) {
+    /* One loop per mode: with the mode a constant inside, each vectorizes (a branch on it
+       per value kept the loop scalar, ~6x torch's silu(g) * u). */
+    if (mode == 1) {
 #pragma omp simd
-    for (int64_t j = 0; j < n; j++) out[j] = gated_act(g[j], u[j], mode);
+        for (int64_t j = 0; j < n; j++) out[j] = gated_act(g[j], u[j], 1);
+    } else if (mode == 2) {
+#pragma omp simd
+        for (int64_t j = 0; j < n; j++) out[j] = gated_act(g[j], u[j], 2);
+    } else {
+#pragma omp simd
+        for (int64_t j = 0; j < n; j++) out[j] = gated_act(g[j], u[j], mode);
+    }
 }
 
 /* 16 floats as one SIMD value; unaligned loads and stores through memcpy. */
