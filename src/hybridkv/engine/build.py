@@ -62,13 +62,16 @@ class EngineParts:
     runner: Runner
     plan: KVCachePlan
     max_model_len: int
-    vocab_size: int
+    vocab_size: int  # the token ids a step can sample: the logits' width
     tokenizer: Any | None = None  # tokenizers.Tokenizer
     eos_token_ids: tuple[int, ...] = ()
     # What a chat endpoint needs when the model is one file (GGUF): its template and the
     # special tokens templates print. A directory's are read from its files by the server.
     chat_template: str | None = None
     special_tokens: dict[str, str] | None = None
+    # The token ids a prompt may hold (the embedding's rows), where more than vocab_size: a
+    # head cut short of a padded embedding (Inkling 2's unpadded_vocab_size).
+    input_vocab_size: int | None = None
 
 
 def resolve_device(name: str) -> str:
@@ -345,8 +348,11 @@ def build_engine(model_dir: str, config: EngineConfig) -> EngineParts:
         runner.connector = OffloadConnectorWorker(
             canonical_kv_caches(plan.config, runner.arena), connector.chain,
             connector.completions)
+    vocab = int(text_cfg["vocab_size"])
     return EngineParts(scheduler=scheduler, runner=runner, plan=plan,
-                       max_model_len=max_model_len, vocab_size=int(text_cfg["vocab_size"]),
+                       max_model_len=max_model_len,
+                       vocab_size=int(getattr(loaded.model, "logits_size", vocab)),
+                       input_vocab_size=vocab,
                        tokenizer=loaded.tokenizer, eos_token_ids=loaded.eos_token_ids,
                        chat_template=loaded.chat_template,
                        special_tokens=loaded.special_tokens)

@@ -82,6 +82,7 @@ class LLMEngine:
         self.tokenizer = parts.tokenizer
         self.eos_token_ids = parts.eos_token_ids
         self.vocab_size = parts.vocab_size
+        self.input_vocab_size = parts.input_vocab_size or parts.vocab_size
         self.max_model_len = parts.max_model_len
         self._params: dict[str, SamplingParams] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -146,10 +147,10 @@ class LLMEngine:
             raise ValueError(f"request {request_id}: the prompt has {len(token_ids)} tokens, "
                              f"max_model_len is {self.max_model_len} (prompt + at least one "
                              f"generated token must fit)")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        bad = [t for t in token_ids if not 0 <= t < self.input_vocab_size]
         if bad:
             raise ValueError(f"request {request_id}: token id {bad[0]} is outside the "
-                             f"vocabulary [0, {self.vocab_size})")
+                             f"vocabulary [0, {self.input_vocab_size})")
         bad = [t for t in params.logit_bias if t >= self.vocab_size]
         if bad:
             raise ValueError(f"request {request_id}: logit_bias names token {bad[0]}, outside "

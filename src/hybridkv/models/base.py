@@ -182,6 +182,11 @@ class CausalLM(nn.Module):
     # The layers as one C call for decode steps (models/native_decode.py), where they fit.
     native_decode: Any = None
 
+    @property
+    def logits_size(self) -> int:
+        """The width of compute_logits' rows: the token ids a step can sample."""
+        return self.cfg.vocab_size
+
     def fuse_linears(self, kernel: str) -> None:
         """The LM head on `kernel` (see worker/linear/layers.py); a tied head only on the CPU
         kernels ("cpu", "onednn"), as a copy, up to TIED_HEAD_COPY_BYTES. On those kernels a

@@ -335,6 +335,10 @@ class Inkling2ForCausalLM(CausalLM):
         self.vocab = int(raw.get("unpadded_vocab_size") or cfg.vocab_size)
         self.lm_head = nn.Linear(cfg.hidden_size, self.vocab, bias=False)
 
+    @property
+    def logits_size(self) -> int:
+        return self.vocab  # the head's rows: ids past unpadded_vocab_size are never sampled
+
     def enter_layers(self, h: torch.Tensor) -> torch.Tensor:
         return h[:, None]  # no block summaries yet
 
