@@ -178,6 +178,7 @@ class CausalLM(nn.Module):
     # kernels (worker/head/bound.py): an 8-bit copy of the head (a quarter of a float
     # head's bytes, plus an eighth for its bounds' norms).
     HEAD_BOUND_WEIGHTS = 1 << 24
+    OWN_PRODUCT_HEADS = frozenset({12, 14})  # GGML Q4_K, Q6_K: see _build_head_bound
     head_bound: HeadBound | None = None
     # The layers as one C call for decode steps (models/native_decode.py), where they fit.
     native_decode: Any = None
@@ -213,10 +214,13 @@ class CausalLM(nn.Module):
             w = head.qweight
             if head.bias is not None or w.rows * w.cols < self.HEAD_BOUND_WEIGHTS:
                 return None
-            if not quant_linear.FLOAT_ACTIVATIONS and quant_linear.int8_capable(w.qtype):
-                # With 8-bit activations the head's own product is integer dot products on
-                # fewer bytes than the copy: as fast at batch 1 (Qwen3.5-0.8B's 248k x 1024
-                # Q6_K head, 17.7 vs 17.6 tok/s; at 32 rows 2-3% slower), 274 MiB less RSS.
+            if not quant_linear.FLOAT_ACTIVATIONS and w.qtype in self.OWN_PRODUCT_HEADS and \
+                    quant_linear.int8_capable(w.qtype):
+                # With 8-bit activations a Q4_K / Q6_K head's own product is integer dot
+                # products on fewer bytes than the copy's: as fast at batch 1 (Qwen3.5-0.8B's
+                # 248k x 1024 Q6_K head, 17.7 vs 17.6 tok/s; at 32 rows 2-3% slower) for
+                # 274 MiB less RSS. A Q8_0 head's bytes are the copy's (its product ran 1.6x
+                # the copy's time, AVX2); Q4_0 and Q5_K's products were slower too.
                 return None
             return HeadBound.of_quantized(w)
         if not isinstance(head, nn.Linear) or head.bias is not None:
