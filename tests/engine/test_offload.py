@@ -460,7 +460,9 @@ def test_an_evicted_block_reaches_the_cpu_tier_while_its_disk_write_is_pending(
         model, reference, tmp_path):
     """Policy evict over a slow disk: a block written through to the disk and evicted from
     the device before that write is done still goes to the CPU tier (the pending disk
-    copy covers the disk only)."""
+    copy covers the disk only). The engine does not wait on the disk meanwhile: its steps'
+    lookups and the CPU tier's buffers do not queue behind the write (the disk holds its
+    first write until the steps are done; a stalled engine would see it give up)."""
     import threading
 
     from hybridkv.connector.offload.disk_tier import DiskTier
@@ -472,8 +474,16 @@ def test_an_evicted_block_reaches_the_cpu_tier_while_its_disk_write_is_pending(
     cpu, disk = llm.engine.connector.chain.tiers
     assert isinstance(disk, DiskTier)
     release = threading.Event()
+    gave_up: list[bool] = []
     put = disk.put
-    disk.put = lambda items: release.wait(60) and put(items)  # the disk is behind
+
+    def slow_put(items):  # the disk is behind
+        if not release.wait(60):
+            gave_up.append(True)
+            return [False] * len(items)
+        return put(items)
+
+    disk.put = slow_put
     try:
         first = llm.generate(prompts, GREEDY)
         assert llm.reset_prefix_cache()  # evicted while their disk writes are queued
@@ -481,6 +491,7 @@ def test_an_evicted_block_reaches_the_cpu_tier_while_its_disk_write_is_pending(
     finally:
         release.set()
     flush(llm)
+    assert not gave_up, "the engine's steps waited on the disk's write"
     assert len(cpu) > 0
     second = llm.generate(prompts, GREEDY)
     check_cpu_round(first, second, reference(arch, prompts))

@@ -10,9 +10,12 @@ every block any earlier run stored), at the cost of writing each block once per 
 writes run on the connector's background thread, off the step's critical path.
 
 The scheduler asks `locate` while the connector's thread loads and stores, so every call takes
-the chain's lock (the tiers themselves are single-owner). Each call holds it for one key's
-work, so a lookup never waits behind a long batch. A tier that says `thread_safe` (the Redis
-tier) is called without the lock: a slow network never holds up the local tiers.
+the tier's lock (the tiers are single-owner; each has a lock of its own). Each call holds it
+for one key's work, so a lookup never waits behind a long batch. A tier that says
+`thread_safe` (the Redis tier) is called without the lock: a slow network never holds up the
+local tiers. A tier that says `exists_thread_safe` (CPU and disk: `exists` reads an
+in-memory index, one dict lookup a key) answers lookups without it: the scheduler never
+waits on a disk write.
 
 The `*_many` calls take a batch of keys and ask each tier once: a remote tier answers a
 batch in one round trip.
@@ -73,7 +76,9 @@ class TierChain:
             raise ValueError("a tier chain needs one name per tier, and at least one tier")
         self.stats = tuple(TierStats(n, t.stats) for n, t in zip(self.names, self.tiers,
                                                                  strict=True))
-        self._lock = threading.Lock()
+        # One lock per tier: a slow disk write never holds up the CPU tier (a block's
+        # buffer for the next copy-out, a load's promotion).
+        self._locks = tuple(threading.Lock() for _ in self.tiers)
         self._unlocked = contextlib.nullcontext()
         self.events: deque[TierEvent] | None = None
 
@@ -106,8 +111,17 @@ class TierChain:
         return out
 
     def _guard(self, index: int) -> contextlib.AbstractContextManager[object]:
-        """The chain's lock for a single-owner tier; nothing for a thread-safe one."""
-        return self._unlocked if getattr(self.tiers[index], "thread_safe", False) else self._lock
+        """The tier's lock for a single-owner tier; nothing for a thread-safe one."""
+        if getattr(self.tiers[index], "thread_safe", False):
+            return self._unlocked
+        return self._locks[index]
+
+    def _lookup_guard(self, index: int) -> contextlib.AbstractContextManager[object]:
+        """The lock for an `exists` call: none where the tier's lookups may run beside its
+        other calls."""
+        if getattr(self.tiers[index], "exists_thread_safe", False):
+            return self._unlocked
+        return self._guard(index)
 
     def is_remote(self, index: int) -> bool:
         return bool(getattr(self.tiers[index], "remote", False))
@@ -119,7 +133,7 @@ class TierChain:
             todo = [i for i, f in enumerate(found) if f < 0]
             if not todo:
                 break
-            with self._guard(index):
+            with self._lookup_guard(index):
                 answers = tier.exists([keys[i] for i in todo])
             for i, present in zip(todo, answers, strict=True):
                 if present:
@@ -136,7 +150,7 @@ class TierChain:
             if not ask_remote and self.is_remote(index):
                 answers = [False] * len(keys)
             else:
-                with self._guard(index):
+                with self._lookup_guard(index):
                     answers = tier.exists(keys)
             for lacking, present in zip(out, answers, strict=True):
                 if not present:
@@ -194,16 +208,18 @@ class TierChain:
 
     def _put_many(self, index: int, items: Sequence[tuple[bytes, Payload]]) -> None:
         started = time.perf_counter()
-        events = self.events
-        with self._guard(index):
-            if events is None:
-                self.tiers[index].put(items)
-            else:
-                # One at a time: a put that evicts an entry stored earlier in the batch logs
-                # that entry's store before its removal.
-                for key, value in items:
-                    if self.tiers[index].put([(key, value)])[0]:
-                        events.append((index, STORED, key))
+        events, tier = self.events, self.tiers[index]
+        if events is None and getattr(tier, "thread_safe", False):
+            tier.put(items)  # no lock to hold: one call (a remote tier's one round trip)
+        else:
+            # One key at a time (under the lock, a load waits for one write, not a batch's);
+            # with events a put that evicts an entry stored earlier in the batch logs that
+            # entry's store before its removal.
+            for key, value in items:
+                with self._guard(index):
+                    stored = tier.put([(key, value)])[0]
+                if stored and events is not None:
+                    events.append((index, STORED, key))
         self.stats[index].store_seconds += time.perf_counter() - started
 
     def flush(self, timeout_s: float = 60.0) -> None:
@@ -241,7 +257,7 @@ class TierChain:
         if it has one (already mapped: no page faults), else a new one."""
         take = getattr(self.tiers[0], "take_spare", None)
         if take is not None:
-            with self._lock:
+            with self._guard(0):
                 spare: bytearray | None = take(nbytes)
             if spare is not None:
                 return spare
@@ -256,5 +272,5 @@ class TierChain:
             return
         if not hasattr(tier, "keys"):
             raise NotImplementedError(f"the {self.names[index]} tier cannot list its keys")
-        with self._lock:
+        with self._guard(index):
             tier.delete(tier.keys())

@@ -21,6 +21,10 @@ from hybridkv.kv.plan import format_bytes
 
 
 class CPUTier:
+    # exists() reads the in-memory index alone (one dict lookup a key, atomic under the
+    # GIL): the chain asks it without its lock, beside a put in progress.
+    exists_thread_safe = True
+
     def __init__(self, capacity_bytes: int, *, min_entry_bytes: int = 1) -> None:
         if capacity_bytes < max(min_entry_bytes, 1):
             raise ValueError(f"CPU offload budget of {format_bytes(capacity_bytes)} is smaller "

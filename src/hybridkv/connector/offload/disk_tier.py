@@ -69,6 +69,10 @@ class _Entry:
 
 
 class DiskTier:
+    # exists() reads the in-memory index alone (one dict lookup a key, atomic under the
+    # GIL): the chain asks it without its lock, beside a put in progress.
+    exists_thread_safe = True
+
     def __init__(self, directory: str | os.PathLike[str], capacity_bytes: int,
                  layout_fingerprint: bytes, *, min_entry_bytes: int = 1) -> None:
         self.directory = Path(directory)
