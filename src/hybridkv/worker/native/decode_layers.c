@@ -164,15 +164,19 @@ static int64_t state_scratch(const hkv_layer *L, int64_t hidden) {
     return 2 * channels + vs + 4 * L->v_heads + 3 * vs;
 }
 
+/* Floats per row a layer's mixer needs past x and o: a state mixer's, or attention's
+   q|(gate)|k|v, q and k after their norms and after RoPE, and its output. */
+static int64_t mixer_scratch(const hkv_layer *L, int64_t hidden) {
+    if (L->mixer != 0) return state_scratch(L, hidden);
+    const int64_t q = L->heads * L->head_dim, kv = L->kv_heads * L->head_dim;
+    return (1 + (L->q_gate != 0)) * q + 2 * kv + 2 * (q + kv) + q;
+}
+
 int64_t hkv_decode_scratch(const hkv_layer *layers, int64_t n, int64_t m, int64_t hidden) {
     int64_t most = 0;
     for (int64_t l = 0; l < n; l++) {
         const hkv_layer *L = &layers[l];
-        const int64_t q = L->heads * L->head_dim, kv = L->kv_heads * L->head_dim;
-        const int64_t mix = L->mixer != 0 ? state_scratch(L, hidden)
-                                          : (1 + (L->q_gate != 0)) * q + 2 * kv +
-                                                2 * (q + kv) + q;
-        const int64_t need = 2 * hidden + mix + 3 * L->intermediate;
+        const int64_t need = 2 * hidden + mixer_scratch(L, hidden) + 3 * L->intermediate;
         if (need > most) most = need;
     }
     return m * most;
@@ -276,12 +280,8 @@ int hkv_decode_layers(const hkv_layer *layers, int64_t n, const hkv_group *group
                       float *h, int64_t m, int64_t hidden, float *scratch, int64_t threads) {
     for (int64_t l = 0; l < n; l++) {
         const hkv_layer *L = &layers[l];
-        const int64_t D = L->head_dim, qw = L->heads * D, kw = L->kv_heads * D;
-        const int64_t I = L->intermediate;
+        const int64_t I = L->intermediate, mix = mixer_scratch(L, hidden);
         /* x and o, then the mixer's floats, then the MLP's gate/up and activation. */
-        const int64_t mix = L->mixer != 0 ? state_scratch(L, hidden)
-                                          : (1 + (L->q_gate != 0)) * qw + 2 * kw +
-                                                2 * (qw + kw) + qw;
         float *x = scratch, *o = x + m * hidden, *w = o + m * hidden;
         float *gu = w + m * mix, *act = gu + m * 2 * I;
         int rc;
